@@ -1,0 +1,126 @@
+"""Where the attention heads live in each supported architecture.
+
+An adapter answers, for one model family: which module is each layer's attention, which
+module is its output projection (whose input is the concatenation of the heads' contexts),
+and how many query / key-value heads of what size the config declares. Head gating
+(`mask.py`), scoring and physical removal (`surgery.py`) only talk to adapters, so adding
+a family means adding one class here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+LAYOUT_ATTR = "headprune_layout"
+
+
+@dataclass(frozen=True)
+class ArchAdapter:
+    """Describes one architecture family.
+
+    `layers_path` is the dotted path from the *base* model (`model.base_model`) to the list
+    of transformer blocks; `attn_path` leads from a block to the module that owns the head
+    attributes; `q`, `k`, `v`, `o` name the projections inside that module (`o` may be a
+    dotted path, as in BERT where the output projection sits beside the attention).
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    layers_path: str
+    attn_path: str
+    q: str
+    k: str
+    v: str
+    o: str
+    heads_attr: str = "num_attention_heads"
+    kv_heads_attr: str | None = None
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(_get(model.base_model, self.layers_path))
+
+    def attention(self, block: nn.Module) -> nn.Module:
+        return _get(block, self.attn_path)
+
+    def out_proj(self, block: nn.Module) -> nn.Module:
+        return _get(self.attention(block), self.o)
+
+    def num_heads(self, config) -> int:
+        return int(getattr(config, self.heads_attr))
+
+    def num_kv_heads(self, config) -> int:
+        if self.kv_heads_attr is None:
+            return self.num_heads(config)
+        value = getattr(config, self.kv_heads_attr, None)
+        return int(value) if value is not None else self.num_heads(config)
+
+    def head_dim(self, config) -> int:
+        explicit = getattr(config, "head_dim", None)
+        if explicit:
+            return int(explicit)
+        hidden = getattr(config, "hidden_size", None) or getattr(config, "dim")
+        return int(hidden) // self.num_heads(config)
+
+
+ADAPTERS: dict[str, ArchAdapter] = {}
+
+
+def register_adapter(adapter: ArchAdapter) -> ArchAdapter:
+    for model_type in adapter.model_types:
+        ADAPTERS[model_type] = adapter
+    return adapter
+
+
+_BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie", "xlm_roberta")
+register_adapter(ArchAdapter(
+    name="bert", model_types=_BERT_TYPES, layers_path="encoder.layer", attn_path="attention",
+    q="self.query", k="self.key", v="self.value", o="output.dense",
+))
+register_adapter(ArchAdapter(
+    name="distilbert", model_types=("distilbert",), layers_path="transformer.layer",
+    attn_path="attention", q="q_lin", k="k_lin", v="v_lin", o="out_lin", heads_attr="n_heads",
+))
+register_adapter(ArchAdapter(
+    name="gpt2", model_types=("gpt2",), layers_path="h", attn_path="attn",
+    q="c_attn", k="c_attn", v="c_attn", o="c_proj", heads_attr="n_head",
+))
+register_adapter(ArchAdapter(
+    name="llama", model_types=("llama", "mistral", "qwen2"), layers_path="layers",
+    attn_path="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
+    kv_heads_attr="num_key_value_heads",
+))
+
+
+def get_adapter(model: nn.Module) -> ArchAdapter:
+    """The adapter for `model`'s family, or an error listing the supported families."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in ADAPTERS:
+        supported = ", ".join(sorted(ADAPTERS))
+        raise NotImplementedError(
+            f"headprune has no head adapter for model_type={model_type!r}. Supported model types: "
+            f"{supported}. To add one, register an ArchAdapter naming the block list and the Q/K/V/O "
+            "projections (see README, 'Adding an architecture')."
+        )
+    return ADAPTERS[model_type]
+
+
+def head_layout(model: nn.Module) -> list[list[int]]:
+    """Original ids of the heads each layer still physically has (all of them until pruned)."""
+    layout = getattr(model, LAYOUT_ATTR, None)
+    if layout is not None:
+        return [list(layer) for layer in layout]
+    adapter = get_adapter(model)
+    n_layers = len(adapter.blocks(model))
+    return [list(range(adapter.num_heads(model.config))) for _ in range(n_layers)]
+
+
+def model_shape(model: nn.Module) -> tuple[int, int]:
+    """(layers, heads) of the original, unpruned model."""
+    adapter = get_adapter(model)
+    return len(adapter.blocks(model)), adapter.num_heads(model.config)
+
+
+def _get(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,136 @@
+"""Text-classification DataModule: local TSV/CSV/JSONL files or a `datasets` hub dataset.
+
+The training file is split once, with a seed, into a held-out *scoring slice*
+(`score_samples`, used only to rank heads) and the training pool (capped at
+`max_train_samples`). Results are reported on the validation file, which is never scored on.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from transformers import DataCollatorWithPadding
+
+from headprune.textdata import TextTable, encode_labels, label_vocabulary, read_table
+
+
+class TextClassificationDataModule(L.LightningDataModule):
+    def __init__(self, tokenizer, train_file: str | None = None, validation_file: str | None = None,
+                 data_dir: str | None = None, text_column="sentence", label_column="label",
+                 text_pair_column=None, header: bool = True, delimiter: str | None = None,
+                 hub: dict | None = None, max_train_samples: int | None = None,
+                 max_validation_samples: int | None = None, score_samples: int = 512,
+                 max_length: int = 128, batch_size: int = 32, eval_batch_size: int = 64,
+                 num_workers: int = 0, seed: int = 0, name: str | None = None):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.train_file, self.validation_file = train_file, validation_file
+        self.data_dir = data_dir
+        self.text_column, self.label_column, self.text_pair_column = text_column, label_column, text_pair_column
+        self.header, self.delimiter, self.hub = header, delimiter, hub
+        for field, value in (("max_train_samples", max_train_samples), ("score_samples", score_samples),
+                             ("max_validation_samples", max_validation_samples)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"data.{field}={value!r} must be a non-negative integer or null")
+        if not isinstance(max_length, int) or max_length < 2:
+            raise ValueError(f"data.max_length={max_length!r} must be an integer >= 2")
+        self.max_train_samples, self.max_validation_samples = max_train_samples, max_validation_samples
+        self.score_samples, self.max_length = score_samples, max_length
+        self.batch_size, self.eval_batch_size, self.num_workers = batch_size, eval_batch_size, num_workers
+        self.seed, self.name = seed, name
+        self.collate = DataCollatorWithPadding(tokenizer)
+        self._loaded = False
+
+    # -- reading -----------------------------------------------------------------------------
+    def _resolve(self, field: str, value: str | None) -> Path:
+        if value is None:
+            raise ValueError(f"data.{field} is not set: give a file path (or set data.hub for a hub dataset)")
+        path = Path(os.path.expanduser(value))
+        if not path.is_absolute() and self.data_dir:
+            path = Path(os.path.expanduser(self.data_dir)) / path
+        if not path.is_file():
+            hint = f" (data.data_dir={self.data_dir!r})" if self.data_dir else ""
+            raise FileNotFoundError(f"data.{field}: file {str(path)!r} does not exist{hint}")
+        return path
+
+    def _read_local(self) -> tuple[TextTable, TextTable]:
+        kwargs = dict(text_column=self.text_column, label_column=self.label_column,
+                      text_pair_column=self.text_pair_column, header=self.header, delimiter=self.delimiter)
+        return (read_table(self._resolve("train_file", self.train_file), **kwargs),
+                read_table(self._resolve("validation_file", self.validation_file), **kwargs))
+
+    def _read_hub(self) -> tuple[TextTable, TextTable]:
+        from datasets import load_dataset
+
+        ds = load_dataset(self.hub["path"], self.hub.get("name"))
+
+        def table(split: str) -> TextTable:
+            part = ds[split]
+            for field, col in (("text_column", self.text_column), ("label_column", self.label_column)):
+                if col not in part.column_names:
+                    raise ValueError(f"data.{field}={col!r} is not a column of {self.hub['path']}; "
+                                     f"columns: {part.column_names}")
+            pairs = part[self.text_pair_column] if self.text_pair_column else None
+            return TextTable(list(part[self.text_column]), pairs, list(part[self.label_column]))
+
+        return table(self.hub.get("train_split", "train")), table(self.hub.get("validation_split", "validation"))
+
+    def _use_local(self) -> bool:
+        return bool(self.data_dir) or not self.hub or Path(str(self.train_file or "")).is_absolute()
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._loaded:
+            return
+        train, val = self._read_local() if self._use_local() else self._read_hub()
+        if not train.texts:
+            raise ValueError("the training data is empty")
+        self.label_ids = label_vocabulary(train.labels)
+        self.num_labels = max(self.label_ids.values()) + 1
+        if self.num_labels < 2:
+            raise ValueError(f"the training data has a single class {sorted(self.label_ids)}: "
+                             "classification needs at least two")
+        train_y = encode_labels(train.labels, self.label_ids, "data.train_file")
+        val_y = encode_labels(val.labels, self.label_ids, "data.validation_file")
+
+        g = torch.Generator().manual_seed(self.seed)
+        order = torch.randperm(len(train.texts), generator=g).tolist()
+        if self.score_samples >= len(order):
+            raise ValueError(f"data.score_samples={self.score_samples} leaves no training data "
+                             f"({len(order)} training rows)")
+        score_idx, train_idx = order[:self.score_samples], order[self.score_samples:]
+        if self.max_train_samples is not None:
+            train_idx = train_idx[:self.max_train_samples]
+        val_idx = list(range(len(val.texts)))[:self.max_validation_samples]
+
+        self.train_set = self._encode(train, train_y, train_idx)
+        self.score_set = self._encode(train, train_y, score_idx)
+        self.val_set = self._encode(val, val_y, val_idx)
+        self._loaded = True
+
+    def _encode(self, table: TextTable, labels: list[int], idx: list[int]) -> list[dict]:
+        if not idx:
+            return []
+        texts = [table.texts[i] for i in idx]
+        pairs = [table.pairs[i] for i in idx] if table.pairs is not None else None
+        enc = self.tokenizer(texts, pairs, truncation=True, max_length=self.max_length)
+        keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if k in enc]
+        return [dict({k: enc[k][j] for k in keys}, labels=labels[i]) for j, i in enumerate(idx)]
+
+    # -- loaders -----------------------------------------------------------------------------
+    def _loader(self, data: list[dict], batch_size: int, shuffle: bool) -> DataLoader:
+        g = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(data, batch_size=batch_size, shuffle=shuffle, generator=g,
+                          collate_fn=self.collate, num_workers=self.num_workers)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, self.eval_batch_size, shuffle=False)
+
+    def score_dataloader(self) -> DataLoader:
+        """The held-out slice of the training file that heads are ranked on."""
+        return self._loader(self.score_set, self.eval_batch_size, shuffle=False)

@@ -1,0 +1,33 @@
+"""Figures written to run dirs and loggers (matplotlib, headless)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+
+def head_heatmap(values: torch.Tensor, title: str, path: str | Path | None = None,
+                 cmap: str = "viridis", vmin: float | None = None, vmax: float | None = None):
+    """A (layers, heads) heatmap; saved to `path` when given. Returns the figure."""
+    values = values.detach().float().cpu()
+    layers, heads = values.shape
+    fig, ax = plt.subplots(figsize=(0.45 * heads + 2.0, 0.4 * layers + 1.5))
+    im = ax.imshow(values.numpy(), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_xticks(range(heads))
+    ax.set_yticks(range(layers))
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig
+
+
+def close(fig) -> None:
+    plt.close(fig)

@@ -1,0 +1,33 @@
+"""Helpers every metric shares: evaluation mode for scoring and the final score clean-up."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from headprune.heads.mask import HeadMask
+
+
+@contextmanager
+def scoring_mode(model: nn.Module):
+    """Eval mode (no dropout) with gradients enabled; restores the previous mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def finish_scores(scores: torch.Tensor, mask: HeadMask, normalize: bool = False) -> torch.Tensor:
+    """float32 (layers, heads) scores with pruned heads set to 0, optionally L2-normalised per layer
+    over the heads still alive."""
+    alive = mask.alive()
+    scores = torch.where(alive, scores.to(alive.device).double(), torch.zeros((), dtype=torch.float64,
+                                                                              device=alive.device))
+    if normalize:
+        norm = scores.pow(2).sum(dim=1, keepdim=True).sqrt()
+        scores = scores / norm.clamp_min(1e-20)
+    return scores.float().cpu()

@@ -1,0 +1,44 @@
+"""First-order Taylor head importance ("masking confidence", Michel et al. 2019).
+
+For head h with context c_h (the head's slice of the output projection's input), the change
+in loss from masking it is approximated to first order by
+    I_h = E_x | sum_t c_h(x)_t . dL(x)/dc_h(x)_t |,
+the absolute gradient of the loss w.r.t. a gate on h, per example, averaged over examples.
+Per-example gates (HeadMask.differentiable_gates) give the per-example gradients in one
+backward pass per batch: with the loss summed over the batch, each example's gates only see
+that example's loss. Higher = more important.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from headprune.heads.mask import HeadMask
+from headprune.objectives import forward_logits, per_example_loss, to_device
+from headprune.scoring.reduce import finish_scores, scoring_mode
+
+
+def taylor_importance(model: nn.Module, mask: HeadMask, dataloader, normalize: bool = True,
+                      max_batches: int | None = None) -> torch.Tensor:
+    """(layers, heads) Taylor importance over `dataloader`; pruned heads score 0.
+
+    `normalize`: divide each layer's scores by their L2 norm, as Michel et al. do before
+    ranking heads globally across layers.
+    """
+    device = mask.mask.device
+    total = torch.zeros_like(mask.mask, dtype=torch.float64)
+    count = 0
+    with scoring_mode(model):
+        for i, batch in enumerate(dataloader):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = to_device(batch, device)
+            batch_size = batch["input_ids"].shape[0]
+            with mask.differentiable_gates(batch_size) as gates:  # (B, L, H)
+                loss = per_example_loss(forward_logits(model, batch), batch).sum()
+                (grad,) = torch.autograd.grad(loss, gates)
+            total += grad.detach().abs().sum(0).double()
+            count += batch_size
+    if count == 0:
+        raise ValueError("taylor_importance got an empty scoring dataloader (data.score_samples=0?)")
+    return finish_scores(total / count, mask, normalize=normalize)

@@ -1,0 +1,50 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+REPO = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(os.environ.get("HEADPRUNE_DATA_DIR") or REPO.parent / "shared" / "data").resolve()
+
+TINY = dict(num_hidden_layers=3, num_attention_heads=4, hidden_size=32, intermediate_size=64)
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    """The shared data folder. Missing data is a failure in CI, a skip elsewhere."""
+    if not (DATA_DIR / "sst2" / "train.tsv").is_file():
+        if os.environ.get("CI"):
+            pytest.fail(f"shared data not found at {DATA_DIR} (set HEADPRUNE_DATA_DIR)")
+        pytest.skip(f"shared data not found at {DATA_DIR}")
+    return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from headprune.models import load_tokenizer
+
+    return load_tokenizer("minilm")
+
+
+def tiny_bert(attn: str = "sdpa", seed: int = 0, num_labels: int = 2, **overrides):
+    from headprune.models import build_model
+
+    cfg = dict(TINY, **overrides)
+    model = build_model("minilm", num_labels=num_labels, random_init=True, attn_implementation=attn,
+                        config_overrides=cfg, seed=seed)
+    return model.eval()
+
+
+def tiny_batch(tokenizer, n: int = 6, seed: int = 0) -> dict:
+    texts = ["a gripping , funny film", "dull and lifeless", "the plot makes no sense at all",
+             "wonderful performances from the whole cast", "i wanted to leave", "not bad",
+             "an instant classic", "tedious"][:n]
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    g = torch.Generator().manual_seed(seed)
+    enc["labels"] = torch.randint(0, 2, (len(texts),), generator=g)
+    return dict(enc)

@@ -1,0 +1,124 @@
+"""The Hydra app: every config composes, the pipeline runs end to end on a tiny model, and bad
+values fail with a message naming the field."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from headprune.config_paths import config_dir
+from headprune.train import run
+
+CONF = config_dir()
+GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+
+
+@pytest.fixture
+def cfg_factory(tmp_path, data_dir):
+    def make(*overrides):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return compose("train", overrides=[f"paths.output_dir={tmp_path}",
+                                               f"data.data_dir={data_dir}", *overrides])
+    yield make
+    GlobalHydra.instance().clear()
+
+
+def _options(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
+def test_every_config_composes(group, option, cfg_factory):
+    cfg = cfg_factory(f"{group}={option}")
+    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    assert container["seed"] == 0
+    for key in ("schedule", "metric", "layer_policy"):
+        assert instantiate(cfg[key]) is not None
+
+
+def _results(path):
+    return json.loads((path / "results.json").read_text())
+
+
+def test_fast_dev_run_in_process(cfg_factory, tmp_path):
+    cfg = cfg_factory("model=tiny_bert", "debug=fast", "data.max_train_samples=64", "data.score_samples=32")
+    data = run(cfg)
+    saved = _results(tmp_path)
+    assert saved["model"] == {"layers": 3, "heads": 4}
+    assert saved["rounds"][0]["round"] == 1 and saved["rounds"][0]["n_pruned"] == 1
+    assert saved["final"]["val"] == data["final"]["val"]
+    assert saved["config"]["model"]["config_overrides"]["num_hidden_layers"] == 3
+
+
+def test_tiny_iterative_run_writes_every_round(cfg_factory, tmp_path):
+    cfg = cfg_factory("model=tiny_bert", "callbacks=none", "logger=csv", "data.max_train_samples=64",
+                      "data.score_samples=32", "data.max_validation_samples=64", "schedule.target_sparsity=0.5",
+                      "schedule.step=0.25", "schedule.baseline_epochs=1", "schedule.epochs_per_round=1",
+                      "trainer.enable_progress_bar=false", "layer_policy=uniform")
+    run(cfg)
+    res = _results(tmp_path)
+    assert [r["round"] for r in res["rounds"]] == [1, 2]
+    assert [r["sparsity"] for r in res["rounds"]] == [0.25, 0.5]
+    assert res["rounds"][0]["heads_per_layer"] == [3, 3, 3]
+    assert res["final"]["heads_per_layer"] == [2, 2, 2]
+    assert len(res["final"]["pruned"]) == 6
+    all_round_heads = [tuple(h) for r in res["rounds"] for h in r["pruned"]]
+    assert sorted(all_round_heads) == sorted(tuple(h) for h in res["final"]["pruned"])
+    for r in res["rounds"]:
+        assert set(r["val"]) == {"acc", "loss"} and 0 <= r["val"]["acc"] <= 1
+    assert (tmp_path / "head_mask.png").is_file()
+    assert list(tmp_path.glob("csv/*/metrics.csv"))
+
+
+def test_no_training_prunes_model_as_given(cfg_factory, tmp_path):
+    cfg = cfg_factory("model=tiny_bert", "schedule=one_shot", "schedule.baseline_epochs=0",
+                      "schedule.epochs_per_round=0", "schedule.target_sparsity=0.5", "logger=none",
+                      "callbacks=none", "data.max_train_samples=8", "data.score_samples=16",
+                      "data.max_validation_samples=32")
+    res = run(cfg)
+    assert len(res["rounds"]) == 1 and res["final"]["sparsity"] == 0.5
+    assert res["rounds"][0]["val"] == res["rounds"][0]["val_before_finetune"]
+
+
+def test_wandb_logger_offline(cfg_factory, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = cfg_factory("model=tiny_bert", "logger=wandb", "callbacks=none", "data.max_train_samples=32",
+                      "data.score_samples=16", "data.max_validation_samples=32", "schedule=one_shot",
+                      "schedule.target_sparsity=0.25", "trainer.enable_progress_bar=false")
+    run(cfg)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs, "no offline wandb run written"
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("schedule.target_sparsity=1.2", r"schedule\.target_sparsity=1\.2"),
+    ("schedule.target_sparsity=-0.1", r"schedule\.target_sparsity=-0\.1"),
+    ("data.label_column=gold", r"data\.label_column='gold'"),
+    ("data.train_file=missing.tsv", r"data\.train_file.*missing\.tsv"),
+])
+def test_bad_values_name_the_field(override, pattern, cfg_factory):
+    cfg = cfg_factory("model=tiny_bert", "debug=fast", override)
+    with pytest.raises((ValueError, FileNotFoundError, Exception), match=pattern):
+        run(cfg)
+
+
+@pytest.mark.parametrize("override,group", [("metric=nope", "metric"), ("layer_policy=unifrom", "layer_policy")])
+def test_unknown_group_option_lists_choices(override, group, cfg_factory):
+    with pytest.raises(ConfigCompositionException, match=rf"(?s){group}.*Available options.*"):
+        cfg_factory(override)
+
+
+def test_console_script_fast_dev_run(tmp_path, data_dir):
+    env = dict(os.environ, HEADPRUNE_DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "headprune.train", "model=tiny_bert", "debug=fast", "data.max_train_samples=32",
+           "data.score_samples=16", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _results(tmp_path)["final"]["rounds_completed"] == 1

@@ -1,0 +1,72 @@
+import pytest
+import torch
+
+from headprune.selection.layer_policies import global_policy, layer_normalized, uniform_policy
+from headprune.selection.schedules import Iterative, OneShot
+
+
+def test_iterative_sparsities_and_epochs():
+    s = Iterative(target_sparsity=0.5, step=0.1, baseline_epochs=2, epochs_per_round=1)
+    assert s.sparsities() == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert s.total_epochs() == 7
+    assert [s.heads_after(i, 72) for i in range(5)] == [7, 14, 22, 29, 36]
+    assert Iterative(target_sparsity=0.25, step=0.1).sparsities() == pytest.approx([0.1, 0.2, 0.25])
+    assert Iterative(target_sparsity=0.0).sparsities() == []
+
+
+def test_one_shot():
+    s = OneShot(target_sparsity=0.7, baseline_epochs=0, epochs_per_round=0)
+    assert s.sparsities() == [0.7] and s.total_epochs() == 0
+
+
+@pytest.mark.parametrize("bad", [1.0, 1.2, -0.1])
+def test_target_sparsity_outside_range_names_field(bad):
+    with pytest.raises(ValueError, match=r"schedule\.target_sparsity=.*\[0, 1\)"):
+        Iterative(target_sparsity=bad)
+
+
+def test_bad_step_and_epochs_name_field():
+    with pytest.raises(ValueError, match=r"schedule\.step=0"):
+        Iterative(step=0)
+    with pytest.raises(ValueError, match=r"schedule\.epochs_per_round=-1"):
+        OneShot(epochs_per_round=-1)
+
+
+def test_global_picks_lowest_and_respects_minimum():
+    scores = torch.tensor([[0.1, 0.2, 0.9], [0.05, 0.8, 0.7]])
+    alive = torch.ones(2, 3, dtype=torch.bool)
+    assert sorted(global_policy(scores, alive, 2)) == [(0, 0), (1, 0)]
+    # layer 0 may lose at most 2 of 3 heads with min 1; the next lowest after (0,0),(0,1) is (1,0)
+    chosen = global_policy(torch.tensor([[0.0, 0.01, 0.02], [0.5, 0.6, 0.7]]), alive, 3, min_heads_per_layer=1)
+    assert sorted(chosen) == [(0, 0), (0, 1), (1, 0)]
+
+
+def test_global_never_rechooses_pruned_and_budget_error():
+    scores = torch.zeros(2, 3)
+    alive = torch.tensor([[False, True, True], [True, True, True]])
+    chosen = global_policy(scores, alive, 3, min_heads_per_layer=1)
+    assert (0, 0) not in chosen and len(chosen) == 3
+    with pytest.raises(ValueError, match="min_heads_per_layer"):
+        global_policy(scores, alive, 4, min_heads_per_layer=1)
+
+
+def test_global_normalisation_changes_ranking():
+    scores = torch.tensor([[10.0, 20.0], [0.1, 0.3]])
+    alive = torch.ones(2, 2, dtype=torch.bool)
+    assert global_policy(scores, alive, 1, min_heads_per_layer=0) == [(1, 0)]
+    normed = layer_normalized(scores, alive)
+    assert global_policy(scores, alive, 1, min_heads_per_layer=0, normalize=True) == [
+        divmod(int(normed.argmin()), 2)]
+
+
+def test_uniform_spreads_evenly():
+    torch.manual_seed(0)
+    scores = torch.rand(4, 6)
+    alive = torch.ones(4, 6, dtype=torch.bool)
+    chosen = uniform_policy(scores, alive, 8)
+    per_layer = [sum(1 for l, _ in chosen if l == i) for i in range(4)]
+    assert per_layer == [2, 2, 2, 2]
+    for layer in range(4):
+        picked = sorted(h for l, h in chosen if l == layer)
+        lowest = sorted(scores[layer].argsort()[:2].tolist())
+        assert picked == lowest

@@ -1,0 +1,76 @@
+import json
+
+import pytest
+
+from headprune.lightning.datamodule import TextClassificationDataModule
+from headprune.textdata import label_vocabulary, read_table
+
+
+def _write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_tsv_csv_jsonl_and_index_columns(tmp_path):
+    tsv = _write(tmp_path / "a.tsv", "sentence\tlabel\ngood film\t1\nbad \"quoted\" film\t0\n")
+    t = read_table(tsv, "sentence", "label")
+    assert t.texts == ["good film", 'bad "quoted" film'] and t.labels == ["1", "0"]
+    csv_ = _write(tmp_path / "a.csv", "premise,hypothesis,gold\n\"a, b\",c,entail\nd,e,contra\n")
+    t = read_table(csv_, "premise", "gold", text_pair_column="hypothesis")
+    assert t.texts == ["a, b", "d"] and t.pairs == ["c", "e"] and t.labels == ["entail", "contra"]
+    t = read_table(csv_, 0, 2)
+    assert t.texts == ["a, b", "d"]
+    nohead = _write(tmp_path / "b.tsv", "x\tpos\ny\tneg\n")
+    t = read_table(nohead, "0", 1, header=False)
+    assert t.texts == ["x", "y"] and t.labels == ["pos", "neg"]
+    jl = _write(tmp_path / "c.jsonl", "\n".join(json.dumps({"text": s, "y": y}) for s, y in [("hi", 1), ("yo", 0)]))
+    assert read_table(jl, "text", "y").labels == [1, 0]
+
+
+def test_label_vocabulary():
+    assert label_vocabulary(["pos", "neg", "pos"]) == {"neg": 0, "pos": 1}
+    assert label_vocabulary([0, 1, 1]) == {"0": 0, "1": 1}
+
+
+def test_missing_label_column_names_field(tmp_path):
+    tsv = _write(tmp_path / "a.tsv", "sentence\tlabel\nx\t1\n")
+    with pytest.raises(ValueError, match=r"data\.label_column='gold'.*columns"):
+        read_table(tsv, "sentence", "gold")
+    with pytest.raises(ValueError, match=r"data\.text_column=5 is out of range"):
+        read_table(tsv, 5, "label")
+
+
+def test_datamodule_string_labels_score_split_and_missing_files(tmp_path, tokenizer):
+    rows = "\n".join(f"text {i}\t{'pos' if i % 3 else 'neg'}" for i in range(40))
+    _write(tmp_path / "train.tsv", "text\tlabel\n" + rows + "\n")
+    _write(tmp_path / "dev.tsv", "text\tlabel\nfine\tpos\nawful\tneg\n")
+    dm = TextClassificationDataModule(tokenizer, train_file="train.tsv", validation_file="dev.tsv",
+                                      data_dir=str(tmp_path), text_column="text", score_samples=8,
+                                      max_train_samples=20, batch_size=4)
+    dm.setup()
+    assert dm.num_labels == 2 and dm.label_ids == {"neg": 0, "pos": 1}
+    assert len(dm.score_set) == 8 and len(dm.train_set) == 20 and len(dm.val_set) == 2
+    score_ids = {tuple(x["input_ids"]) for x in dm.score_set}
+    assert not score_ids & {tuple(x["input_ids"]) for x in dm.train_set}
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["input_ids"].shape[0] == 4 and batch["labels"].dtype.is_floating_point is False
+    missing = TextClassificationDataModule(tokenizer, train_file="nope.tsv", validation_file="dev.tsv",
+                                           data_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"data\.train_file.*nope\.tsv"):
+        missing.setup()
+
+
+def test_unknown_validation_label_and_single_class(tmp_path, tokenizer):
+    _write(tmp_path / "train.tsv", "text\tlabel\na\tx\nb\ty\nc\tx\n")
+    _write(tmp_path / "dev.tsv", "text\tlabel\na\tz\n")
+    dm = TextClassificationDataModule(tokenizer, train_file=str(tmp_path / "train.tsv"),
+                                      validation_file=str(tmp_path / "dev.tsv"), text_column="text",
+                                      score_samples=1)
+    with pytest.raises(ValueError, match="label 'z'"):
+        dm.setup()
+    _write(tmp_path / "one.tsv", "text\tlabel\na\tx\nb\tx\n")
+    dm = TextClassificationDataModule(tokenizer, train_file=str(tmp_path / "one.tsv"),
+                                      validation_file=str(tmp_path / "one.tsv"), text_column="text",
+                                      score_samples=1)
+    with pytest.raises(ValueError, match="single class"):
+        dm.setup()
