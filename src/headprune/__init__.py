@@ -1,7 +1,10 @@
 """headprune: attention-head pruning for transformers."""
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.mask import HeadMask
+from headprune.heads.surgery import (count_params, heads_of_kv_groups, kv_group_heads, load_pruned, prune_heads,
+                                      save_pruned)
 from headprune.scoring import score_heads
 
-__all__ = ["HeadMask", "get_adapter", "head_layout", "score_heads"]
+__all__ = ["HeadMask", "count_params", "get_adapter", "head_layout", "heads_of_kv_groups", "kv_group_heads",
+           "load_pruned", "prune_heads", "save_pruned", "score_heads"]
 __version__ = "0.1.0"

@@ -23,6 +23,13 @@ class ArchAdapter:
     of transformer blocks; `attn_path` leads from a block to the module that owns the head
     attributes; `q`, `k`, `v`, `o` name the projections inside that module (`o` may be a
     dotted path, as in BERT where the output projection sits beside the attention).
+    When `q`, `k` and `v` name one module, its outputs are the fused [q | k | v] (GPT-2).
+
+    For physical removal (`surgery.py`): `core` leads from the attention module to the module
+    that computes the heads' context (and owns the attributes its forward reads); "" means the
+    attention module itself. `size_attrs` lists those attributes as (name, quantity) with
+    quantity one of "heads" (query heads kept), "width" (heads * head_dim) or "groups" (query
+    heads per KV head, i.e. `num_key_value_groups`).
     """
 
     name: str
@@ -35,6 +42,8 @@ class ArchAdapter:
     o: str
     heads_attr: str = "num_attention_heads"
     kv_heads_attr: str | None = None
+    core: str = ""
+    size_attrs: tuple[tuple[str, str], ...] = ()
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(_get(model.base_model, self.layers_path))
@@ -75,19 +84,22 @@ _BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie"
 register_adapter(ArchAdapter(
     name="bert", model_types=_BERT_TYPES, layers_path="encoder.layer", attn_path="attention",
     q="self.query", k="self.key", v="self.value", o="output.dense",
+    core="self", size_attrs=(("num_attention_heads", "heads"), ("all_head_size", "width")),
 ))
 register_adapter(ArchAdapter(
     name="distilbert", model_types=("distilbert",), layers_path="transformer.layer",
     attn_path="attention", q="q_lin", k="k_lin", v="v_lin", o="out_lin", heads_attr="n_heads",
+    size_attrs=(("n_heads", "heads"),),
 ))
 register_adapter(ArchAdapter(
     name="gpt2", model_types=("gpt2",), layers_path="h", attn_path="attn",
     q="c_attn", k="c_attn", v="c_attn", o="c_proj", heads_attr="n_head",
+    size_attrs=(("num_heads", "heads"), ("split_size", "width")),
 ))
 register_adapter(ArchAdapter(
     name="llama", model_types=("llama", "mistral", "qwen2"), layers_path="layers",
     attn_path="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
-    kv_heads_attr="num_key_value_heads",
+    kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),),
 ))
 
 

@@ -1,0 +1,262 @@
+"""Physical head removal, and saving / loading models whose layers kept different heads.
+
+`prune_heads` slices each layer's Q, K, V output rows and O input columns (with biases) and
+updates the attributes the attention forward reads, so the pruned model computes what the
+HeadMask'ed model computes, with fewer parameters, fewer FLOPs and a smaller KV cache. Head
+ids are always the ORIGINAL model's: the heads each layer still has are recorded on the model
+(`model.headprune_layout`), so repeated calls, HeadMask and saving agree. `model.config` keeps
+describing the original model.
+
+Grouped-query attention (Llama family): a KV head goes only when every query head sharing it
+goes. The attention kernel repeats each KV head `num_key_value_groups` times, so a layer that
+keeps different numbers of query heads per KV group gets zero queries padded in by hooks (and
+their outputs dropped before the output projection). Pruning whole groups
+(`heads_of_kv_groups`) avoids that and shrinks the KV cache.
+
+A layer that loses every head gets a `HeadlessAttention` (headless.py) in place of its
+attention core: it returns the output projection's bias, as masking all its heads does.
+
+Parameter shapes change, so prune after `fit()` (or between fits), never mid-fit.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoConfig
+from transformers.pytorch_utils import Conv1D
+
+from headprune.heads.adapters import LAYOUT_ATTR, ArchAdapter, _get, get_adapter, head_layout
+from headprune.heads.headless import HeadlessAttention
+from headprune.results import write_json_atomic
+
+LAYOUT_FILE = "headprune_layout.json"
+HeadSpec = Mapping[int, Iterable[int]] | Iterable[tuple[int, int]]
+
+
+def prune_heads(model: nn.Module, heads: HeadSpec) -> nn.Module:
+    """Remove `heads` from `model` in place and return it.
+
+    `heads` maps layer -> head ids, or is an iterable of (layer, head) pairs (as
+    `HeadMask.pruned()` gives), always in the original model's numbering. Heads already
+    removed are skipped, so applying the same request twice is harmless. A layer may lose
+    every head: its attention then returns only the output projection's bias.
+    """
+    adapter = get_adapter(model)
+    blocks = adapter.blocks(model)
+    n_heads = adapter.num_heads(model.config)
+    request = _validated(heads, len(blocks), n_heads)
+    layout = head_layout(model)
+    for layer, remove in request.items():
+        kept = [h for h in layout[layer] if h not in remove]
+        if kept != layout[layer]:
+            _prune_layer(model, adapter, layer, layout[layer], kept)
+            layout[layer] = kept
+    setattr(model, LAYOUT_ATTR, layout)
+    return model
+
+
+def apply_layout(model: nn.Module, layout: list[list[int]]) -> nn.Module:
+    """Prune `model` down to `layout` (original ids of the heads each layer keeps)."""
+    current = head_layout(model)
+    if len(layout) != len(current):
+        raise ValueError(f"layout has {len(layout)} layers, the model has {len(current)}")
+    heads = {}
+    for layer, (now, target) in enumerate(zip(current, layout)):
+        missing = sorted(set(target) - set(now))
+        if missing:
+            raise ValueError(f"layout keeps heads {missing} of layer {layer}, which the model does not have "
+                             f"(it has {now})")
+        heads[layer] = [h for h in now if h not in set(target)]
+    return prune_heads(model, heads)
+
+
+def kv_group_heads(model: nn.Module) -> list[list[int]]:
+    """Original query head ids sharing each KV head (one group per head without GQA)."""
+    adapter = get_adapter(model)
+    n_heads, n_kv = adapter.num_heads(model.config), adapter.num_kv_heads(model.config)
+    size = n_heads // n_kv
+    return [list(range(g * size, (g + 1) * size)) for g in range(n_kv)]
+
+
+def heads_of_kv_groups(model: nn.Module, groups: Mapping[int, Iterable[int]]) -> dict[int, list[int]]:
+    """Expand layer -> KV group ids into layer -> query head ids, for `prune_heads`."""
+    table = kv_group_heads(model)
+    heads = {}
+    for layer, ids in groups.items():
+        heads[layer] = []
+        for g in ids:
+            if not 0 <= int(g) < len(table):
+                raise ValueError(f"KV group {g} of layer {layer} is out of range: allowed 0..{len(table) - 1}")
+            heads[layer] += table[int(g)]
+    return heads
+
+
+def count_params(model: nn.Module) -> dict[str, int]:
+    """{"attention": parameters of every Q/K/V/O projection, "total": all parameters}."""
+    adapter = get_adapter(model)
+    attention = {}
+    for block in adapter.blocks(model):
+        attn = adapter.attention(block)
+        for path in (adapter.q, adapter.k, adapter.v, adapter.o):
+            attention.update({id(p): p.numel() for p in _get(attn, path).parameters()})
+    return {"attention": sum(attention.values()), "total": sum(p.numel() for p in model.parameters())}
+
+
+def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None) -> Path:
+    """`save_pretrained` folder plus `headprune_layout.json` (and the tokenizer, if given)."""
+    directory = Path(directory)
+    model.save_pretrained(directory)
+    write_json_atomic(directory / LAYOUT_FILE, {
+        "model_type": model.config.model_type,
+        "num_heads": get_adapter(model).num_heads(model.config),
+        "layout": head_layout(model),
+    })
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory
+
+
+def load_pruned(directory: str | Path, device: str | torch.device | None = None,
+                **from_pretrained_kwargs) -> nn.Module:
+    """Load a `save_pruned` folder onto `device`; kwargs (dtype, attn_implementation, device_map
+    with `accelerate` installed, ...) go to `from_pretrained`.
+
+    Plain `from_pretrained` fails on uneven heads (size mismatches), so the model class named
+    in `config.architectures` is built from the config, pruned to the saved layout, and only
+    then given the weights. A folder without a layout file loads as a plain HF model.
+    """
+    directory = Path(directory)
+    cls = _model_class(AutoConfig.from_pretrained(directory))
+    if (directory / LAYOUT_FILE).is_file():
+        layout = json.loads((directory / LAYOUT_FILE).read_text())["layout"]
+
+        class Pruned(cls):
+            def __init__(self, config, *args, **kwargs):
+                super().__init__(config, *args, **kwargs)
+                apply_layout(self, layout)
+
+        Pruned.__name__ = Pruned.__qualname__ = cls.__name__
+        model = Pruned.from_pretrained(directory, **from_pretrained_kwargs)
+        model.__class__ = cls
+    else:
+        model = cls.from_pretrained(directory, **from_pretrained_kwargs)
+    return model.to(device) if device is not None else model
+
+
+# -- internals --------------------------------------------------------------------------------
+def _validated(heads: HeadSpec, n_layers: int, n_heads: int) -> dict[int, set[int]]:
+    pairs = ([(layer, h) for layer, ids in heads.items() for h in ids] if isinstance(heads, Mapping)
+             else list(heads))
+    request: dict[int, set[int]] = {}
+    for layer, head in pairs:
+        if not 0 <= int(layer) < n_layers:
+            raise ValueError(f"layer {layer} is out of range: the model has layers 0..{n_layers - 1}")
+        if not 0 <= int(head) < n_heads:
+            raise ValueError(f"head {head} (layer {layer}) is out of range: allowed head ids 0..{n_heads - 1}")
+        request.setdefault(int(layer), set()).add(int(head))
+    return request
+
+
+def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, before: list[int], after: list[int]) -> None:
+    """Slice one layer from heads `before` to heads `after` (sorted original ids)."""
+    d = adapter.head_dim(model.config)
+    group = adapter.num_heads(model.config) // adapter.num_kv_heads(model.config)
+    block = adapter.blocks(model)[layer]
+    attn = adapter.attention(block)
+    core = _get(attn, adapter.core) if adapter.core else attn
+    q, k, v, o = (_get(attn, path) for path in (adapter.q, adapter.k, adapter.v, adapter.o))
+
+    kv_before, kv_after = _kv_groups(before, group), _kv_groups(after, group)
+    q_rows = _rows([before.index(h) for h in after], d)
+    kv_rows = _rows([kv_before.index(g) for g in kv_after], d)
+    with torch.no_grad():
+        if q is k is v:  # fused [q | k | v] outputs
+            q_width, kv_width = len(before) * d, len(kv_before) * d
+            _keep(q, torch.cat([q_rows, q_width + kv_rows, q_width + kv_width + kv_rows]), outputs=True)
+        else:
+            for proj, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows)):
+                _keep(proj, rows, outputs=True)
+        _keep(o, q_rows, outputs=False)
+
+    counts = [sum(1 for h in after if h // group == g) for g in kv_after]
+    per_group = max(counts, default=0)
+    sizes = {"heads": len(after), "width": len(after) * d, "groups": per_group}
+    for name, quantity in adapter.size_attrs:
+        setattr(core, name, sizes[quantity])
+
+    for handle in getattr(core, "_headprune_hooks", []):
+        handle.remove()
+    core._headprune_hooks = []
+    if not after:
+        _make_headless(adapter, block, core, d, getattr(core, "layer_idx", layer))
+    elif len(after) != len(kv_after) * per_group:
+        slots = [i * per_group + t for i, c in enumerate(counts) for t in range(c)]
+        core._headprune_hooks = _pad_queries(q, o, slots, len(kv_after) * per_group, d)
+
+
+def _make_headless(adapter: ArchAdapter, block: nn.Module, core: nn.Module, head_dim: int, layer_idx: int) -> None:
+    """Put a HeadlessAttention where `core` was in `block`."""
+    if not adapter.core:
+        out = adapter.o
+    elif adapter.o.startswith(adapter.core + "."):
+        out = adapter.o[len(adapter.core) + 1:]
+    else:
+        out = None  # the output projection sits outside the core (BERT)
+    path = adapter.attn_path + (f".{adapter.core}" if adapter.core else "")
+    parent, _, name = path.rpartition(".")
+    setattr(_get(block, parent) if parent else block, name, HeadlessAttention(core, out, head_dim, layer_idx))
+
+
+def _kv_groups(heads: list[int], group: int) -> list[int]:
+    return sorted({h // group for h in heads})
+
+
+def _rows(positions: list[int], head_dim: int) -> torch.Tensor:
+    """Feature indices of the heads at `positions` (physical order), each `head_dim` wide."""
+    pos = torch.tensor(positions, dtype=torch.long, device="cpu").view(-1, 1)
+    return (pos * head_dim + torch.arange(head_dim, device="cpu")).flatten()
+
+
+def _keep(module: nn.Module, index: torch.Tensor, outputs: bool) -> None:
+    """Keep only the output (or input) features `index` of a Linear or a Conv1D (weight (in, out))."""
+    conv = isinstance(module, Conv1D)
+    dim = int(conv) if outputs else int(not conv)
+    weight = module.weight
+    module.weight = nn.Parameter(weight.index_select(dim, index.to(weight.device)),
+                                 requires_grad=weight.requires_grad)
+    if outputs and module.bias is not None:
+        module.bias = nn.Parameter(module.bias.index_select(0, index.to(weight.device)),
+                                   requires_grad=module.bias.requires_grad)
+    attr = ("nf" if conv else "out_features") if outputs else ("nx" if conv else "in_features")
+    setattr(module, attr, len(index))
+
+
+def _pad_queries(q: nn.Module, o: nn.Module, slots: list[int], n_slots: int, head_dim: int) -> list:
+    """Hooks giving the kernel `n_slots` query heads (kept heads at `slots`, zeros elsewhere)
+    and handing only the kept heads' contexts to the output projection."""
+    index = torch.tensor(slots, dtype=torch.long, device="cpu")  # not meta, even inside from_pretrained
+
+    def spread(module, args, out):
+        heads = out.unflatten(-1, (-1, head_dim))  # (B, T, h, D)
+        padded = heads.new_zeros(*heads.shape[:-2], n_slots, head_dim)  # (B, T, S, D)
+        return padded.index_copy(-2, index.to(out.device), heads).flatten(-2)
+
+    def gather(module, args):
+        slots_ctx = args[0].unflatten(-1, (n_slots, head_dim))  # (B, T, S, D)
+        return (slots_ctx.index_select(-2, index.to(args[0].device)).flatten(-2), *args[1:])  # (B, T, h*D)
+
+    return [q.register_forward_hook(spread), o.register_forward_pre_hook(gather, prepend=True)]
+
+
+def _model_class(config) -> type:
+    for name in config.architectures or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    raise ValueError(f"config.architectures={config.architectures} names no transformers model class; "
+                     "cannot tell which model head to load")

@@ -1,0 +1,109 @@
+"""Pruned models survive saving: save_pruned/load_pruned, Lightning checkpoints, and the
+export at the end of `headprune-train`."""
+import json
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+import headprune.train
+from headprune import HeadMask, count_params, load_pruned, prune_heads, save_pruned
+from headprune.config_paths import config_dir
+from headprune.lightning.module import HeadPruneModule
+from tests.conftest import tiny_batch, tiny_bert
+from tests.test_surgery import PRUNE, inputs, tiny
+
+
+@torch.no_grad()
+def logits(model, batch: dict) -> torch.Tensor:
+    return model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+
+
+@pytest.mark.parametrize("family", ["bert", "distilbert", "gpt2", "llama"])
+def test_save_load_round_trip(family, tmp_path):
+    model = prune_heads(tiny(family), PRUNE)
+    batch = inputs()
+    save_pruned(model, tmp_path)
+    assert json.loads((tmp_path / "headprune_layout.json").read_text())["layout"] == [[], [0, 2, 3], [0, 1]]
+
+    loaded = load_pruned(tmp_path)
+    assert type(loaded) is type(model) and not loaded.training
+    assert loaded.headprune_layout == model.headprune_layout
+    assert count_params(loaded) == count_params(model)
+    torch.testing.assert_close(logits(loaded, batch), logits(model, batch), atol=0, rtol=0)
+
+    wide = load_pruned(tmp_path, dtype=torch.float64, device="cpu", attn_implementation="eager")
+    assert wide.dtype == torch.float64 and wide.config._attn_implementation == "eager"
+    reference = tiny(family, attn="eager").double()
+    prune_heads(reference, PRUNE).load_state_dict(model.state_dict())
+    # equal_nan: HF's eager float64 Llama gives NaN at fully padded positions, pruned or not
+    torch.testing.assert_close(logits(wide, batch), logits(reference, batch), atol=1e-12, rtol=0, equal_nan=True)
+
+    half = load_pruned(tmp_path, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in half.parameters())
+    torch.testing.assert_close(logits(half, batch).float(), logits(model, batch), atol=3e-2, rtol=0)
+
+
+def test_tokenizer_is_saved_when_given(tmp_path, tokenizer):
+    save_pruned(prune_heads(tiny_bert(), {1: [0]}), tmp_path, tokenizer=tokenizer)
+    assert (tmp_path / "tokenizer_config.json").is_file()
+
+
+def test_lightning_checkpoint_after_physical_pruning_reloads(tmp_path, tokenizer):
+    batch = tiny_batch(tokenizer)
+    examples = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["labels"]))]
+    module = HeadPruneModule(tiny_bert(), num_labels=2)
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", default_root_dir=tmp_path)
+    trainer.fit(module, DataLoader(examples, batch_size=3))
+
+    module.head_mask.prune([(0, 1), (1, 0), (1, 1), (1, 2), (1, 3), (2, 3)])
+    prune_heads(module.model, module.head_mask.pruned())
+    trainer.save_checkpoint(tmp_path / "pruned.ckpt")
+
+    fresh = HeadPruneModule.load_from_checkpoint(tmp_path / "pruned.ckpt", model=tiny_bert(seed=1), num_labels=2)
+    assert fresh.model.headprune_layout == [[0, 2, 3], [], [0, 1, 2]]
+    torch.testing.assert_close(logits(fresh.eval().model, batch), logits(module.eval().model, batch), atol=0, rtol=0)
+
+
+@pytest.fixture
+def train_cfg(tmp_path, data_dir):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        yield compose("train", overrides=[f"paths.output_dir={tmp_path}", f"data.data_dir={data_dir}",
+                                          "model=tiny_bert", "debug=fast", "data.max_train_samples=64",
+                                          "data.score_samples=32", "schedule.step=0.25"])
+    GlobalHydra.instance().clear()
+
+
+def test_train_run_exports_the_pruned_model(train_cfg, tmp_path, tokenizer, monkeypatch):
+    seen = {}
+    export = headprune.train.export_pruned
+
+    def spy(module, *args, **kwargs):  # the trained, masked model just before removal
+        seen["state"] = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        seen["mask"] = module.head_mask.mask.clone()
+        export(module, *args, **kwargs)
+
+    monkeypatch.setattr(headprune.train, "export_pruned", spy)
+    assert train_cfg.export is True  # the default; `export=false` skips it
+    res = headprune.train.run(train_cfg)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["final"]["export_dir"] == str(tmp_path / "export") == res["final"]["export_dir"]
+    n_pruned = len(saved["final"]["pruned"])
+    assert n_pruned > 0
+    head_params = 3 * (32 * 8 + 8) + 8 * 32  # one head's Q, K, V rows with biases, and O columns
+    for key in ("attention", "total"):
+        assert saved["baseline"]["params"][key] - saved["final"]["params"][key] == n_pruned * head_params
+
+    export_dir = tmp_path / "export"
+    masked = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(export_dir)).eval()
+    masked.load_state_dict(seen["state"])
+    HeadMask.for_model(masked).mask.copy_(seen["mask"])
+    batch = tiny_batch(tokenizer)
+    torch.testing.assert_close(logits(load_pruned(export_dir), batch), logits(masked, batch), atol=1e-5, rtol=0)
