@@ -1,27 +1,64 @@
 """Layer policies: given importance scores and a number of heads to prune, pick which heads.
 
 Pure functions `policy(scores, alive, n_prune, **options) -> list[(layer, head)]`:
-`scores` is (layers, heads), higher = more important; `alive` is the bool keep-mask. Heads
-already pruned are never chosen again. Each policy prunes exactly `n_prune` heads, or raises
-a ValueError that explains why the constraints make that impossible.
+`scores` is (layers, heads), higher = more important; `alive` is the bool keep-mask (True =
+not yet pruned). Heads already pruned are never chosen again. Each policy returns exactly
+`n_prune` heads or raises `BudgetError` explaining which constraint makes that impossible.
+
+Constraints shared by all policies:
+- `min_heads_per_layer`: every layer keeps at least this many heads (0 lets a whole
+  attention sub-layer go);
+- `max_prune_per_layer`: no layer loses more than this many heads over the whole run
+  (None = no limit).
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 
-def _check(scores: torch.Tensor, alive: torch.Tensor, n_prune: int, min_heads_per_layer: int) -> None:
-    if scores.shape != alive.shape:
-        raise ValueError(f"scores shape {tuple(scores.shape)} != mask shape {tuple(alive.shape)}")
+class BudgetError(ValueError):
+    """The constraints leave fewer prunable heads than requested; `available` says how many."""
+
+    def __init__(self, message: str, available: int):
+        super().__init__(message)
+        self.available = available
+
+
+def capacity(alive: torch.Tensor, min_heads_per_layer: int = 1,
+             max_prune_per_layer: int | None = None) -> list[int]:
+    """How many more heads each layer may lose under the constraints."""
     if min_heads_per_layer < 0:
         raise ValueError(f"layer_policy.min_heads_per_layer={min_heads_per_layer} must be >= 0")
-    available = int((alive.sum(dim=1) - min_heads_per_layer).clamp_min(0).sum())
+    if max_prune_per_layer is not None and max_prune_per_layer < 0:
+        raise ValueError(f"layer_policy.max_prune_per_layer={max_prune_per_layer} must be >= 0 or null")
+    n_heads = alive.shape[1]
+    caps = []
+    for left in alive.sum(dim=1).tolist():
+        cap = max(int(left) - min_heads_per_layer, 0)
+        if max_prune_per_layer is not None:
+            cap = min(cap, max(max_prune_per_layer - (n_heads - int(left)), 0))
+        caps.append(cap)
+    return caps
+
+
+def _check(scores: torch.Tensor, alive: torch.Tensor, n_prune: int, caps: Sequence[int], why: str) -> None:
+    if scores.shape != alive.shape:
+        raise ValueError(f"scores shape {tuple(scores.shape)} != mask shape {tuple(alive.shape)}")
+    if n_prune < 0:
+        raise ValueError(f"n_prune={n_prune} must be >= 0")
+    available = sum(caps)
     if n_prune > available:
-        raise ValueError(
-            f"cannot prune {n_prune} heads: only {available} can go while keeping "
-            f"layer_policy.min_heads_per_layer={min_heads_per_layer} heads in every layer "
-            f"(alive per layer: {alive.sum(dim=1).tolist()})"
-        )
+        raise BudgetError(f"asked to prune {n_prune} heads but only {available} may go ({why}; "
+                          f"alive per layer: {alive.sum(dim=1).tolist()}, may lose: {list(caps)})", available)
+
+
+def _constraints_text(min_heads_per_layer: int, max_prune_per_layer: int | None) -> str:
+    text = f"layer_policy.min_heads_per_layer={min_heads_per_layer}"
+    if max_prune_per_layer is not None:
+        text += f", layer_policy.max_prune_per_layer={max_prune_per_layer}"
+    return text
 
 
 def layer_normalized(scores: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
@@ -30,48 +67,135 @@ def layer_normalized(scores: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
     return s / s.norm(dim=1, keepdim=True).clamp_min(1e-20)
 
 
-def global_policy(scores: torch.Tensor, alive: torch.Tensor, n_prune: int,
-                  min_heads_per_layer: int = 1, normalize: bool = False) -> list[tuple[int, int]]:
-    """Rank all alive heads together and prune the lowest, skipping layers at their minimum."""
-    _check(scores, alive, n_prune, min_heads_per_layer)
-    if normalize:
-        scores = layer_normalized(scores, alive)
-    left = alive.sum(dim=1).tolist()
-    order = sorted(((float(scores[l, h]), l, h) for l, h in alive.nonzero().tolist()))
+def _lowest_first(scores: torch.Tensor, alive: torch.Tensor, caps: list[int], n_prune: int) -> list[tuple[int, int]]:
+    """Greedy global ranking: lowest score first, skipping layers that hit their cap."""
+    caps = list(caps)
+    order = sorted((float(scores[l, h]), l, h) for l, h in alive.nonzero().tolist())
     chosen = []
     for _, layer, head in order:
         if len(chosen) == n_prune:
             break
-        if left[layer] > min_heads_per_layer:
+        if caps[layer] > 0:
             chosen.append((layer, head))
-            left[layer] -= 1
+            caps[layer] -= 1
     return chosen
 
 
-def uniform_policy(scores: torch.Tensor, alive: torch.Tensor, n_prune: int,
-                   min_heads_per_layer: int = 1) -> list[tuple[int, int]]:
-    """Keep the same share of heads in every layer: each pick goes to the layer that has lost the
-    fewest heads so far (ties: the layer whose weakest head scores lowest), and takes that
-    layer's lowest-scoring alive head."""
-    _check(scores, alive, n_prune, min_heads_per_layer)
-    n_heads = alive.shape[1]
-    alive = alive.clone()
+def _by_quota(scores: torch.Tensor, alive: torch.Tensor, quota: list[int]) -> list[tuple[int, int]]:
+    """Each layer's `quota[l]` lowest-scoring alive heads."""
     chosen = []
-    for _ in range(n_prune):
-        best = None
-        for layer in range(alive.shape[0]):
-            left = int(alive[layer].sum())
-            if left <= min_heads_per_layer:
-                continue
-            heads = alive[layer].nonzero().flatten().tolist()
-            head = min(heads, key=lambda h: (float(scores[layer, h]), h))
-            key = (n_heads - left, float(scores[layer, head]), layer)
-            if best is None or key < best[0]:
-                best = (key, layer, head)
-        _, layer, head = best
-        alive[layer, head] = False
-        chosen.append((layer, head))
+    for layer, q in enumerate(quota):
+        heads = alive[layer].nonzero().flatten().tolist()
+        heads.sort(key=lambda h: (float(scores[layer, h]), h))
+        chosen.extend((layer, h) for h in heads[:q])
     return chosen
 
 
-LAYER_POLICIES = {"global": global_policy, "uniform": uniform_policy}
+def global_policy(scores: torch.Tensor, alive: torch.Tensor, n_prune: int, min_heads_per_layer: int = 1,
+                  max_prune_per_layer: int | None = None, normalize: bool = False) -> list[tuple[int, int]]:
+    """Rank all alive heads together and prune the lowest. `normalize` divides scores by their
+    layer's L2 norm first (Michel et al.), so layers with large raw scores are not spared."""
+    caps = capacity(alive, min_heads_per_layer, max_prune_per_layer)
+    _check(scores, alive, n_prune, caps, _constraints_text(min_heads_per_layer, max_prune_per_layer))
+    if normalize:
+        scores = layer_normalized(scores, alive)
+    return _lowest_first(scores, alive, caps, n_prune)
+
+
+def uniform_policy(scores: torch.Tensor, alive: torch.Tensor, n_prune: int, min_heads_per_layer: int = 1,
+                   max_prune_per_layer: int | None = None) -> list[tuple[int, int]]:
+    """The same share of heads in every layer: each pick goes to the layer that has lost the
+    fewest heads so far (ties: the layer whose weakest head scores lowest) and takes that
+    layer's lowest-scoring alive head."""
+    caps = capacity(alive, min_heads_per_layer, max_prune_per_layer)
+    _check(scores, alive, n_prune, caps, _constraints_text(min_heads_per_layer, max_prune_per_layer))
+    lost = (~alive).sum(dim=1).tolist()
+    quota = [0] * alive.shape[0]
+    for _ in range(n_prune):
+        def key(layer: int):
+            heads = alive[layer].nonzero().flatten().tolist()
+            heads.sort(key=lambda h: (float(scores[layer, h]), h))
+            nxt = heads[quota[layer]]
+            return (lost[layer] + quota[layer], float(scores[layer, nxt]), layer)
+
+        layer = min((l for l in range(len(caps)) if quota[l] < caps[l]), key=key)
+        quota[layer] += 1
+    return _by_quota(scores, alive, quota)
+
+
+def depth_weights(num_layers: int, protect_first: int = 0, protect_last: int = 0,
+                  weights: Sequence[float] | None = None) -> list[float]:
+    """Per-layer prior weights (higher = keep more). `weights` are values at evenly spaced
+    relative depths from 0 (first layer) to 1 (last), linearly interpolated; the first and
+    last `protect_*` layers get weight inf (never pruned)."""
+    if protect_first < 0 or protect_last < 0:
+        raise ValueError("layer_policy.protect_first / protect_last must be >= 0")
+    if weights is not None and len(weights) == 0:
+        raise ValueError("layer_policy.weights must be a non-empty list or null")
+    if weights is not None and any(w <= 0 for w in weights):
+        raise ValueError(f"layer_policy.weights={list(weights)} must all be > 0")
+    out = []
+    for layer in range(num_layers):
+        if weights is None or len(weights) == 1:
+            w = float(weights[0]) if weights else 1.0
+        else:
+            x = layer / max(num_layers - 1, 1) * (len(weights) - 1)
+            i = min(int(x), len(weights) - 2)
+            w = float(weights[i]) + (x - i) * (float(weights[i + 1]) - float(weights[i]))
+        out.append(w)
+    for layer in list(range(min(protect_first, num_layers))) + list(range(max(num_layers - protect_last, 0), num_layers)):
+        out[layer] = float("inf")
+    return out
+
+
+def depth_prior_policy(scores: torch.Tensor, alive: torch.Tensor, n_prune: int, protect_first: int = 1,
+                       protect_last: int = 1, weights: Sequence[float] | None = None,
+                       min_heads_per_layer: int = 1, max_prune_per_layer: int | None = None,
+                       normalize: bool = True) -> list[tuple[int, int]]:
+    """Global ranking of (layer-normalised) scores multiplied by a prior over depth: protected
+    first/last layers are never pruned, and a layer with weight 2 needs half the score of one
+    with weight 1 to survive."""
+    prior = depth_weights(alive.shape[0], protect_first, protect_last, weights)
+    caps = [0 if w == float("inf") else c
+            for w, c in zip(prior, capacity(alive, min_heads_per_layer, max_prune_per_layer))]
+    why = _constraints_text(min_heads_per_layer, max_prune_per_layer)
+    _check(scores, alive, n_prune, caps, f"{why}, layer_policy.protect_first={protect_first}, "
+                                         f"layer_policy.protect_last={protect_last}")
+    s = layer_normalized(scores, alive) if normalize else scores
+    finite = torch.tensor([w if w != float("inf") else 1.0 for w in prior], dtype=s.dtype)
+    return _lowest_first(s * finite[:, None], alive, caps, n_prune)
+
+
+def sensitivity_policy(scores: torch.Tensor, alive: torch.Tensor, n_prune: int,
+                       sensitivity: Sequence[float] | None = None, min_heads_per_layer: int = 1,
+                       max_prune_per_layer: int | None = None, floor: float = 1e-3,
+                       share: float = 0.5) -> list[tuple[int, int]]:
+    """Give more of the budget to less sensitive layers.
+
+    `sensitivity[l]` is layer l's measured loss rise (see `selection.sensitivity`), clamped
+    below at `floor`. Heads are handed out one at a time to the layer whose next removal
+    costs least, estimated as sensitivity x (heads that layer would then have lost); each
+    layer drops its lowest-scoring heads. `share` is the fraction of a layer's heads masked when
+    the profile is measured (used by the callback, recorded with the profile).
+    """
+    if sensitivity is None:
+        raise ValueError("sensitivity_policy needs the measured layer sensitivity profile "
+                         "(the pruning callback measures it once before the first round)")
+    if len(sensitivity) != alive.shape[0]:
+        raise ValueError(f"sensitivity has {len(sensitivity)} entries for {alive.shape[0]} layers")
+    caps = capacity(alive, min_heads_per_layer, max_prune_per_layer)
+    _check(scores, alive, n_prune, caps, _constraints_text(min_heads_per_layer, max_prune_per_layer))
+    sens = [max(float(s), floor) for s in sensitivity]
+    lost = (~alive).sum(dim=1).tolist()
+    quota = [0] * alive.shape[0]
+    for _ in range(n_prune):
+        layer = min((l for l in range(len(caps)) if quota[l] < caps[l]),
+                    key=lambda l: (sens[l] * (lost[l] + quota[l] + 1), l))
+        quota[layer] += 1
+    return _by_quota(scores, alive, quota)
+
+
+sensitivity_policy.needs_sensitivity = True  # the callback measures the profile for it
+
+LAYER_POLICIES = {"global": global_policy, "uniform": uniform_policy, "depth_prior": depth_prior_policy,
+                  "sensitivity": sensitivity_policy}

@@ -1,4 +1,5 @@
-"""Pruning schedules: how sparse the model is after each round, and how long to fine-tune.
+"""Pruning schedules: how sparse the model is after each round, how long to fine-tune, and
+when to stop early.
 
 A schedule is a small validated object; `sparsities()` is the pure part (the sparsity
 reached after round 1, 2, ...), the epoch counts tell the callback when rounds happen.
@@ -11,28 +12,34 @@ from dataclasses import dataclass
 
 
 def _check_fraction(field: str, value: float, low_open: bool = False) -> None:
-    ok = (0.0 < value < 1.0) if low_open else (0.0 <= value < 1.0)
+    ok = isinstance(value, (int, float)) and ((0.0 < value < 1.0) if low_open else (0.0 <= value < 1.0))
     if not ok:
         interval = "(0, 1)" if low_open else "[0, 1)"
         raise ValueError(f"schedule.{field}={value!r} is outside {interval}: it is a share of the "
                          "model's heads, and at least one head must remain")
 
 
-def _check_epochs(field: str, value: int) -> None:
-    if not isinstance(value, int) or value < 0:
-        raise ValueError(f"schedule.{field}={value!r} must be an integer >= 0")
+def _check_count(field: str, value: int, minimum: int = 0) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"schedule.{field}={value!r} must be an integer >= {minimum}")
 
 
 @dataclass
 class Schedule:
+    """Common fields. `recover_epochs`: extra fine-tuning after the last round.
+    `reset_optimizer_state`: zero the optimizer's moment estimates of pruned heads' weights."""
+
     target_sparsity: float = 0.5
     baseline_epochs: int = 1
     epochs_per_round: int = 1
+    recover_epochs: int = 0
+    reset_optimizer_state: bool = False
 
     def __post_init__(self) -> None:
         _check_fraction("target_sparsity", self.target_sparsity)
-        _check_epochs("baseline_epochs", self.baseline_epochs)
-        _check_epochs("epochs_per_round", self.epochs_per_round)
+        _check_count("baseline_epochs", self.baseline_epochs)
+        _check_count("epochs_per_round", self.epochs_per_round)
+        _check_count("recover_epochs", self.recover_epochs)
 
     def sparsities(self) -> list[float]:
         raise NotImplementedError
@@ -42,11 +49,15 @@ class Schedule:
         return len(self.sparsities())
 
     def total_epochs(self) -> int:
-        return self.baseline_epochs + self.num_rounds * self.epochs_per_round
+        return self.baseline_epochs + self.num_rounds * self.epochs_per_round + self.recover_epochs
 
     def heads_after(self, round_index: int, total_heads: int) -> int:
         """Number of heads pruned in total after round `round_index` (0-based)."""
         return int(round(self.sparsities()[round_index] * total_heads))
+
+    def stop_reason(self, baseline: dict, val: dict) -> str | None:
+        """Why to stop after a round whose fine-tuned validation metrics are `val`, or None."""
+        return None
 
 
 @dataclass
@@ -59,7 +70,7 @@ class OneShot(Schedule):
 
 @dataclass
 class Iterative(Schedule):
-    """Prune `step` of the original heads per round until `target_sparsity` (last step may be
+    """Prune `step` of the original heads per round until `target_sparsity` (the last step may be
     smaller), fine-tuning `epochs_per_round` after each round."""
 
     step: float = 0.1
@@ -71,5 +82,57 @@ class Iterative(Schedule):
     def sparsities(self) -> list[float]:
         if self.target_sparsity == 0:
             return []
-        n = math.ceil(self.target_sparsity / self.step - 1e-9)
-        return [round(min(self.step * (i + 1), self.target_sparsity), 10) for i in range(n)]
+        n = max(1, math.ceil(self.target_sparsity / self.step - 1e-9))
+        return [min(round(self.step * (i + 1), 10), self.target_sparsity) for i in range(n - 1)] + [
+            self.target_sparsity]
+
+
+@dataclass
+class Cubic(Schedule):
+    """Zhu & Gupta (2017) ramp: s_t = s_f + (s_i - s_f)(1 - t/n)^3 for rounds t = 1..n. Prunes
+    fast while many redundant heads remain and slowly near the target."""
+
+    rounds: int = 5
+    initial_sparsity: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_count("rounds", self.rounds, minimum=1)
+        _check_fraction("initial_sparsity", self.initial_sparsity)
+        if self.initial_sparsity > self.target_sparsity:
+            raise ValueError(f"schedule.initial_sparsity={self.initial_sparsity} must be <= "
+                             f"schedule.target_sparsity={self.target_sparsity}")
+
+    def sparsities(self) -> list[float]:
+        if self.target_sparsity == 0:
+            return []
+        s_i, s_f, n = self.initial_sparsity, self.target_sparsity, self.rounds
+        return [min(round(s_f + (s_i - s_f) * (1 - t / n) ** 3, 10), s_f) for t in range(1, n)] + [s_f]
+
+
+@dataclass
+class UntilThreshold(Iterative):
+    """Iterative pruning by `step` up to `target_sparsity` (the most it may reach) that stops as
+    soon as a fine-tuned round's validation `metric` falls below `threshold` x the unpruned
+    baseline; the callback then restores the last good mask."""
+
+    threshold: float = 0.99
+    metric: str = "acc"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.threshold, (int, float)) or not 0.0 < self.threshold <= 1.5:
+            raise ValueError(f"schedule.threshold={self.threshold!r} must be in (0, 1.5]: a fraction of the "
+                             "baseline metric")
+        if self.metric != "acc":
+            raise ValueError(f"schedule.metric={self.metric!r} is not allowed; allowed: acc")
+
+    def stop_reason(self, baseline: dict, val: dict) -> str | None:
+        floor = self.threshold * baseline[self.metric]
+        if val[self.metric] < floor:
+            return (f"threshold: val {self.metric} {val[self.metric]:.4f} < {self.threshold} x baseline "
+                    f"{baseline[self.metric]:.4f} = {floor:.4f}")
+        return None
+
+
+SCHEDULES = {"one_shot": OneShot, "iterative": Iterative, "cubic": Cubic, "until_threshold": UntilThreshold}
