@@ -6,15 +6,36 @@ The training file is split once, with a seed, into a held-out *scoring slice*
 """
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding
 
 from headprune.textdata import TextTable, encode_labels, label_vocabulary, read_table
+
+log = logging.getLogger(__name__)
+
+
+class EpochSeededSampler(Sampler[int]):
+    """A shuffling sampler whose order depends only on (seed, epoch), so a run resumed from a
+    checkpoint sees the same batches as an uninterrupted one. Lightning calls `set_epoch`."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self) -> int:
+        return self.n
 
 
 class TextClassificationDataModule(L.LightningDataModule):
@@ -84,6 +105,11 @@ class TextClassificationDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self._loaded:
             return
+        model_max = getattr(self.tokenizer, "model_max_length", None)
+        if model_max and model_max < 100_000 and self.max_length > model_max:
+            log.warning("data.max_length=%d exceeds what the model accepts (%d tokens); using %d",
+                        self.max_length, model_max, model_max)
+            self.max_length = int(model_max)
         train, val = self._read_local() if self._use_local() else self._read_hub()
         if not train.texts:
             raise ValueError("the training data is empty")
@@ -109,6 +135,10 @@ class TextClassificationDataModule(L.LightningDataModule):
         self.score_set = self._encode(train, train_y, score_idx)
         self.val_set = self._encode(val, val_y, val_idx)
         self._loaded = True
+        clipped = sum(len(x["input_ids"]) >= self.max_length for x in self.train_set + self.score_set + self.val_set)
+        if clipped:
+            log.warning("%d examples reached data.max_length=%d tokens and were truncated to it", clipped,
+                        self.max_length)
 
     def _encode(self, table: TextTable, labels: list[int], idx: list[int]) -> list[dict]:
         if not idx:
@@ -121,9 +151,9 @@ class TextClassificationDataModule(L.LightningDataModule):
 
     # -- loaders -----------------------------------------------------------------------------
     def _loader(self, data: list[dict], batch_size: int, shuffle: bool) -> DataLoader:
-        g = torch.Generator().manual_seed(self.seed) if shuffle else None
-        return DataLoader(data, batch_size=batch_size, shuffle=shuffle, generator=g,
-                          collate_fn=self.collate, num_workers=self.num_workers)
+        sampler = EpochSeededSampler(len(data), self.seed) if shuffle else None
+        return DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=self.collate,
+                          num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, self.batch_size, shuffle=True)
@@ -131,6 +161,8 @@ class TextClassificationDataModule(L.LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, self.eval_batch_size, shuffle=False)
 
-    def score_dataloader(self) -> DataLoader:
-        """The held-out slice of the training file that heads are ranked on."""
-        return self._loader(self.score_set, self.eval_batch_size, shuffle=False)
+    def score_dataloader(self, rank: int = 0, world_size: int = 1) -> DataLoader:
+        """The held-out slice of the training file that heads are ranked on; under data
+        parallelism each rank gets every `world_size`-th example starting at `rank`, and the
+        metrics sum their accumulators across ranks."""
+        return self._loader(self.score_set[rank::world_size], self.eval_batch_size, shuffle=False)
