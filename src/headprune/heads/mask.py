@@ -25,7 +25,9 @@ class HeadMask(nn.Module):
 
     The mask is a buffer, so it is saved in state dicts and Lightning checkpoints. Optional
     per-example `gates` (see `differentiable_gates`) multiply on top of it so that
-    d loss / d gate gives each example's first-order head importance.
+    d loss / d gate gives each example's first-order head importance. An optional
+    `stochastic` module (HardConcreteGates) multiplies learned gates on top as well: sampled
+    while the model trains, deterministic in eval mode.
     """
 
     def __init__(self, num_layers: int, num_heads: int):
@@ -33,6 +35,7 @@ class HeadMask(nn.Module):
         self.register_buffer("mask", torch.ones(num_layers, num_heads))
         self._gates: torch.Tensor | None = None
         self._handles: list = []
+        self.register_module("stochastic", None)
 
     @classmethod
     def for_model(cls, model: nn.Module, attach: bool = True) -> "HeadMask":
@@ -72,6 +75,8 @@ class HeadMask(nn.Module):
         def hook(module, args):
             kept = head_layout(model)[layer]
             gate = self.mask[layer, kept]  # (h,)
+            if self.stochastic is not None:
+                gate = gate * self.stochastic.gate(layer, kept, sample=module.training)  # (h,)
             if self._gates is None and bool((gate == 1).all()):
                 return None
             x = args[0]  # (B, T, h * D)

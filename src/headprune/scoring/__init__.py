@@ -3,15 +3,57 @@
 with pruned heads scored 0 (selection never ranks them again)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from headprune.scoring.attention import confidence_importance, entropy_importance
+from headprune.scoring.fisher import fisher_importance
+from headprune.scoring.l0 import l0_gates_importance
+from headprune.scoring.lrp import lrp_importance
+from headprune.scoring.magnitude import magnitude_importance
+from headprune.scoring.random_baseline import random_importance
 from headprune.scoring.taylor import taylor_importance
 
-METRICS: dict[str, Callable[..., torch.Tensor]] = {
-    "taylor": taylor_importance,
+
+@dataclass(frozen=True)
+class MetricInfo:
+    """What a metric measures. `raw` names the raw statistic and `raw_high` says what a HIGH
+    raw value suggests ("keep", "prune" or "neither"); the score a metric returns is always
+    oriented so that higher = more important. `uses` lists what scoring needs."""
+
+    fn: Callable[..., torch.Tensor]
+    raw: str
+    raw_high: str
+    uses: str
+
+
+METRIC_INFO: dict[str, MetricInfo] = {
+    "taylor": MetricInfo(taylor_importance, "|sum_t c_h . dL/dc_h| per example (Michel et al. 2019)", "keep",
+                         "labels, one forward+backward per batch"),
+    "fisher": MetricInfo(fisher_importance, "squared per-example gradient of the loss w.r.t. the head gate "
+                         "(Kwon et al. 2022)", "keep", "labels, one forward+backward per batch"),
+    "lrp": MetricInfo(lrp_importance, "per-layer share of the target logit's relevance (Voita et al. 2019)",
+                      "keep", "one forward+backward per batch"),
+    "entropy": MetricInfo(entropy_importance, "mean attention entropy over real queries; score = -entropy",
+                          "prune", "attention maps (eager), forward only"),
+    "confidence": MetricInfo(confidence_importance, "mean max attention weight over real queries (Voita et al.)",
+                             "keep", "attention maps (eager), forward only"),
+    "magnitude": MetricInfo(magnitude_importance, "L2 norm of the head's Q/K/V/O weight slices", "keep",
+                            "weights only"),
+    "random": MetricInfo(random_importance, "seeded U(0, 1)", "neither", "nothing"),
+    "l0_gates": MetricInfo(l0_gates_importance, "P(Hard-Concrete gate open) (Voita et al. 2019)", "keep",
+                           "gates trained in fine-tuning, else `steps` forward+backward passes"),
 }
+
+METRICS: dict[str, Callable[..., torch.Tensor]] = {name: info.fn for name, info in METRIC_INFO.items()}
+
+
+def metric_name(fn: Callable) -> str | None:
+    """The registered name of `fn` (a metric function or a partial of one), else None."""
+    target = getattr(fn, "func", fn)
+    return next((name for name, f in METRICS.items() if f is target), None)
 
 
 def get_metric(name: str) -> Callable[..., torch.Tensor]:

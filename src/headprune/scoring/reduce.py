@@ -31,3 +31,15 @@ def finish_scores(scores: torch.Tensor, mask: HeadMask, normalize: bool = False)
         norm = scores.pow(2).sum(dim=1, keepdim=True).sqrt()
         scores = scores / norm.clamp_min(1e-20)
     return scores.float().cpu()
+
+
+def mean_over_ranks(total: torch.Tensor, count: int) -> torch.Tensor:
+    """`total / count` over the union of every rank's examples: both are summed across ranks
+    first (no-op in a single process), so data-parallel scoring equals scoring all the data."""
+    from headprune.distributed import all_reduce_sum
+
+    total = all_reduce_sum(total)
+    n = all_reduce_sum(torch.tensor(float(count), dtype=torch.float64, device=total.device))
+    if float(n) == 0:
+        raise ValueError("no scoring examples on any rank (data.score_samples=0?)")
+    return total / n.to(total.dtype)

@@ -15,7 +15,7 @@ from torch import nn
 
 from headprune.heads.mask import HeadMask
 from headprune.objectives import forward_logits, per_example_loss, to_device
-from headprune.scoring.reduce import finish_scores, scoring_mode
+from headprune.scoring.reduce import finish_scores, mean_over_ranks, scoring_mode
 
 
 def taylor_importance(model: nn.Module, mask: HeadMask, dataloader, normalize: bool = True,
@@ -39,6 +39,4 @@ def taylor_importance(model: nn.Module, mask: HeadMask, dataloader, normalize: b
                 (grad,) = torch.autograd.grad(loss, gates)
             total += grad.detach().abs().sum(0).double()
             count += batch_size
-    if count == 0:
-        raise ValueError("taylor_importance got an empty scoring dataloader (data.score_samples=0?)")
-    return finish_scores(total / count, mask, normalize=normalize)
+    return finish_scores(mean_over_ranks(total, count), mask, normalize=normalize)
