@@ -122,3 +122,91 @@ def test_console_script_fast_dev_run(tmp_path, data_dir):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _results(tmp_path)["final"]["rounds_completed"] == 1
+
+
+TINY_RUN = ["model=tiny_bert", "callbacks=none", "logger=none", "data.max_train_samples=64", "data.score_samples=32",
+            "data.max_validation_samples=64", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0"]
+
+
+@pytest.mark.parametrize("policy", ["global", "uniform", "sensitivity", "depth_prior"])
+def test_tiny_run_per_layer_policy(policy, cfg_factory, tmp_path):
+    extra = ["layer_policy.protect_last=0"] if policy == "depth_prior" else []
+    cfg = cfg_factory(*TINY_RUN, f"layer_policy={policy}", *extra, "schedule=iterative", "schedule.target_sparsity=0.5",
+                      "schedule.step=0.25", "schedule.epochs_per_round=0", "schedule.baseline_epochs=1")
+    run(cfg)
+    res = _results(tmp_path)
+    assert [r["n_pruned"] for r in res["rounds"]] == [3, 3]
+    assert res["final"]["sparsity"] == 0.5 and res["final"]["stop_reason"] == "target_reached"
+    assert min(res["final"]["heads_per_layer"]) >= 1
+    if policy == "depth_prior":  # the first layer is protected: layers 1 and 2 lose all 6
+        assert res["final"]["heads_per_layer"] == [4, 1, 1]
+    if policy == "uniform":
+        assert res["final"]["heads_per_layer"] == [2, 2, 2]
+    if policy == "sensitivity":
+        assert len(res["layer_sensitivity"]["loss_rise"]) == 3
+        assert (tmp_path / "layer_sensitivity.png").is_file()
+
+
+@pytest.mark.parametrize("schedule,extra,expect", [
+    ("one_shot", [], {"rounds": 1}),
+    ("iterative", ["schedule.step=0.25", "schedule.recover_epochs=1", "schedule.reset_optimizer_state=true"],
+     {"rounds": 2}),
+    ("cubic", ["schedule.rounds=3"], {"rounds": 3}),
+    ("until_threshold", ["schedule.threshold=1.5", "schedule.step=0.25"], {"rounds": 1, "stopped": True}),
+])
+def test_tiny_run_per_schedule(schedule, extra, expect, cfg_factory, tmp_path):
+    cfg = cfg_factory(*TINY_RUN, f"schedule={schedule}", "schedule.target_sparsity=0.5", *extra)
+    run(cfg)
+    res = _results(tmp_path)
+    assert len(res["rounds"]) == expect["rounds"]
+    if expect.get("stopped"):
+        assert res["final"]["stop_reason"].startswith("threshold")
+        assert res["rounds"][0]["rejected"] is True
+        assert res["final"]["sparsity"] == 0.0  # the last good mask (unpruned) was restored
+    else:
+        assert res["final"]["stop_reason"] == "target_reached" and res["final"]["sparsity"] == 0.5
+    metrics = list((tmp_path / "csv").glob("*/metrics.csv")) if (tmp_path / "csv").exists() else []
+    assert metrics == []  # logger=none
+
+
+def test_budget_shortfall_is_explained(cfg_factory, tmp_path, caplog):
+    cfg = cfg_factory(*TINY_RUN, "schedule=one_shot", "schedule.target_sparsity=0.9", "schedule.epochs_per_round=0",
+                      "layer_policy.min_heads_per_layer=2")
+    run(cfg)
+    res = _results(tmp_path)
+    (round1,) = res["rounds"]
+    assert round1["n_requested"] == 11 and round1["n_pruned"] == 6
+    assert "min_heads_per_layer=2" in round1["shortfall"]
+    assert any("pruning 6 heads instead" in r.getMessage() for r in caplog.records)
+
+
+def test_help_lists_group_choices(data_dir):
+    proc = subprocess.run([sys.executable, "-m", "headprune.train", "--help"], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert proc.returncode == 0
+    for line in ("layer_policy: depth_prior, global, sensitivity, uniform",
+                 "schedule: cubic, iterative, one_shot, until_threshold", "model: bert_base, minilm, tiny_bert"):
+        assert line in proc.stdout
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("schedule.stpe=0.2", r"Key 'stpe' not in"),
+    ("schedule.step=abc", r"could not be converted to Float"),
+    ("layer_policy.min_heads=2", r"Key 'min_heads' not in"),
+])
+def test_typos_fail_at_compose(override, pattern, cfg_factory):
+    with pytest.raises(ConfigCompositionException) as info:
+        cfg_factory(override)
+    text = str(info.value) + str(info.value.__cause__)
+    import re
+    assert re.search(pattern, text), text
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("schedule.step=0", r"schedule\.step=0"),
+    ("schedule.target_sparsity=1.0", r"schedule\.target_sparsity=1\.0"),
+])
+def test_bad_schedule_values_fail_at_start(override, pattern, cfg_factory):
+    cfg = cfg_factory(override)
+    with pytest.raises(Exception, match=pattern):
+        instantiate(cfg.schedule)

@@ -31,3 +31,17 @@ def head_heatmap(values: torch.Tensor, title: str, path: str | Path | None = Non
 
 def close(fig) -> None:
     plt.close(fig)
+
+
+def layer_profile(values, title: str, path: str | Path | None = None, ylabel: str = "loss rise"):
+    """A bar chart of one value per layer."""
+    fig, ax = plt.subplots(figsize=(max(4.0, 0.5 * len(values) + 2), 3.0))
+    ax.bar(range(len(values)), list(values), color="tab:blue")
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel)
+    ax.set_xticks(range(len(values)))
+    ax.set_title(title)
+    fig.tight_layout()
+    if path is not None:
+        fig.savefig(path, dpi=100)
+    return fig

@@ -32,11 +32,12 @@ class RunResults:
         self.output_dir = Path(output_dir) if output_dir is not None else None
         self.data: dict[str, Any] = {"config": config or {}, "model": {}, "baseline": {}, "rounds": [],
                                      "final": {}}
+        self.writer = True  # False on every data-parallel rank but 0: only rank 0 writes files
 
     @property
     def path(self) -> Path | None:
         return self.output_dir / "results.json" if self.output_dir is not None else None
 
     def save(self) -> None:
-        if self.path is not None:
+        if self.path is not None and self.writer:
             write_json_atomic(self.path, self.data)

@@ -5,6 +5,7 @@ Returns the final validation accuracy so Hydra sweepers can optimise it.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import hydra
@@ -13,12 +14,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from headprune.config_paths import config_dir
+from headprune.config_schema import register_schemas
+from headprune.heads.surgery import count_params, prune_heads, save_pruned
 from headprune.lightning.callbacks import HeadPruning
 from headprune.lightning.module import HeadPruneModule
 from headprune.models import load_tokenizer
 from headprune.results import RunResults
 
 log = logging.getLogger(__name__)
+register_schemas()
 
 
 def _instantiate_group(group: DictConfig | None) -> list:
@@ -32,6 +36,8 @@ def run(cfg: DictConfig) -> dict:
     """Run one training/pruning job described by `cfg`; returns the results document."""
     L.seed_everything(cfg.seed, workers=True)
     output_dir = Path(cfg.paths.output_dir)
+    ckpt_path = cfg.get("ckpt_path")
+    _refuse_to_overwrite(output_dir, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
     output_dir.mkdir(parents=True, exist_ok=True)
 
     schedule = instantiate(cfg.schedule)
@@ -42,35 +48,76 @@ def run(cfg: DictConfig) -> dict:
     datamodule = instantiate(cfg.data, tokenizer=tokenizer)
     datamodule.setup("fit")
     model = instantiate(cfg.model)(num_labels=datamodule.num_labels)
+    baseline_params = count_params(model)
     module = HeadPruneModule(model, num_labels=datamodule.num_labels,
                              optimizer=instantiate(cfg.optim.optimizer),
-                             scheduler=instantiate(cfg.optim.scheduler) if cfg.optim.get("scheduler") else None)
+                             scheduler=instantiate(cfg.optim.scheduler) if cfg.optim.get("scheduler") else None,
+                             l0_penalty=OmegaConf.select(cfg, "l0.penalty", default=0.0),
+                             l0_lr=OmegaConf.select(cfg, "l0.lr", default=0.1))
 
     results = RunResults(output_dir, config=OmegaConf.to_container(cfg, resolve=True))
-    pruning = HeadPruning(metric=metric, schedule=schedule, layer_policy=layer_policy, results=results)
+    pruning = HeadPruning(metric=metric, schedule=schedule, layer_policy=layer_policy, results=results,
+                          diagnostics=_diagnostics_options(cfg),
+                          check_consistency=bool(cfg.get("check_consistency", False)))
     callbacks = [pruning, *_instantiate_group(cfg.get("callbacks"))]
     loggers = _instantiate_group(cfg.get("logger"))
     epochs = schedule.total_epochs()
     log.info("schedule: %d baseline epoch(s), rounds to sparsities %s, %d epoch(s) per round -> %d epochs",
              schedule.baseline_epochs, schedule.sparsities(), schedule.epochs_per_round, epochs)
-    trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
-                                     max_epochs=max(epochs, 1))
-    if epochs == 0 and not trainer.fast_dev_run:
-        pruning.run_without_training(module, datamodule)
-    else:
-        trainer.fit(module, datamodule=datamodule)
+    try:
+        trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
+                                         max_epochs=max(epochs, 1))
+        if epochs == 0 and not trainer.fast_dev_run:
+            pruning.run_without_training(module, datamodule)
+        else:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        if cfg.get("export", True) and trainer.is_global_zero:
+            export_pruned(module, output_dir / "export", results, baseline_params, tokenizer=tokenizer)
+    finally:
+        _close_loggers(loggers)  # a failed job in a sweep still finishes its wandb run
     final = results.data["final"]
     log.info("baseline val acc %.4f -> final val acc %.4f at sparsity %.2f (results: %s)",
              results.data["baseline"]["val"]["acc"], final["val"]["acc"], final["sparsity"], results.path)
-    _close_loggers(loggers)
     return results.data
 
 
+def _refuse_to_overwrite(output_dir: Path, resuming: bool, overwrite: bool) -> None:
+    """A finished or running run's folder is never written over by a new run, unless asked to
+    (`overwrite=true`) or resuming it (`ckpt_path=...`). Only rank 0 checks: other DDP ranks start
+    while rank 0 already owns the folder."""
+    if resuming or overwrite or os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+        return
+    if (output_dir / "results.json").exists():
+        raise FileExistsError(f"{output_dir} already holds a run's results.json; choose another hydra.run.dir, "
+                              "resume it with ckpt_path=<its checkpoints/last.ckpt>, or pass overwrite=true")
+
+
+def export_pruned(module: HeadPruneModule, directory: Path, results: RunResults, baseline_params: dict,
+                  tokenizer=None) -> None:
+    """Physically remove every head the mask pruned from the trained model (in place) and save it
+    with `save_pruned`; record the export folder and parameter counts in results.json."""
+    prune_heads(module.model, module.head_mask.pruned())
+    save_pruned(module.model, directory, tokenizer=tokenizer)
+    results.data["baseline"]["params"] = baseline_params
+    results.data["final"].update(export_dir=str(directory), params=count_params(module.model))
+    results.save()
+    log.info("pruned model exported to %s (%s)", directory, results.data["final"]["params"])
+
+
+def _diagnostics_options(cfg: DictConfig) -> dict | None:
+    """head_diagnostics options from the `diagnostics` block, or None when it is off."""
+    block = cfg.get("diagnostics")
+    if not block or not block.get("enabled", True):
+        return None
+    return {k: v for k, v in OmegaConf.to_container(block, resolve=True).items() if k != "enabled"}
+
+
 def _close_loggers(loggers: list) -> None:
+    from lightning.pytorch.loggers import WandbLogger
+
     for logger in loggers:
-        experiment_finish = getattr(getattr(logger, "experiment", None), "finish", None)
-        if callable(experiment_finish) and type(logger).__name__ == "WandbLogger":
-            experiment_finish()
+        if isinstance(logger, WandbLogger) and getattr(logger, "_experiment", None) is not None:
+            logger.experiment.finish()
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")

@@ -6,11 +6,14 @@ epoch boundaries and records what happened in results.json and the loggers.
 
 Timeline for baseline_epochs=b, epochs_per_round=e and R rounds: after epoch b the baseline
 is evaluated and round 1 prunes; after epoch b + k*e round k's fine-tuned accuracy is
-recorded and round k+1 prunes; after epoch b + R*e the last round is recorded. Pruning only
-changes the HeadMask buffer, so parameter shapes (and the optimizer) stay valid mid-fit.
+recorded and round k+1 prunes; after epoch b + R*e the last round is recorded, and
+`recover_epochs` more epochs may follow. Pruning only changes the HeadMask buffer, so
+parameter shapes (and the optimizer) stay valid mid-fit.
 """
 from __future__ import annotations
 
+import logging
+import random
 import time
 from typing import Callable
 
@@ -18,21 +21,39 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from headprune.distributed import all_equal
 from headprune.evaluation import evaluate
 from headprune.heads.mask import HeadMask
+from headprune.heads.slices import reset_optimizer_state
 from headprune.results import RunResults
+from headprune.selection.layer_policies import BudgetError
 from headprune.selection.schedules import Schedule
+from headprune.selection.sensitivity import layer_sensitivity
+
+log = logging.getLogger(__name__)
+
+
+def _needs_sensitivity(policy: Callable) -> bool:
+    return bool(getattr(getattr(policy, "func", policy), "needs_sensitivity", False))
 
 
 class HeadPruning(Callback):
     def __init__(self, metric: Callable, schedule: Schedule, layer_policy: Callable,
-                 results: RunResults | None = None, heatmaps: bool = True):
+                 results: RunResults | None = None, heatmaps: bool = True, sensitivity_share: float = 0.5,
+                 diagnostics: dict | None = None, check_consistency: bool = False):
         self.metric = metric
+        self.check_consistency = check_consistency  # assert identical masks on every rank after each round
+        self.diagnostics = diagnostics  # head_diagnostics options, run at the end; None = off
         self.schedule = schedule
         self.layer_policy = layer_policy
         self.results = results if results is not None else RunResults(None)
         self.heatmaps = heatmaps
+        self.sensitivity_share = sensitivity_share
         self.sparsities = schedule.sparsities()
+        self.stop_reason: str | None = None
+        self.sensitivity: list[float] | None = None
+        self._last_good: torch.Tensor | None = None
+        self._pending_rng: dict | None = None
 
     # -- state (so a resumed fit knows which rounds are done) --------------------------------
     @property
@@ -40,14 +61,27 @@ class HeadPruning(Callback):
         return self.results.data["rounds"]
 
     def state_dict(self) -> dict:
-        return {"baseline": self.results.data["baseline"], "rounds": self.rounds}
+        return {"baseline": self.results.data["baseline"], "rounds": self.rounds, "stop_reason": self.stop_reason,
+                "sensitivity": self.sensitivity,
+                "last_good": None if self._last_good is None else self._last_good.tolist(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.results.data["baseline"] = state_dict["baseline"]
         self.results.data["rounds"] = state_dict["rounds"]
+        self.stop_reason = state_dict.get("stop_reason")
+        self.sensitivity = state_dict.get("sensitivity")
+        last = state_dict.get("last_good")
+        self._last_good = None if last is None else torch.tensor(last)
+        self._pending_rng = state_dict.get("rng")  # restored when training restarts, for exact resume
 
     # -- Lightning hooks ---------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.results.writer = trainer.is_global_zero
+        if self._pending_rng is not None:
+            torch.set_rng_state(self._pending_rng["torch"])
+            random.setstate(self._pending_rng["python"])
+            self._pending_rng = None
         self._describe_model(pl_module)
         self.step(pl_module, trainer.datamodule, completed_epochs=trainer.current_epoch, trainer=trainer)
 
@@ -55,6 +89,17 @@ class HeadPruning(Callback):
         if trainer.sanity_checking:
             return
         self.step(pl_module, trainer.datamodule, completed_epochs=trainer.current_epoch + 1, trainer=trainer)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        bad = getattr(pl_module, "nonfinite_loss", None)
+        if bad is None or self.stop_reason is not None:
+            return
+        after = f"after round {len(self.rounds)}" if self.rounds else "before the first round"
+        self.stop_reason = (f"non-finite loss ({bad}) while fine-tuning {after} (epoch {trainer.current_epoch}, "
+                            f"step {trainer.global_step}); the step was skipped and training stopped")
+        log.error("%s. The last checkpoint and results.json hold the last good state.", self.stop_reason)
+        trainer.should_stop = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.finish(pl_module, trainer.datamodule, trainer=trainer)
@@ -69,8 +114,8 @@ class HeadPruning(Callback):
     def step(self, pl_module, datamodule, completed_epochs: int, trainer: L.Trainer | None = None) -> None:
         """Do whatever is due after `completed_epochs` training epochs."""
         b, e = self.schedule.baseline_epochs, self.schedule.epochs_per_round
-        limit = 1 if trainer is not None and trainer.fast_dev_run else None
-        while True:
+        limit = self._limit(trainer)
+        while self.stop_reason is None:
             k = len(self.rounds)
             if completed_epochs != b + k * e or k > len(self.sparsities):
                 return
@@ -80,32 +125,48 @@ class HeadPruning(Callback):
                 self.results.save()
             elif "val" not in self.rounds[-1]:
                 self._record_val(pl_module, datamodule, limit, trainer)
+                if self._check_stop(pl_module, trainer):
+                    return
             if k == len(self.sparsities):
                 return
             self._prune_round(pl_module, datamodule, k, limit, trainer)
 
     def finish(self, pl_module, datamodule, trainer: L.Trainer | None = None) -> dict:
         """Fill in anything not yet evaluated (e.g. a fit stopped early) and write `final`."""
-        limit = 1 if trainer is not None and trainer.fast_dev_run else None
+        limit = self._limit(trainer)
         data = self.results.data
         if not data["baseline"]:
             data["baseline"] = {"val": self._evaluate(pl_module, datamodule, limit)}
         if self.rounds and "val" not in self.rounds[-1]:
             self._record_val(pl_module, datamodule, limit, trainer)
+            self._check_stop(pl_module, trainer)
         mask: HeadMask = pl_module.head_mask
-        final_val = self.rounds[-1]["val"] if self.rounds else data["baseline"]["val"]
+        fresh = self.stop_reason is not None or self.schedule.recover_epochs > 0 or not self.rounds
+        final_val = self._evaluate(pl_module, datamodule, limit) if fresh else self.rounds[-1]["val"]
+        if self.stop_reason is not None:
+            reason = self.stop_reason
+        elif len(self.rounds) == len(self.sparsities):
+            reason = "target_reached"
+        else:
+            reason = f"interrupted after {len(self.rounds)} of {len(self.sparsities)} rounds"
         data["final"] = {"sparsity": mask.sparsity(), "heads_per_layer": mask.heads_per_layer(),
                          "pruned": mask.pruned(), "rounds_completed": len(self.rounds),
-                         "rounds_planned": len(self.sparsities), "val": final_val}
+                         "rounds_planned": len(self.sparsities), "stop_reason": reason, "val": final_val}
         self.results.save()
-        if self.heatmaps and self.results.output_dir is not None:
+        if self.heatmaps and self.results.output_dir is not None and self.results.writer:
             from headprune.plots import close, head_heatmap
 
             close(head_heatmap(mask.mask, f"kept heads (sparsity {mask.sparsity():.2f})",
                                self.results.output_dir / "head_mask.png", cmap="Greys_r", vmin=0, vmax=1))
+        if self.diagnostics is not None:
+            self._diagnose(pl_module, datamodule, limit, trainer)
         return data
 
     # -- internals ---------------------------------------------------------------------------
+    @staticmethod
+    def _limit(trainer) -> int | None:
+        return 1 if trainer is not None and trainer.fast_dev_run else None
+
     def _describe_model(self, pl_module) -> None:
         mask: HeadMask = pl_module.head_mask
         self.results.data["model"] = {"layers": mask.num_layers, "heads": mask.num_heads}
@@ -121,28 +182,111 @@ class HeadPruning(Callback):
                             "prune/val_acc": record["val"]["acc"], "prune/val_loss": record["val"]["loss"],
                             **{f"prune/heads_layer_{i}": n for i, n in enumerate(record["heads_per_layer"])}})
 
+    def _check_stop(self, pl_module, trainer) -> bool:
+        """Apply the schedule's stopping rule to the last recorded round."""
+        reason = self.schedule.stop_reason(self.results.data["baseline"]["val"], self.rounds[-1]["val"])
+        if reason is None:
+            return False
+        self.stop_reason = reason
+        self.rounds[-1]["rejected"] = True
+        if self._last_good is not None:
+            pl_module.head_mask.mask.copy_(self._last_good.to(pl_module.head_mask.mask.device))
+        log.warning("stopping after round %d (%s); restored the mask of the previous round",
+                    self.rounds[-1]["round"], reason)
+        if trainer is not None:
+            trainer.should_stop = True
+        self.results.save()
+        return True
+
     def _prune_round(self, pl_module, datamodule, k: int, limit, trainer) -> None:
         mask: HeadMask = pl_module.head_mask
         total = mask.mask.numel()
         already = total - int(mask.alive().sum())
-        n_prune = self.schedule.heads_after(k, total) - already
+        n_prune = max(self.schedule.heads_after(k, total) - already, 0)
+        self._last_good = mask.mask.detach().clone().cpu()
         start = time.perf_counter()
-        loader = datamodule.score_dataloader()
+        world = trainer.world_size if trainer is not None else 1
+        loader = (datamodule.score_dataloader(trainer.global_rank, world) if world > 1
+                  else datamodule.score_dataloader())
         scores = self.metric(pl_module.model, mask, loader, **({"max_batches": limit} if limit else {}))
         score_seconds = time.perf_counter() - start
-        heads = self.layer_policy(scores, mask.alive(), max(n_prune, 0)) if n_prune > 0 else []
+        options = {}
+        if _needs_sensitivity(self.layer_policy):
+            if self.sensitivity is None:
+                self._measure_sensitivity(pl_module, mask, scores, loader, limit)
+                if world > 1:
+                    self.sensitivity = trainer.strategy.broadcast(self.sensitivity, src=0)
+            options["sensitivity"] = self.sensitivity
+        shortfall = None
+        try:
+            heads = self.layer_policy(scores, mask.alive(), n_prune, **options)
+        except BudgetError as err:
+            shortfall = str(err)
+            log.warning("round %d: %s; pruning %d heads instead", k + 1, err, err.available)
+            heads = self.layer_policy(scores, mask.alive(), err.available, **options)
+        if world > 1:  # one decision, rank 0's, everywhere (scores are already reduced across ranks)
+            heads = [tuple(h) for h in trainer.strategy.broadcast(list(heads), src=0)]
         mask.prune(heads)
-        record = {"round": k + 1, "sparsity": mask.sparsity(), "n_pruned": len(heads),
+        if self.check_consistency and not all_equal(mask.mask):
+            raise RuntimeError(f"round {k + 1}: the head masks differ between ranks")
+        if self.schedule.reset_optimizer_state and trainer is not None:
+            reset_optimizer_state(trainer.optimizers, pl_module.model, heads)
+        record = {"round": k + 1, "sparsity": mask.sparsity(), "n_pruned": len(heads), "n_requested": n_prune,
                   "heads_per_layer": mask.heads_per_layer(), "pruned": sorted([list(h) for h in heads]),
                   "score_seconds": round(score_seconds, 3), "scores": scores.tolist(),
                   "val_before_finetune": self._evaluate(pl_module, datamodule, limit)}
+        if shortfall:
+            record["shortfall"] = shortfall
         self.rounds.append(record)
+        log.info("round %d: pruned %d heads -> sparsity %.3f, heads per layer %s, val acc before fine-tuning %.4f",
+                 k + 1, len(heads), record["sparsity"], record["heads_per_layer"],
+                 record["val_before_finetune"]["acc"])
         if self.schedule.epochs_per_round == 0:
             record["val"] = record["val_before_finetune"]
             self._log(trainer, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
                                 "prune/val_acc": record["val"]["acc"]})
+            self._check_stop(pl_module, trainer)
         self.results.save()
         self._log_heatmap(trainer, mask, record["round"])
+
+    def _measure_sensitivity(self, pl_module, mask: HeadMask, scores, loader, limit) -> None:
+        share = getattr(self.layer_policy, "keywords", {}).get("share", self.sensitivity_share)
+        self.sensitivity = layer_sensitivity(pl_module.model, mask, scores, loader, share=share, max_batches=limit)
+        self.results.data["layer_sensitivity"] = {"share": share, "loss_rise": self.sensitivity}
+        log.info("layer sensitivity (loss rise with %.0f%% of a layer's heads masked): %s",
+                 100 * share, [round(s, 4) for s in self.sensitivity])
+        if self.results.output_dir is not None and self.results.writer:
+            from headprune.plots import close, layer_profile
+
+            close(layer_profile(self.sensitivity, "layer sensitivity (validation-loss rise on the scoring slice)",
+                                self.results.output_dir / "layer_sensitivity.png"))
+
+    def _diagnose(self, pl_module, datamodule, limit, trainer) -> None:
+        """Head diagnostics of the final model on the scoring slice: results.json `diagnostics`,
+        PNG heatmaps in the run dir, images in a wandb logger."""
+        from lightning.pytorch.loggers import WandbLogger
+
+        from headprune.diagnostics import diagnostic_figures, head_diagnostics
+        from headprune.plots import close
+        from headprune.scoring import metric_name
+
+        diag = head_diagnostics(pl_module.model, pl_module.head_mask, datamodule.score_dataloader(),
+                                tokenizer=getattr(datamodule, "tokenizer", None), max_batches=limit,
+                                **self.diagnostics)
+        if self.rounds:
+            last = self.rounds[-1]
+            diag.importance[f"{metric_name(self.metric) or 'metric'}_round{last['round']}"] = torch.tensor(last["scores"])
+        self.results.data["diagnostics"] = diag.to_json()
+        self.results.save()
+        if not self.heatmaps or not self.results.writer:  # every rank computes (collectives), rank 0 draws
+            return
+        figures = diagnostic_figures(diag, self.results.output_dir)
+        for logger in trainer.loggers if trainer is not None else []:
+            if isinstance(logger, WandbLogger):
+                for stem, fig in figures.items():
+                    logger.log_image(key=f"diagnostics/{stem}", images=[fig], step=trainer.global_step)
+        for fig in figures.values():
+            close(fig)
 
     def _log(self, trainer, metrics: dict) -> None:
         if trainer is None:

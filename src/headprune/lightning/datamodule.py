@@ -152,8 +152,10 @@ class TextClassificationDataModule(L.LightningDataModule):
     # -- loaders -----------------------------------------------------------------------------
     def _loader(self, data: list[dict], batch_size: int, shuffle: bool) -> DataLoader:
         sampler = EpochSeededSampler(len(data), self.seed) if shuffle else None
+        # A private generator for the loader's worker seeds keeps the global RNG (dropout) untouched
+        # by iterating, so a resumed run continues the exact random stream of an uninterrupted one.
         return DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=self.collate,
-                          num_workers=self.num_workers)
+                          num_workers=self.num_workers, generator=torch.Generator().manual_seed(self.seed))
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, self.batch_size, shuffle=True)

@@ -8,7 +8,10 @@ import torch
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from headprune.heads.hard_concrete import HardConcreteGates
+from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.mask import HeadMask
+from headprune.heads.surgery import apply_layout
 from headprune.objectives import forward_logits, per_example_loss
 
 
@@ -17,24 +20,50 @@ class HeadPruneModule(L.LightningModule):
 
     `optimizer` is a partial taking the parameters; `scheduler` a partial taking
     (optimizer, total_steps) and returning a per-step LR scheduler, or None.
+    `l0_penalty` > 0 learns Hard-Concrete head gates with the model (Voita et al. 2019): gates
+    are sampled in training, deterministic at evaluation, `l0_penalty` x the expected number
+    of open heads is added to the loss, and the gates train at learning rate `l0_lr`.
     """
 
     def __init__(self, model: nn.Module, num_labels: int, optimizer: Callable | None = None,
-                 scheduler: Callable | None = None):
+                 scheduler: Callable | None = None, l0_penalty: float = 0.0, l0_lr: float = 0.1):
         super().__init__()
+        self.nonfinite_loss: float | None = None
         self.model = model.train()  # from_pretrained returns eval mode; fine-tuning wants dropout
         self.head_mask = HeadMask.for_model(model)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
+        if l0_penalty < 0:
+            raise ValueError(f"l0.penalty={l0_penalty!r} must be >= 0")
+        self.l0_penalty, self.l0_lr = l0_penalty, l0_lr
+        if l0_penalty > 0:
+            self.head_mask.stochastic = HardConcreteGates(self.head_mask.num_layers, self.head_mask.num_heads)
         self.train_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
 
     def forward(self, batch: dict) -> torch.Tensor:
         return forward_logits(self.model, batch)
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Record the physical head layout, if heads were removed, so loading can rebuild the shapes."""
+        if getattr(self.model, LAYOUT_ATTR, None) is not None:
+            checkpoint[LAYOUT_ATTR] = head_layout(self.model)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Remove the checkpoint's missing heads before its state dict loads (Lightning calls this first)."""
+        if checkpoint.get(LAYOUT_ATTR) is not None:
+            apply_layout(self.model, checkpoint[LAYOUT_ATTR])
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         logits = self(batch)
         loss = per_example_loss(logits, batch).mean()
+        if not torch.isfinite(loss):
+            self.nonfinite_loss = float(loss.detach())  # the pruning callback stops the run and says where
+            return None  # automatic optimisation skips the step: the weights stay finite
+        if self.l0_penalty > 0:
+            expected_heads = self.head_mask.stochastic.expected_l0()
+            loss = loss + self.l0_penalty * expected_heads
+            self.log("train/expected_heads", expected_heads, batch_size=logits.shape[0])
         self.train_acc(logits.argmax(-1), batch["labels"])
         self.log("train/loss", loss, prog_bar=True, batch_size=logits.shape[0])
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=logits.shape[0])
@@ -49,10 +78,17 @@ class HeadPruneModule(L.LightningModule):
 
     def configure_optimizers(self):
         if self.optimizer_factory is None:
-            return torch.optim.AdamW(self.model.parameters(), lr=5e-5)
-        optimizer = self.optimizer_factory(params=self.model.parameters())
+            return torch.optim.AdamW(self._param_groups(), lr=5e-5)
+        optimizer = self.optimizer_factory(params=self._param_groups())
         if self.scheduler_factory is None:
             return optimizer
         total = int(self.trainer.estimated_stepping_batches)
         scheduler = self.scheduler_factory(optimizer=optimizer, total_steps=total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _param_groups(self):
+        """The model's parameters, plus the L0 gates (own learning rate, no weight decay) when learned."""
+        if self.head_mask.stochastic is None:
+            return self.model.parameters()
+        return [{"params": list(self.model.parameters())},
+                {"params": list(self.head_mask.stochastic.parameters()), "lr": self.l0_lr, "weight_decay": 0.0}]

@@ -1,0 +1,139 @@
+"""`headprune-collect`: gather the results.json files of runs/sweeps into one table.
+
+    headprune-collect multirun/2026-11-29/10-00-00 --out experiments/metric_curves
+
+writes `runs.csv` (one row per run and round, with the sweep's overrides as columns),
+`results.md` (final accuracy per run) and `accuracy_vs_sparsity.png` (one line per run label).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+from pathlib import Path
+
+from headprune.results import write_json_atomic
+
+OVERRIDE_FILE = Path(".hydra") / "overrides.yaml"
+
+
+def _overrides(run_dir: Path) -> dict[str, str]:
+    path = run_dir / OVERRIDE_FILE
+    if not path.is_file():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.strip().removeprefix("- ").strip()
+        if "=" in line and not line.startswith(("hydra.", "paths.")):
+            key, value = line.split("=", 1)
+            out[key.lstrip("+~")] = value
+    return out
+
+
+def load_runs(roots: list[Path]) -> list[dict]:
+    """Every results.json under `roots`, with its run dir and command-line overrides."""
+    runs = []
+    for root in roots:
+        for path in sorted(Path(root).rglob("results.json")):
+            data = json.loads(path.read_text())
+            data["run_dir"] = str(path.parent)
+            data["overrides"] = _overrides(path.parent)
+            runs.append(data)
+    if not runs:
+        raise FileNotFoundError(f"no results.json under {[str(r) for r in roots]}")
+    return runs
+
+
+def label(run: dict, keys: list[str] | None = None) -> str:
+    ov = run["overrides"]
+    keys = keys if keys is not None else [k for k in sorted(ov) if k not in ("schedule.target_sparsity",)]
+    return ", ".join(f"{k}={ov[k]}" for k in keys if k in ov) or Path(run["run_dir"]).name
+
+
+def rows(runs: list[dict]) -> list[dict]:
+    """One row per (run, point): the baseline (round 0) and every round."""
+    out = []
+    for run in runs:
+        common = {"run_dir": run["run_dir"], **run["overrides"]}
+        base = run["baseline"].get("val", {})
+        out.append({**common, "round": 0, "sparsity": 0.0, "acc": base.get("acc"), "loss": base.get("loss"),
+                    "acc_before_finetune": base.get("acc")})
+        for r in run["rounds"]:
+            val = r.get("val", {})
+            out.append({**common, "round": r["round"], "sparsity": r["sparsity"], "acc": val.get("acc"),
+                        "loss": val.get("loss"), "acc_before_finetune": r.get("val_before_finetune", {}).get("acc"),
+                        "rejected": r.get("rejected", False)})
+    return out
+
+
+def to_csv(table: list[dict]) -> str:
+    columns = []
+    for row in table:
+        columns += [c for c in row if c not in columns]
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(table)
+    return buf.getvalue()
+
+
+def final_table(runs: list[dict], keys: list[str] | None = None) -> str:
+    lines = ["| run | baseline acc | final sparsity | final acc | drop (points) | stop reason |",
+             "|---|---|---|---|---|---|"]
+    for run in sorted(runs, key=lambda r: label(r, keys)):
+        base, final = run["baseline"]["val"]["acc"], run["final"].get("val", {}).get("acc")
+        drop = f"{100 * (base - final):.2f}" if final is not None else ""
+        final_s = f"{100 * final:.2f}" if final is not None else ""
+        lines.append(f"| {label(run, keys)} | {100 * base:.2f} | {run['final'].get('sparsity', 0):.3f} | "
+                     f"{final_s} | {drop} | {run['final'].get('stop_reason', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], path: Path, keys: list[str] | None = None, before_finetune: bool = False) -> None:
+    from headprune.plots import plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in sorted(runs, key=lambda r: label(r, keys)):
+        pts = [(0.0, run["baseline"]["val"]["acc"])]
+        key = "val_before_finetune" if before_finetune else "val"
+        pts += [(r["sparsity"], r[key]["acc"]) for r in run["rounds"] if key in r]
+        ax.plot([100 * s for s, _ in pts], [100 * a for _, a in pts], marker="o", ms=3, label=label(run, keys))
+    ax.set_xlabel("heads pruned (%)")
+    ax.set_ylabel("validation accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def collect(roots: list[Path], out: Path, keys: list[str] | None = None, before_finetune: bool = False) -> list[dict]:
+    runs = load_runs(roots)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("runs.csv", to_csv(rows(runs))), ("results.md", final_table(runs, keys))):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out / name)
+    plot(runs, out / "accuracy_vs_sparsity.png", keys, before_finetune)
+    write_json_atomic(out / "runs.json", [{k: r[k] for k in ("run_dir", "overrides", "baseline", "final", "model")}
+                                          | {"rounds": [{k: v for k, v in x.items() if k != "scores"}
+                                                        for x in r["rounds"]]} for r in runs])
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("roots", nargs="+", type=Path, help="run or sweep directories to search for results.json")
+    parser.add_argument("--out", type=Path, required=True, help="folder for runs.csv, results.md and the plot")
+    parser.add_argument("--label", nargs="*", default=None, help="override keys that name a run in table and plot")
+    parser.add_argument("--before-finetune", action="store_true",
+                        help="plot accuracy right after each pruning step instead of after fine-tuning")
+    args = parser.parse_args(argv)
+    runs = collect(args.roots, args.out, args.label, args.before_finetune)
+    print(f"collected {len(runs)} runs into {args.out}")
+    print((args.out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

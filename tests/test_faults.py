@@ -1,0 +1,103 @@
+"""Fault handling: exact resume after a crash, non-finite losses, run-dir protection, and
+data-parallel pruning that agrees across ranks and with a single process."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from lightning.pytorch.callbacks import Callback
+
+from headprune.config_paths import config_dir
+from headprune.train import run
+
+BASE = ["model=tiny_bert", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
+        "data.max_validation_samples=64", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
+        "schedule=iterative", "schedule.target_sparsity=0.5", "schedule.step=0.25", "schedule.baseline_epochs=1",
+        "schedule.epochs_per_round=1", "export=false"]
+
+
+class Crash(RuntimeError):
+    pass
+
+
+class CrashAfterEpoch(Callback):
+    """Simulates a preempted job: raises at the end of epoch `epoch` (1-based), before that
+    epoch's checkpoint is written."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch + 1 == self.epoch:
+            raise Crash(f"simulated crash after epoch {self.epoch}")
+
+
+def _cfg(out, data_dir, *overrides):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.output_dir={out}", f"data.data_dir={data_dir}", *BASE, *overrides])
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+def _results(out):
+    return json.loads((out / "results.json").read_text())
+
+
+def _strip(rounds):
+    return [{k: r[k] for k in ("round", "pruned", "heads_per_layer", "val", "val_before_finetune")} for r in rounds]
+
+
+def test_resume_after_crash_matches_uninterrupted_run(tmp_path, data_dir):
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    run(_cfg(whole, data_dir))
+    crash = ["+callbacks.crash._target_=tests.test_faults.CrashAfterEpoch", "+callbacks.crash.epoch=2"]
+    with pytest.raises(Crash):
+        run(_cfg(broken, data_dir, *crash))
+    partial = _results(broken)
+    assert len(partial["rounds"]) == 2 and "val" not in partial["rounds"][1]
+    with pytest.raises(FileExistsError, match="ckpt_path"):
+        run(_cfg(broken, data_dir))
+    run(_cfg(broken, data_dir, f"ckpt_path={broken / 'checkpoints' / 'last.ckpt'}"))
+    a, b = _results(whole), _results(broken)
+    assert _strip(b["rounds"]) == _strip(a["rounds"])
+    assert b["final"]["pruned"] == a["final"]["pruned"] and b["final"]["val"] == a["final"]["val"]
+
+
+def test_nonfinite_loss_stops_with_reason(tmp_path, data_dir):
+    res = run(_cfg(tmp_path, data_dir, "optim.optimizer.lr=1e30", "optim.scheduler.warmup_ratio=0"))
+    reason = res["final"]["stop_reason"]
+    assert reason.startswith("non-finite loss") and "round" in reason
+    assert _results(tmp_path)["final"]["stop_reason"] == reason
+    assert math.isfinite(res["final"]["val"]["loss"]) or res["final"]["val"]["loss"] != res["final"]["val"]["loss"]
+
+
+def test_ddp_ranks_agree_and_match_single_process(tmp_path, data_dir):
+    """Two CPU processes (gloo): every rank scores half of the scoring slice, the accumulators are
+    summed across ranks, both ranks prune the same heads (check_consistency asserts it), and round 1
+    (scored before any training) equals a single process scoring the whole slice."""
+    common = ["model=tiny_bert", "logger=none", "callbacks=none", "data.max_train_samples=64",
+              "data.score_samples=32", "data.max_validation_samples=32", "data.eval_batch_size=8",
+              "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0", "schedule=iterative",
+              "schedule.target_sparsity=0.5", "schedule.step=0.25", "schedule.baseline_epochs=0",
+              "schedule.epochs_per_round=1", "export=false", f"data.data_dir={data_dir}"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
+    cmd = [sys.executable, "-m", "headprune.train", *common, "trainer=ddp", "check_consistency=true",
+           f"hydra.run.dir={ddp_dir}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = subprocess.run([sys.executable, "-m", "headprune.train", *common, f"hydra.run.dir={single_dir}"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ddp, single = _results(ddp_dir), _results(single_dir)
+    assert ddp["config"]["trainer"]["strategy"] == "ddp"
+    assert ddp["rounds"][0]["pruned"] == single["rounds"][0]["pruned"]
+    torch.testing.assert_close(torch.tensor(ddp["rounds"][0]["scores"]), torch.tensor(single["rounds"][0]["scores"]),
+                               rtol=1e-4, atol=1e-6)
+    assert len(ddp["rounds"]) == 2 and ddp["final"]["sparsity"] == 0.5
