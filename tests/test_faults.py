@@ -101,3 +101,27 @@ def test_ddp_ranks_agree_and_match_single_process(tmp_path, data_dir):
     torch.testing.assert_close(torch.tensor(ddp["rounds"][0]["scores"]), torch.tensor(single["rounds"][0]["scores"]),
                                rtol=1e-4, atol=1e-6)
     assert len(ddp["rounds"]) == 2 and ddp["final"]["sparsity"] == 0.5
+
+
+def test_failed_job_in_multirun_does_not_stop_the_others(tmp_path, data_dir):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    cmd = [sys.executable, "-m", "headprune.train", "-m", "model=tiny_bert", "debug=fast", "logger=wandb",
+           "data.max_train_samples=32", "data.score_samples=16", f"data.data_dir={data_dir}",
+           "schedule.target_sparsity=1.5,0.25", f"hydra.sweep.dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "schedule.target_sparsity=1.5" in proc.stderr + proc.stdout
+    done = _results(tmp_path / "1")
+    assert done["config"]["schedule"]["target_sparsity"] == 0.25 and done["final"]["rounds_completed"] == 1
+    assert not (tmp_path / "0" / "results.json").exists()
+
+
+def test_wandb_falls_back_to_offline_when_not_logged_in(monkeypatch, tmp_path, caplog):
+    from headprune.lightning import loggers
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setattr(loggers, "wandb_logged_in", lambda: False)
+    logger = loggers.wandb_logger(save_dir=str(tmp_path))
+    assert logger._offline is True
+    assert sum("logging offline" in r.getMessage() for r in caplog.records) == 1
