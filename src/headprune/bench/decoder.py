@@ -1,0 +1,133 @@
+"""Decoder latency and KV cache: prefill, per-token decode with the cache, and cache bytes.
+
+Decoders are built from config dicts with random weights: speed and cache size do not depend
+on the values. For each variant, in one interleaved run:
+- prefill: one forward over a (batch, prompt_len) prompt into an empty cache (logits of the
+  last position only, as `generate` does);
+- decode: after an untimed prefill, `new_tokens` greedy steps of one token each with the
+  cache; per-token latency is that time / new_tokens.
+KV-cache bytes are read from the cache's per-layer key and value tensors after prefill +
+decode. The attention share of a decode step comes from a separate pass with timing hooks on
+every layer's attention module (projections, cache update, kernel, output projection).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from headprune import get_adapter
+from headprune.bench.flops import model_attention_flops, ratio
+from headprune.bench.timing import Case, Clock, ModuleTimer, interleaved
+from headprune.bench.variants import Variant
+
+log = logging.getLogger(__name__)
+
+
+def build_decoder(spec: dict, attn_implementation: str = "sdpa", seed: int = 0) -> nn.Module:
+    """A random-init causal LM from `spec`: {"model_type": ..., **config fields}."""
+    spec = dict(spec)
+    if "model_type" not in spec:
+        raise ValueError(f"bench.decoder_configs entry {spec} has no model_type; allowed: gpt2, llama, mistral, qwen2")
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
+
+
+def kv_cache_bytes(cache) -> int:
+    """Bytes held by the key and value tensors of every layer of a transformers Cache."""
+    cache = getattr(cache, "self_attention_cache", cache)
+    total = 0
+    for layer in cache.layers:
+        for tensor in (layer.keys, layer.values):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def prefill(model: nn.Module, prompt: torch.Tensor):
+    """(cache, next token (B, 1)) after one forward over the prompt (B, T)."""
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    return out.cache, out.logits[:, -1:].argmax(-1)
+
+
+def decode(model: nn.Module, cache, token: torch.Tensor, steps: int):
+    """`steps` greedy one-token steps with the cache; returns the cache."""
+    for _ in range(steps):
+        out = model(input_ids=token, cache=cache, use_cache=True)
+        cache, token = out.cache, out.logits[:, -1:].argmax(-1)  # (B, 1)
+    return cache
+
+
+def bench_decoder(variants: list[Variant], batch: int, prompt_len: int, new_tokens: int, clock: Clock,
+                  warmup: int, repeats: int, seed: int = 0, model_name: str = "") -> list[dict]:
+    """One row per variant: prefill and per-token latency, attention share, KV-cache bytes."""
+    config = variants[0].model.config
+    max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if max_len is not None and prompt_len + new_tokens > max_len:
+        raise ValueError(f"bench.decoder.prompt_len + bench.decoder.new_tokens = {prompt_len + new_tokens} exceeds "
+                         f"the {model_name} config's {max_len} positions; allowed: at most {max_len}")
+    device = next(variants[0].model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=g).to(device)  # (B, T)
+    cases = {}
+    for i, v in enumerate(variants):
+        cases[f"{i}:prefill"] = lambda m=v.model: prefill(m, prompt)
+        cases[f"{i}:decode"] = Case(run=lambda state, m=v.model: decode(m, *state, new_tokens),
+                                    setup=lambda m=v.model: prefill(m, prompt))
+    log.info("decoder %s: timing %d variants x (prefill, decode %d tokens)", model_name, len(variants), new_tokens)
+    stats = interleaved(cases, clock, warmup=warmup, repeats=repeats)
+    dims = _dims(variants[0].model)
+    flops = [_generation_flops(v, batch, prompt_len, new_tokens, dims) for v in variants]
+    kv = [kv_cache_bytes(_generate_cache(v.model, prompt, new_tokens)) for v in variants]
+    rows = []
+    for i, v in enumerate(variants):
+        pre, step = stats[f"{i}:prefill"], stats[f"{i}:decode"].scaled(new_tokens)
+        rows.append({
+            "model": model_name, **v.row(), "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "prefill_ms": pre.median_ms, "per_token_ms": step.median_ms,
+            "prefill_ratio": stats["0:prefill"].median_ms / pre.median_ms,
+            "per_token_ratio": stats["0:decode"].median_ms / stats[f"{i}:decode"].median_ms,
+            "per_token_attention_share": attention_share(v.model, prompt, new_tokens, clock, repeats),
+            "kv_cache_bytes": kv[i], "kv_ratio": kv[i] / kv[0],
+            "theoretical_attention_ratio": ratio(flops[0], flops[i]),
+            "heads_kept": sum(v.heads), "kv_heads_kept": sum(v.kv_heads),
+            "prefill_spread_ms": pre.spread(), "per_token_spread_ms": step.spread(), "repeats": pre.n,
+        })
+    return rows
+
+
+def attention_share(model: nn.Module, prompt: torch.Tensor, new_tokens: int, clock: Clock, repeats: int) -> float:
+    """Median share of decode time spent inside the attention modules (hooked pass, not the timed one)."""
+    adapter = get_adapter(model)
+    modules = [adapter.attention(block) for block in adapter.blocks(model)]
+    shares = []
+    with torch.no_grad():
+        for _ in range(repeats):
+            cache, token = prefill(model, prompt)
+            with ModuleTimer(modules, clock) as timer:
+                total = clock.time(lambda: decode(model, cache, token, new_tokens))
+            shares.append(timer.total_ms / total)
+    return statistics.median(shares)
+
+
+def _generate_cache(model: nn.Module, prompt: torch.Tensor, new_tokens: int):
+    with torch.no_grad():
+        cache, token = prefill(model, prompt)
+        return decode(model, cache, token, new_tokens)
+
+
+def _dims(model: nn.Module) -> dict:
+    adapter, config = get_adapter(model), model.config
+    return {"head_dim": adapter.head_dim(config), "hidden": config.hidden_size}
+
+
+def _generation_flops(v: Variant, batch: int, prompt_len: int, new_tokens: int, dims: dict) -> float:
+    """Attention FLOPs of prefill plus every decode step (step i attends to prompt_len + i + 1 keys)."""
+    def at(q_len: int, kv_len: int) -> float:
+        return model_attention_flops(batch, q_len, kv_len, v.heads, v.kv_heads, dims["head_dim"], dims["hidden"],
+                                     v.densities)
+    return at(prompt_len, prompt_len) + sum(at(1, prompt_len + i + 1) for i in range(new_tokens))

@@ -1,0 +1,111 @@
+"""Encoder latency: the whole forward and the attention sub-layer alone, over a batch x seq grid.
+
+The attention sub-layer (Q/K/V projections, scores, weighted sum, output projection) is timed
+by replay. One untimed forward of each variant records, with forward pre-hooks, the exact
+inputs of every layer's attention core and, where it sits outside the core, of its output
+projection (BERT: `BertSelfAttention`, then `output.dense`). The timed call replays those calls
+layer after layer on the recorded hidden states: the attention work of one forward without
+feed-forward blocks, embeddings, the rest of the model's Python, or BERT's residual LayerNorm
+(a (B, T, hidden) pass that no head owns; it stays in the whole-forward time). The masked
+variant's HeadMask hook runs on the replayed output projection, as in a real forward.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from headprune import get_adapter
+from headprune.bench.flops import ffn_flops, model_attention_flops, ratio
+from headprune.bench.timing import Clock, interleaved
+from headprune.bench.variants import Variant
+
+log = logging.getLogger(__name__)
+
+
+def record_attention_calls(model: nn.Module, input_ids: torch.Tensor) -> list[tuple[nn.Module, tuple, dict]]:
+    """(module, args, kwargs) of every attention core and outside output projection call, in order."""
+    calls: list[tuple[nn.Module, tuple, dict]] = []
+    handles = [module.register_forward_pre_hook(  # prepend: inputs before any HeadMask gate
+        lambda m, args, kwargs: calls.append((m, args, dict(kwargs))), with_kwargs=True, prepend=True)
+        for module in attention_parts(model)]
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return calls
+
+
+def attention_parts(model: nn.Module) -> list[nn.Module]:
+    """Per layer: the attention core, plus the output projection when the core does not hold it."""
+    adapter = get_adapter(model)
+    parts = []
+    for block in adapter.blocks(model):
+        attn = adapter.attention(block)
+        parts.append(attn.get_submodule(adapter.core) if adapter.core else attn)
+        if adapter.core and not adapter.o.startswith(adapter.core + "."):
+            parts.append(attn.get_submodule(adapter.o))
+    return parts
+
+
+def replay(calls: list[tuple[nn.Module, tuple, dict]]) -> None:
+    for module, args, kwargs in calls:
+        module(*args, **kwargs)
+
+
+def bench_encoder(variants: list[Variant], batches: list[int], seqs: list[int], clock: Clock, warmup: int,
+                  repeats: int, seed: int = 0, model_name: str = "") -> list[dict]:
+    """One row per variant and (batch, seq); every variant of a grid point is timed in one interleaved run."""
+    config = variants[0].model.config
+    dims = _dims(variants[0].model)
+    max_len = getattr(config, "max_position_embeddings", None)
+    if max_len is not None and max(seqs) > max_len:
+        raise ValueError(f"bench.encoder.seqs contains {max(seqs)}; allowed: at most the model's "
+                         f"max_position_embeddings={max_len}")
+    device = next(variants[0].model.parameters()).device
+    rows = []
+    for batch in batches:
+        for seq in seqs:
+            g = torch.Generator().manual_seed(seed)
+            ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device)  # (B, T)
+            cases = {}
+            for i, v in enumerate(variants):
+                calls = record_attention_calls(v.model, ids)
+                cases[f"{i}:forward"] = lambda m=v.model: m(input_ids=ids)
+                cases[f"{i}:attention"] = lambda c=calls: replay(c)
+            log.info("encoder batch=%d seq=%d: timing %d variants x (forward, attention)", batch, seq, len(variants))
+            stats = interleaved(cases, clock, warmup=warmup, repeats=repeats)
+            del cases
+            flops = [_flops(v, batch, seq, dims) for v in variants]
+            dense_fwd, dense_attn = stats["0:forward"], stats["0:attention"]
+            for i, v in enumerate(variants):
+                fwd, attn = stats[f"{i}:forward"], stats[f"{i}:attention"]
+                rows.append({
+                    "model": model_name, **v.row(), "batch": batch, "seq": seq,
+                    "forward_ms": fwd.median_ms, "attention_ms": attn.median_ms,
+                    "forward_ratio": dense_fwd.median_ms / fwd.median_ms,
+                    "attention_ratio": dense_attn.median_ms / attn.median_ms,
+                    "theoretical_attention_ratio": ratio(flops[0][0], flops[i][0]),
+                    "theoretical_forward_ratio": ratio(flops[0][1], flops[i][1]),
+                    "throughput_seq_s": batch * 1e3 / fwd.median_ms,
+                    "forward_spread_ms": fwd.spread(), "attention_spread_ms": attn.spread(),
+                    "heads_kept": sum(v.heads), "repeats": fwd.n,
+                })
+    return rows
+
+
+def _dims(model: nn.Module) -> dict:
+    adapter, config = get_adapter(model), model.config
+    hidden = getattr(config, "hidden_size", None) or config.dim
+    intermediate = getattr(config, "intermediate_size", None) or config.hidden_dim
+    return {"head_dim": adapter.head_dim(config), "hidden": hidden, "intermediate": intermediate}
+
+
+def _flops(v: Variant, batch: int, seq: int, dims: dict) -> tuple[float, float]:
+    """(attention FLOPs, forward FLOPs = attention + feed-forward) of one forward of `v`."""
+    attention = model_attention_flops(batch, seq, seq, v.heads, v.kv_heads, dims["head_dim"], dims["hidden"],
+                                      v.densities)
+    return attention, attention + len(v.heads) * ffn_flops(batch, seq, dims["hidden"], dims["intermediate"])

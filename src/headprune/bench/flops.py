@@ -1,0 +1,47 @@
+"""Analytic FLOP counts: the speed-up a variant could reach if time followed arithmetic.
+
+A multiply-add counts 2 FLOPs. Only matrix products are counted: softmax, scaling, biases,
+LayerNorm and activations are left out (they are a few FLOPs per element, but on CPU they are
+memory-bound, which is one reason the measured ratio falls short of these).
+
+Per attention layer with `heads` query heads and `kv_heads` key/value heads of size `head_dim`,
+model width `hidden`, `batch` sequences of `q_len` new tokens attending to `kv_len` keys:
+
+    Q and O projections       2 * batch * q_len * hidden * heads * head_dim    (each)
+    K and V projections       2 * batch * q_len * hidden * kv_heads * head_dim (each; new tokens only)
+    scores Q K^T              2 * batch * heads * q_len * kv_len * head_dim
+    weighted sum P V          2 * batch * heads * q_len * kv_len * head_dim
+
+`weight_density` (nonzero share of the Q/K/V/O weights) scales the projections: the count a
+kernel that skipped every zero weight would do (unstructured pruning leaves the scores alone).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def attention_flops(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: int, head_dim: int,
+                    hidden: int, weight_density: float = 1.0) -> float:
+    """FLOPs of one attention layer (projections + scores + weighted sum)."""
+    projection_weights = hidden * head_dim * (2 * heads + 2 * kv_heads)  # Q, O + K, V
+    projections = 2 * batch * q_len * projection_weights * weight_density
+    scores_and_sum = 2 * (2 * batch * heads * q_len * kv_len * head_dim)
+    return projections + scores_and_sum
+
+
+def ffn_flops(batch: int, tokens: int, hidden: int, intermediate: int, gated: bool = False) -> float:
+    """FLOPs of one feed-forward block (two matrices, three when `gated` as in Llama)."""
+    return 2 * batch * tokens * hidden * intermediate * (3 if gated else 2)
+
+
+def model_attention_flops(batch: int, q_len: int, kv_len: int, heads: Sequence[int], kv_heads: Sequence[int],
+                          head_dim: int, hidden: int, densities: Sequence[float] | None = None) -> float:
+    """Sum of `attention_flops` over layers with per-layer head counts (and weight densities)."""
+    densities = densities if densities is not None else [1.0] * len(heads)
+    return sum(attention_flops(batch, q_len, kv_len, h, g, head_dim, hidden, dens)
+               for h, g, dens in zip(heads, kv_heads, densities, strict=True))
+
+
+def ratio(dense: float, variant: float) -> float:
+    """dense / variant (2.0 = half the work); infinite when the variant does nothing."""
+    return dense / variant if variant > 0 else float("inf")

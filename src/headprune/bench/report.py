@@ -1,0 +1,167 @@
+"""bench.json, bench.md and bench.png from the encoder and decoder rows, plus the headline summary."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from headprune.results import write_json_atomic  # noqa: E402
+
+ATTENTION_TARGET = 1.85  # attention sub-layer speed-up wanted at 50% of the heads removed
+
+
+def summary(results: dict) -> dict:
+    """Headline numbers: attention speed-up at 50% heads (largest grid point), masked vs dense,
+    KV-cache exactness and per-token decode speed-up of each decoder."""
+    out: dict = {}
+    enc = results.get("encoder") or []
+    if enc:
+        batch, seq = max(((r["batch"], r["seq"]) for r in enc), key=lambda bs: (bs[0] * bs[1], bs))
+        at = {(r["variant"], r["sparsity"]): r for r in enc if (r["batch"], r["seq"]) == (batch, seq)}
+        dense = at[("dense", 0.0)]
+        spread = dense["attention_spread_ms"]
+        out["encoder"] = {"batch": batch, "seq": seq,
+                          "dense_attention_iqr_rel": (spread["q3"] - spread["q1"]) / dense["attention_ms"]}
+        pruned = at.get(("pruned_uniform", 0.5))
+        if pruned:
+            out["encoder"].update(attention_ratio_50=pruned["attention_ratio"], target=ATTENTION_TARGET,
+                                  meets_target=pruned["attention_ratio"] >= ATTENTION_TARGET,
+                                  theoretical_attention_ratio_50=pruned["theoretical_attention_ratio"])
+        masked = at.get(("masked", 0.5))
+        if masked:
+            out["encoder"].update(masked_forward_ratio_50=masked["forward_ratio"],
+                                  masked_attention_ratio_50=masked["attention_ratio"])
+    dec = results.get("decoder") or []
+    for model in dict.fromkeys(r["model"] for r in dec):
+        rows = [r for r in dec if r["model"] == model]
+        dense = next(r for r in rows if r["variant"] == "dense")
+        pruned = [r for r in rows if r["kind"] == "pruned"]
+        entry = {"kv_exact": all(r["kv_ratio"] == r["kv_heads_kept"] / dense["kv_heads_kept"] for r in pruned),
+                 "dense_attention_share": dense["per_token_attention_share"]}
+        half = next((r for r in pruned if r["layout"] == "uniform" and r["sparsity"] == 0.5), None)
+        if half:  # bound: only the dense step's attention share shrinks, by the FLOP ratio (Amdahl)
+            share, theory = dense["per_token_attention_share"], half["theoretical_attention_ratio"]
+            entry.update(per_token_ratio_50=half["per_token_ratio"], kv_ratio_50=half["kv_ratio"],
+                         attention_share_50=half["per_token_attention_share"],
+                         per_token_bound_50=1 / (1 - share * (1 - 1 / theory)))
+        out.setdefault("decoder", {})[model] = entry
+    return out
+
+
+def write_reports(results: dict, output_dir: str | Path) -> dict[str, Path]:
+    """Write bench.json, bench.md and bench.png into `output_dir`; returns their paths."""
+    output_dir = Path(output_dir)
+    paths = {"json": output_dir / "bench.json", "md": output_dir / "bench.md", "png": output_dir / "bench.png"}
+    write_json_atomic(paths["json"], results)
+    paths["md"].write_text(markdown(results), encoding="utf-8")
+    plot(results, paths["png"])
+    return paths
+
+
+def markdown(results: dict) -> str:
+    """Summary lines, then one table per section. Times are medians [quartiles]; x = dense / variant."""
+    lines = ["# headprune-bench", ""]
+    meta = results.get("meta", {})
+    if meta:
+        lines += [f"device: {meta.get('device')}, threads: {meta.get('threads')}, torch {meta.get('torch')}, "
+                  f"transformers {meta.get('transformers')}, load average before/after: "
+                  f"{meta.get('load_before')} / {meta.get('load_after')}", ""]
+    lines += _summary_lines(results.get("summary", {}))
+    enc = results.get("encoder") or []
+    if enc:
+        lines += ["## Encoder" + (f" ({enc[0]['model']})" if enc[0].get("model") else ""), "",
+                  "| variant | sparsity | batch | seq | forward ms | attention ms | forward x | attention x "
+                  "| theoretical attention x |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in enc:
+            lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
+                         f"| {_ms(r['forward_ms'], r['forward_spread_ms'])} "
+                         f"| {_ms(r['attention_ms'], r['attention_spread_ms'])} | {r['forward_ratio']:.2f} "
+                         f"| {r['attention_ratio']:.2f} | {r['theoretical_attention_ratio']:.2f} |")
+        lines.append("")
+    dec = results.get("decoder") or []
+    if dec:
+        r0 = dec[0]
+        lines += [f"## Decoders (batch {r0['batch']}, prompt {r0['prompt_len']}, {r0['new_tokens']} new tokens)", "",
+                  "| model | variant | sparsity | prefill ms | per-token ms | prefill x | per-token x "
+                  "| attention share | KV bytes | KV ratio | theoretical attention x |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in dec:
+            lines.append(f"| {r['model']} | {r['variant']} | {r['sparsity']:.2f} "
+                         f"| {_ms(r['prefill_ms'], r['prefill_spread_ms'])} "
+                         f"| {_ms(r['per_token_ms'], r['per_token_spread_ms'])} | {r['prefill_ratio']:.2f} "
+                         f"| {r['per_token_ratio']:.2f} | {r['per_token_attention_share']:.0%} "
+                         f"| {r['kv_cache_bytes']:,} | {r['kv_ratio']:.3f} | {r['theoretical_attention_ratio']:.2f} |")
+        lines.append("")
+    lines += ["ms: median [first quartile - third quartile] over the timed rounds. x: dense time / variant time "
+              "(2.00 = twice as fast); theoretical: dense / variant attention FLOPs (matrix products only, zero "
+              "weights skipped). KV ratio: variant cache bytes / dense. Attention share: time inside the attention "
+              "modules / decode time (separate hooked pass).", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str | Path) -> None:
+    """Latency ratio vs sparsity: encoder attention sub-layer (largest grid point) and decoder per-token."""
+    enc, dec = results.get("encoder") or [], results.get("decoder") or []
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    if enc:
+        batch, seq = results["summary"]["encoder"]["batch"], results["summary"]["encoder"]["seq"]
+        rows = [r for r in enc if (r["batch"], r["seq"]) == (batch, seq)]
+        _curves(axes[0], rows, "attention_ratio")
+        axes[0].set_title(f"encoder attention sub-layer (batch {batch}, seq {seq})")
+    if dec:
+        for i, model in enumerate(dict.fromkeys(r["model"] for r in dec)):
+            _curves(axes[1], [r for r in dec if r["model"] == model], "per_token_ratio", label=f"{model} ",
+                    theory=i == 0)
+        axes[1].set_title("decoder per-token latency")
+    for ax in axes:
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xlabel("sparsity (share of heads removed)")
+        ax.set_ylabel("speed-up (dense time / variant time)")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _curves(ax, rows: list[dict], key: str, label: str = "", theory: bool = True) -> None:
+    dense = [r for r in rows if r["variant"] == "dense"]
+    for variant in dict.fromkeys(r["variant"] for r in rows if r["variant"] != "dense"):
+        pts = sorted((r["sparsity"], r[key]) for r in dense + [r for r in rows if r["variant"] == variant])
+        ax.plot(*zip(*pts), marker="o", label=f"{label}{variant}")
+    if not theory:
+        return
+    for kinds, style, what in ((("pruned",), "--", "pruned"), (("unstructured_dense",), ":", "unstructured")):
+        pts = sorted({(r["sparsity"], r["theoretical_attention_ratio"]) for r in rows
+                      if r["kind"] == "dense" or (r["kind"] in kinds and r["layout"] in (None, "uniform", "exported"))})
+        if len(pts) > 1:
+            ax.plot(*zip(*pts), color="black", ls=style, label=f"theoretical attention (FLOPs, {what})")
+
+
+def _summary_lines(s: dict) -> list[str]:
+    lines = []
+    enc = s.get("encoder", {})
+    if "attention_ratio_50" in enc:
+        lines.append(f"- attention sub-layer, 50% heads removed (batch {enc['batch']}, seq {enc['seq']}): "
+                     f"{enc['attention_ratio_50']:.2f}x dense (target >= {enc['target']}x, theoretical "
+                     f"{enc['theoretical_attention_ratio_50']:.2f}x)")
+    if "masked_forward_ratio_50" in enc:
+        lines.append(f"- masked, 50% heads: forward {enc['masked_forward_ratio_50']:.2f}x, attention "
+                     f"{enc['masked_attention_ratio_50']:.2f}x dense (dense attention IQR "
+                     f"{enc['dense_attention_iqr_rel']:.0%} of its median)")
+    for model, d in s.get("decoder", {}).items():
+        line = f"- {model}: KV bytes exactly the kept KV-head share: {d['kv_exact']}"
+        if "per_token_ratio_50" in d:
+            line += (f"; 50% heads: KV ratio {d['kv_ratio_50']:.3f}, per-token decode {d['per_token_ratio_50']:.2f}x "
+                     f"dense (bound {d['per_token_bound_50']:.2f}x: attention is {d['dense_attention_share']:.0%} "
+                     f"of a dense step, {d['attention_share_50']:.0%} of a pruned one)")
+        lines.append(line)
+    return lines + ([""] if lines else [])
+
+
+def _ms(median: float, spread: dict) -> str:
+    return f"{median:.2f} [{spread['q1']:.2f}-{spread['q3']:.2f}]"
