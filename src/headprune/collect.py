@@ -4,6 +4,8 @@
 
 writes `runs.csv` (one row per run and round, with the sweep's overrides as columns),
 `results.md` (final accuracy per run) and `accuracy_vs_sparsity.png` (one line per run label).
+Causal-LM runs (validation `ppl` instead of `acc`) get `ppl` columns, a perplexity table and
+`perplexity_vs_sparsity.png`.
 """
 from __future__ import annotations
 
@@ -16,6 +18,12 @@ from pathlib import Path
 from headprune.results import write_json_atomic
 
 OVERRIDE_FILE = Path(".hydra") / "overrides.yaml"
+PLOT_FILES = {"acc": "accuracy_vs_sparsity.png", "ppl": "perplexity_vs_sparsity.png"}
+
+
+def _metric(runs: list[dict]) -> str:
+    """"acc" when every run reports accuracy (classification), else "ppl" (causal LM)."""
+    return "acc" if all("acc" in run["baseline"].get("val", {}) for run in runs) else "ppl"
 
 
 def _overrides(run_dir: Path) -> dict[str, str]:
@@ -58,13 +66,18 @@ def rows(runs: list[dict]) -> list[dict]:
         common = {"run_dir": run["run_dir"], **run["overrides"]}
         base = run["baseline"].get("val", {})
         out.append({**common, "round": 0, "sparsity": 0.0, "acc": base.get("acc"), "loss": base.get("loss"),
-                    "acc_before_finetune": base.get("acc")})
+                    "acc_before_finetune": base.get("acc"), **_ppl(base, base)})
         for r in run["rounds"]:
-            val = r.get("val", {})
+            val, before = r.get("val", {}), r.get("val_before_finetune", {})
             out.append({**common, "round": r["round"], "sparsity": r["sparsity"], "acc": val.get("acc"),
-                        "loss": val.get("loss"), "acc_before_finetune": r.get("val_before_finetune", {}).get("acc"),
-                        "rejected": r.get("rejected", False)})
+                        "loss": val.get("loss"), "acc_before_finetune": before.get("acc"),
+                        "rejected": r.get("rejected", False), **_ppl(val, before)})
     return out
+
+
+def _ppl(val: dict, before: dict) -> dict:
+    """Perplexity columns, for causal-LM runs only (classification tables keep their columns)."""
+    return {"ppl": val.get("ppl"), "ppl_before_finetune": before.get("ppl")} if "ppl" in val else {}
 
 
 def to_csv(table: list[dict]) -> str:
@@ -79,6 +92,8 @@ def to_csv(table: list[dict]) -> str:
 
 
 def final_table(runs: list[dict], keys: list[str] | None = None) -> str:
+    if _metric(runs) == "ppl":
+        return _final_ppl_table(runs, keys)
     lines = ["| run | baseline acc | final sparsity | final acc | drop (points) | stop reason |",
              "|---|---|---|---|---|---|"]
     for run in sorted(runs, key=lambda r: label(r, keys)):
@@ -90,17 +105,30 @@ def final_table(runs: list[dict], keys: list[str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _final_ppl_table(runs: list[dict], keys: list[str] | None = None) -> str:
+    lines = ["| run | baseline ppl | final sparsity | final ppl | final / baseline | stop reason |",
+             "|---|---|---|---|---|---|"]
+    for run in sorted(runs, key=lambda r: label(r, keys)):
+        base, final = run["baseline"]["val"]["ppl"], run["final"].get("val", {}).get("ppl")
+        final_s, ratio = (f"{final:.3f}", f"{final / base:.3f}") if final is not None else ("", "")
+        lines.append(f"| {label(run, keys)} | {base:.3f} | {run['final'].get('sparsity', 0):.3f} | {final_s} | {ratio} | "
+                     f"{run['final'].get('stop_reason', '')} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(runs: list[dict], path: Path, keys: list[str] | None = None, before_finetune: bool = False) -> None:
     from headprune.plots import plt
 
+    metric = _metric(runs)
+    scale = 100 if metric == "acc" else 1
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in sorted(runs, key=lambda r: label(r, keys)):
-        pts = [(0.0, run["baseline"]["val"]["acc"])]
+        pts = [(0.0, run["baseline"]["val"][metric])]
         key = "val_before_finetune" if before_finetune else "val"
-        pts += [(r["sparsity"], r[key]["acc"]) for r in run["rounds"] if key in r]
-        ax.plot([100 * s for s, _ in pts], [100 * a for _, a in pts], marker="o", ms=3, label=label(run, keys))
+        pts += [(r["sparsity"], r[key][metric]) for r in run["rounds"] if key in r]
+        ax.plot([100 * s for s, _ in pts], [scale * a for _, a in pts], marker="o", ms=3, label=label(run, keys))
     ax.set_xlabel("heads pruned (%)")
-    ax.set_ylabel("validation accuracy (%)")
+    ax.set_ylabel("validation accuracy (%)" if metric == "acc" else "validation perplexity")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -115,7 +143,7 @@ def collect(roots: list[Path], out: Path, keys: list[str] | None = None, before_
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         tmp.replace(out / name)
-    plot(runs, out / "accuracy_vs_sparsity.png", keys, before_finetune)
+    plot(runs, out / PLOT_FILES[_metric(runs)], keys, before_finetune)
     write_json_atomic(out / "runs.json", [{k: r[k] for k in ("run_dir", "overrides", "baseline", "final", "model")}
                                           | {"rounds": [{k: v for k, v in x.items() if k != "scores"}
                                                         for x in r["rounds"]]} for r in runs])

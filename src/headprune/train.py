@@ -1,6 +1,7 @@
 """`headprune-train`: fine-tune, score, prune, repeat — composed by Hydra from conf/train.yaml.
 
-Returns the final validation accuracy so Hydra sweepers can optimise it.
+Returns the final validation accuracy (classification; higher is better) or perplexity (causal
+LM; lower is better) so Hydra sweepers can optimise it.
 """
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from pathlib import Path
 
 import hydra
 import lightning as L
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from headprune.config_paths import config_dir
 from headprune.config_schema import register_schemas
+from headprune.evaluation import VAL_METRICS, headline
 from headprune.heads.surgery import count_params, prune_heads, save_pruned
 from headprune.lightning.callbacks import HeadPruning
 from headprune.lightning.module import HeadPruneModule
@@ -43,13 +45,16 @@ def run(cfg: DictConfig) -> dict:
     schedule = instantiate(cfg.schedule)
     metric = instantiate(cfg.metric)
     layer_policy = instantiate(cfg.layer_policy)
+    task = _task(cfg)
+    schedule.check_metrics(VAL_METRICS[task], task)
 
     tokenizer = load_tokenizer(cfg.model.pretrained)
     datamodule = instantiate(cfg.data, tokenizer=tokenizer)
     datamodule.setup("fit")
     model = instantiate(cfg.model)(num_labels=datamodule.num_labels)
+    _check_block_size(datamodule, model)
     baseline_params = count_params(model)
-    module = HeadPruneModule(model, num_labels=datamodule.num_labels,
+    module = HeadPruneModule(model, num_labels=datamodule.num_labels, task=task,
                              optimizer=instantiate(cfg.optim.optimizer),
                              scheduler=instantiate(cfg.optim.scheduler) if cfg.optim.get("scheduler") else None,
                              l0_penalty=OmegaConf.select(cfg, "l0.penalty", default=0.0),
@@ -76,9 +81,33 @@ def run(cfg: DictConfig) -> dict:
     finally:
         _close_loggers(loggers)  # a failed job in a sweep still finishes its wandb run
     final = results.data["final"]
-    log.info("baseline val acc %.4f -> final val acc %.4f at sparsity %.2f (results: %s)",
-             results.data["baseline"]["val"]["acc"], final["val"]["acc"], final["sparsity"], results.path)
+    name, base_value = headline(results.data["baseline"]["val"])
+    log.info("baseline val %s %.4f -> final val %s %.4f at sparsity %.2f (results: %s)",
+             name, base_value, *headline(final["val"]), final["sparsity"], results.path)
     return results.data
+
+
+def _task(cfg: DictConfig) -> str:
+    """model.task, checked against the data config: a causal-LM data module sets `task: causal_lm`
+    in its class, text classification has none."""
+    task = cfg.model.get("task", "classification")
+    if task not in VAL_METRICS:
+        raise ValueError(f"model.task={task!r} is not allowed; allowed: {', '.join(VAL_METRICS)}")
+    target = get_class(cfg.data._target_)
+    data_task = getattr(target, "task", "classification")
+    if data_task != task:
+        raise ValueError(f"model.task={task} does not fit data={cfg.data.get('name') or cfg.data._target_}, which "
+                         f"holds {data_task} data; allowed: model.task={data_task}, or a {task} data config")
+    return task
+
+
+def _check_block_size(datamodule, model) -> None:
+    """A causal-LM block must fit the model's position embeddings."""
+    block = getattr(datamodule, "block_size", None)
+    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    if block is not None and positions is not None and block > positions:
+        raise ValueError(f"data.block_size={block} exceeds the model's {positions} positions; allowed: at most "
+                         f"{positions} (or raise the model's n_positions / max_position_embeddings)")
 
 
 def _refuse_to_overwrite(output_dir: Path, resuming: bool, overwrite: bool) -> None:
@@ -122,7 +151,7 @@ def _close_loggers(loggers: list) -> None:
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def main(cfg: DictConfig) -> float:
-    return float(run(cfg)["final"]["val"]["acc"])
+    return float(headline(run(cfg)["final"]["val"])[1])
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ What to score with (`metric`), which heads to take (`layer_policy`) and how far 
 epoch boundaries and records what happened in results.json and the loggers.
 
 Timeline for baseline_epochs=b, epochs_per_round=e and R rounds: after epoch b the baseline
-is evaluated and round 1 prunes; after epoch b + k*e round k's fine-tuned accuracy is
-recorded and round k+1 prunes; after epoch b + R*e the last round is recorded, and
+is evaluated and round 1 prunes; after epoch b + k*e round k's fine-tuned validation metrics
+are recorded and round k+1 prunes; after epoch b + R*e the last round is recorded, and
 `recover_epochs` more epochs may follow. Pruning only changes the HeadMask buffer, so
 parameter shapes (and the optimizer) stay valid mid-fit.
 """
@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from headprune.distributed import all_equal
-from headprune.evaluation import evaluate
+from headprune.evaluation import evaluate, headline
 from headprune.heads.mask import HeadMask
 from headprune.heads.slices import reset_optimizer_state
 from headprune.results import RunResults
@@ -179,7 +179,7 @@ class HeadPruning(Callback):
         record["val"] = self._evaluate(pl_module, datamodule, limit)
         self.results.save()
         self._log(trainer, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
-                            "prune/val_acc": record["val"]["acc"], "prune/val_loss": record["val"]["loss"],
+                            **{f"prune/val_{name}": value for name, value in record["val"].items()},
                             **{f"prune/heads_layer_{i}": n for i, n in enumerate(record["heads_per_layer"])}})
 
     def _check_stop(self, pl_module, trainer) -> bool:
@@ -238,13 +238,14 @@ class HeadPruning(Callback):
         if shortfall:
             record["shortfall"] = shortfall
         self.rounds.append(record)
-        log.info("round %d: pruned %d heads -> sparsity %.3f, heads per layer %s, val acc before fine-tuning %.4f",
+        log.info("round %d: pruned %d heads -> sparsity %.3f, heads per layer %s, val %s before fine-tuning %.4f",
                  k + 1, len(heads), record["sparsity"], record["heads_per_layer"],
-                 record["val_before_finetune"]["acc"])
+                 *headline(record["val_before_finetune"]))
         if self.schedule.epochs_per_round == 0:
             record["val"] = record["val_before_finetune"]
+            name, value = headline(record["val"])
             self._log(trainer, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
-                                "prune/val_acc": record["val"]["acc"]})
+                                f"prune/val_{name}": value})
             self._check_stop(pl_module, trainer)
         self.results.save()
         self._log_heatmap(trainer, mask, record["round"])

@@ -1,4 +1,8 @@
-"""The LightningModule: an HF model with a HeadMask, trained with a per-example loss."""
+"""The LightningModule: an HF model with a HeadMask, trained with a per-example loss.
+
+Sequence classification logs accuracy and loss; a causal LM logs the per-token loss and the
+perplexity (its exponential), the same numbers `headprune.evaluation.evaluate` reports.
+"""
 from __future__ import annotations
 
 from typing import Callable
@@ -6,13 +10,16 @@ from typing import Callable
 import lightning as L
 import torch
 from torch import nn
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from headprune.heads.hard_concrete import HardConcreteGates
 from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import apply_layout
-from headprune.objectives import forward_logits, per_example_loss
+from headprune.objectives import forward_logits, per_example_loss, target_counts
+
+TASKS = ("classification", "causal_lm")
 
 
 class HeadPruneModule(L.LightningModule):
@@ -23,11 +30,18 @@ class HeadPruneModule(L.LightningModule):
     `l0_penalty` > 0 learns Hard-Concrete head gates with the model (Voita et al. 2019): gates
     are sampled in training, deterministic at evaluation, `l0_penalty` x the expected number
     of open heads is added to the loss, and the gates train at learning rate `l0_lr`.
+    `task` (model.task): "classification" (needs `num_labels`) or "causal_lm".
     """
 
-    def __init__(self, model: nn.Module, num_labels: int, optimizer: Callable | None = None,
-                 scheduler: Callable | None = None, l0_penalty: float = 0.0, l0_lr: float = 0.1):
+    def __init__(self, model: nn.Module, num_labels: int | None, optimizer: Callable | None = None,
+                 scheduler: Callable | None = None, l0_penalty: float = 0.0, l0_lr: float = 0.1,
+                 task: str = "classification"):
         super().__init__()
+        if task not in TASKS:
+            raise ValueError(f"model.task={task!r} is not allowed; allowed: {', '.join(TASKS)}")
+        if task == "classification" and not num_labels:
+            raise ValueError(f"model.task=classification needs the number of classes, got num_labels={num_labels!r}")
+        self.task = task
         self.nonfinite_loss: float | None = None
         self.model = model.train()  # from_pretrained returns eval mode; fine-tuning wants dropout
         self.head_mask = HeadMask.for_model(model)
@@ -38,8 +52,11 @@ class HeadPruneModule(L.LightningModule):
         self.l0_penalty, self.l0_lr = l0_penalty, l0_lr
         if l0_penalty > 0:
             self.head_mask.stochastic = HardConcreteGates(self.head_mask.num_layers, self.head_mask.num_heads)
-        self.train_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
-        self.val_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
+        if task == "classification":
+            self.train_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
+            self.val_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
+        else:
+            self.val_token_loss = MeanMetric()  # per-token mean over the epoch (and ranks)
 
     def forward(self, batch: dict) -> torch.Tensor:
         return forward_logits(self.model, batch)
@@ -64,17 +81,28 @@ class HeadPruneModule(L.LightningModule):
             expected_heads = self.head_mask.stochastic.expected_l0()
             loss = loss + self.l0_penalty * expected_heads
             self.log("train/expected_heads", expected_heads, batch_size=logits.shape[0])
-        self.train_acc(logits.argmax(-1), batch["labels"])
         self.log("train/loss", loss, prog_bar=True, batch_size=logits.shape[0])
-        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=logits.shape[0])
+        if self.task == "classification":
+            self.train_acc(logits.argmax(-1), batch["labels"])
+            self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=logits.shape[0])
         return loss
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         logits = self(batch)
-        loss = per_example_loss(logits, batch).mean()
+        losses = per_example_loss(logits, batch)  # (B,)
+        if self.task == "causal_lm":
+            self.val_token_loss.update(losses, weight=target_counts(batch))
+            return
         self.val_acc(logits.argmax(-1), batch["labels"])
-        self.log("val/loss", loss, prog_bar=True, batch_size=logits.shape[0])
+        self.log("val/loss", losses.mean(), prog_bar=True, batch_size=logits.shape[0])
         self.log("val/acc", self.val_acc, prog_bar=True, batch_size=logits.shape[0])
+
+    def on_validation_epoch_end(self) -> None:
+        if self.task == "causal_lm":
+            loss = self.val_token_loss.compute()
+            self.val_token_loss.reset()
+            self.log("val/loss", loss, prog_bar=True)
+            self.log("val/ppl", loss.exp(), prog_bar=True)
 
     def configure_optimizers(self):
         if self.optimizer_factory is None:

@@ -59,6 +59,10 @@ class Schedule:
         """Why to stop after a round whose fine-tuned validation metrics are `val`, or None."""
         return None
 
+    def check_metrics(self, available: tuple[str, ...], task: str) -> None:
+        """Fail before any training when the stopping rule reads a validation metric that a
+        `task` run does not report (`available`)."""
+
 
 @dataclass
 class OneShot(Schedule):
@@ -126,6 +130,12 @@ class UntilThreshold(Iterative):
                              "baseline metric")
         if self.metric != "acc":
             raise ValueError(f"schedule.metric={self.metric!r} is not allowed; allowed: acc")
+
+    def check_metrics(self, available: tuple[str, ...], task: str) -> None:
+        if self.metric not in available:
+            raise ValueError(f"schedule.metric={self.metric!r} is not reported by a model.task={task} run "
+                             f"(its validation metrics: {', '.join(available)}); schedule=until_threshold "
+                             "allows: acc. Use schedule=one_shot, iterative or cubic with this task")
 
     def stop_reason(self, baseline: dict, val: dict) -> str | None:
         floor = self.threshold * baseline[self.metric]

@@ -1,0 +1,155 @@
+"""Causal-LM DataModule over one plain-text corpus (a local file, or hub splits joined in order).
+
+The text is tokenized once (with the byte tokenizer a token is a byte). The first
+`1 - validation_share` of the tokens are the training part and the rest is validation:
+contiguous, so no validation text is ever trained on (random blocks of a running text would
+share passages across the split). Each part is cut into non-overlapping blocks of `block_size`
+tokens, the incomplete tail dropped. `score_samples` blocks, drawn with `seed` from the training
+part, are held out to rank heads; the other training blocks (capped at `max_train_samples`) are
+trained on, reshuffled every epoch. Batches are {"input_ids": (B, block_size)}: every token is
+real, and the model learns to predict each next token of a block from the ones before it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from headprune.lightning.datamodule import EpochSeededSampler
+
+log = logging.getLogger(__name__)
+
+
+def split_blocks(n_tokens: int, block_size: int, validation_share: float, score_samples: int,
+                 seed: int) -> dict[str, list[int]]:
+    """Start offsets of the "train", "score" and "validation" blocks of an `n_tokens` corpus.
+
+    Train and score blocks lie in [0, cut), validation blocks in [cut, n_tokens), where
+    cut = round((1 - validation_share) * n_tokens); blocks never overlap. The score blocks are a
+    seeded random choice of the training part's blocks, listed in text order.
+    """
+    cut = round((1 - validation_share) * n_tokens)
+    train = list(range(0, cut - block_size + 1, block_size))
+    validation = list(range(cut, n_tokens - block_size + 1, block_size))
+    if not validation:
+        raise ValueError(f"data.validation_share={validation_share} leaves {n_tokens - cut} validation tokens, "
+                         f"less than one block (data.block_size={block_size})")
+    if score_samples >= len(train):
+        raise ValueError(f"data.score_samples={score_samples} leaves no training data ({len(train)} training "
+                         f"blocks of data.block_size={block_size} tokens)")
+    g = torch.Generator().manual_seed(seed)
+    held = set(torch.randperm(len(train), generator=g)[:score_samples].tolist())
+    return {"train": [s for i, s in enumerate(train) if i not in held],
+            "score": [s for i, s in enumerate(train) if i in held],
+            "validation": validation}
+
+
+class Blocks(Dataset):
+    """Fixed-length windows of one token tensor: item i is {"input_ids": ids[start_i : start_i + size]}."""
+
+    def __init__(self, ids: torch.Tensor, starts: list[int], size: int):
+        self.ids, self.starts, self.size = ids, starts, size
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> dict:
+        start = self.starts[i]
+        return {"input_ids": self.ids[start:start + self.size]}  # (block_size,)
+
+
+class TextLMDataModule(L.LightningDataModule):
+    """Blocks of one text for causal-LM training, head scoring and validation (see the module doc)."""
+
+    task = "causal_lm"
+    num_labels = None
+
+    def __init__(self, tokenizer, file: str | None = None, data_dir: str | None = None, hub: dict | None = None,
+                 block_size: int = 128, validation_share: float = 0.1, score_samples: int = 64,
+                 max_train_samples: int | None = None, max_validation_samples: int | None = None,
+                 batch_size: int = 32, eval_batch_size: int = 64, num_workers: int = 0, seed: int = 0,
+                 name: str | None = None):
+        super().__init__()
+        if not isinstance(block_size, int) or block_size < 2:
+            raise ValueError(f"data.block_size={block_size!r} must be an integer >= 2 (one input and one target)")
+        if not isinstance(validation_share, (int, float)) or not 0 < validation_share < 1:
+            raise ValueError(f"data.validation_share={validation_share!r} must be in (0, 1)")
+        for field, value in (("score_samples", score_samples), ("max_train_samples", max_train_samples),
+                             ("max_validation_samples", max_validation_samples)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"data.{field}={value!r} must be a non-negative integer or null")
+        self.tokenizer, self.file, self.data_dir, self.hub = tokenizer, file, data_dir, hub
+        self.block_size, self.validation_share, self.score_samples = block_size, validation_share, score_samples
+        self.max_train_samples, self.max_validation_samples = max_train_samples, max_validation_samples
+        self.batch_size, self.eval_batch_size, self.num_workers = batch_size, eval_batch_size, num_workers
+        self.seed, self.name = seed, name
+        self._loaded = False
+
+    # -- reading -----------------------------------------------------------------------------
+    def _use_local(self) -> bool:
+        return bool(self.data_dir) or not self.hub or Path(str(self.file or "")).is_absolute()
+
+    def _read_local(self) -> str:
+        if self.file is None:
+            raise ValueError("data.file is not set: give a text file path (or set data.hub for a hub dataset)")
+        path = Path(os.path.expanduser(self.file))
+        if not path.is_absolute() and self.data_dir:
+            path = Path(os.path.expanduser(self.data_dir)) / path
+        if not path.is_file():
+            hint = f" (data.data_dir={self.data_dir!r})" if self.data_dir else ""
+            raise FileNotFoundError(f"data.file: file {str(path)!r} does not exist{hint}")
+        return path.read_text(encoding="utf-8")
+
+    def _read_hub(self) -> str:
+        """The hub dataset's `splits` joined in order (e.g. a corpus the hub split 90/5/5 by position)."""
+        from datasets import load_dataset
+
+        hub = dict(self.hub)
+        column, splits = hub.pop("text_column", "text"), hub.pop("splits", ["train"])
+        ds = load_dataset(hub.pop("path"), hub.pop("name", None), **{k: v for k, v in hub.items() if v is not None})
+        parts = []
+        for split in splits:
+            if split not in ds:
+                raise ValueError(f"data.hub.splits: {split!r} is not a split of {self.hub['path']}; splits: {list(ds)}")
+            if column not in ds[split].column_names:
+                raise ValueError(f"data.hub.text_column={column!r} is not a column of {self.hub['path']}; "
+                                 f"columns: {ds[split].column_names}")
+            parts += list(ds[split][column])
+        return "".join(parts)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._loaded:
+            return
+        text = self._read_local() if self._use_local() else self._read_hub()
+        ids = torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)  # (N,)
+        starts = split_blocks(len(ids), self.block_size, self.validation_share, self.score_samples, self.seed)
+        train = starts["train"][:self.max_train_samples]
+        validation = starts["validation"][:self.max_validation_samples]
+        self.train_set = Blocks(ids, train, self.block_size)
+        self.score_set = Blocks(ids, starts["score"], self.block_size)
+        self.val_set = Blocks(ids, validation, self.block_size)
+        self._loaded = True
+        log.info("%s: %d tokens -> %d train, %d score, %d validation blocks of %d tokens", self.name or "text",
+                 len(ids), len(train), len(starts["score"]), len(validation), self.block_size)
+
+    # -- loaders -----------------------------------------------------------------------------
+    def _loader(self, data: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
+        sampler = EpochSeededSampler(len(data), self.seed) if shuffle else None
+        return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=self.num_workers,
+                          generator=torch.Generator().manual_seed(self.seed))
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, self.eval_batch_size, shuffle=False)
+
+    def score_dataloader(self, rank: int = 0, world_size: int = 1) -> DataLoader:
+        """The held-out training blocks heads are ranked on; under data parallelism each rank gets
+        every `world_size`-th block starting at `rank`."""
+        shard = Blocks(self.score_set.ids, self.score_set.starts[rank::world_size], self.block_size)
+        return self._loader(shard, self.eval_batch_size, shuffle=False)
