@@ -74,3 +74,33 @@ def test_unknown_validation_label_and_single_class(tmp_path, tokenizer):
                                       score_samples=1)
     with pytest.raises(ValueError, match="single class"):
         dm.setup()
+
+
+def test_empty_file_negative_labels_and_truncation_notice(tmp_path, tokenizer, caplog):
+    _write(tmp_path / "empty.tsv", "text\tlabel\n")
+    _write(tmp_path / "dev.tsv", "text\tlabel\na\t0\n")
+    dm = TextClassificationDataModule(tokenizer, train_file=str(tmp_path / "empty.tsv"),
+                                      validation_file=str(tmp_path / "dev.tsv"), text_column="text")
+    with pytest.raises(ValueError, match="training data is empty"):
+        dm.setup()
+    _write(tmp_path / "neg.tsv", "text\tlabel\na\t-1\nb\t0\n")
+    with pytest.raises(ValueError, match="labels must be >= 0"):
+        TextClassificationDataModule(tokenizer, train_file=str(tmp_path / "neg.tsv"),
+                                     validation_file=str(tmp_path / "dev.tsv"), text_column="text",
+                                     score_samples=1).setup()
+    long = " ".join(["word"] * 50)
+    _write(tmp_path / "long.tsv", "text\tlabel\n" + "".join(f"{long}\t{i % 2}\n" for i in range(6)))
+    dm = TextClassificationDataModule(tokenizer, train_file=str(tmp_path / "long.tsv"),
+                                      validation_file=str(tmp_path / "dev.tsv"), text_column="text",
+                                      score_samples=2, max_length=16)
+    with caplog.at_level("WARNING"):
+        dm.setup()
+    assert all(len(x["input_ids"]) == 16 for x in dm.train_set)
+    notices = [r.getMessage() for r in caplog.records if "truncated" in r.getMessage()]
+    assert len(notices) == 1 and "6 examples" in notices[0]
+    big = TextClassificationDataModule(tokenizer, train_file=str(tmp_path / "long.tsv"),
+                                       validation_file=str(tmp_path / "dev.tsv"), text_column="text",
+                                       score_samples=2, max_length=100_000)
+    with caplog.at_level("WARNING"):
+        big.setup()
+    assert big.max_length == tokenizer.model_max_length
