@@ -1,0 +1,15 @@
+"""The analysis notebook runs against the committed results, so it cannot rot."""
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_analysis_notebook_executes():
+    nb = nbformat.read(REPO / "notebooks" / "analysis.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    assert any("image/png" in o.get("data", {}) for o in outputs)
