@@ -125,3 +125,14 @@ def test_wandb_falls_back_to_offline_when_not_logged_in(monkeypatch, tmp_path, c
     logger = loggers.wandb_logger(save_dir=str(tmp_path))
     assert logger._offline is True
     assert sum("logging offline" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_joblib_launcher_sweep(tmp_path, data_dir):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "headprune.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+           "model=tiny_bert", "debug=fast", "data.max_train_samples=32", "data.score_samples=16",
+           f"data.data_dir={data_dir}", "layer_policy=global,uniform", f"hydra.sweep.dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    policies = {_results(tmp_path / str(i))["config"]["layer_policy"]["_target_"].rsplit(".", 1)[1] for i in (0, 1)}
+    assert policies == {"global_policy", "uniform_policy"}
