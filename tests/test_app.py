@@ -95,6 +95,9 @@ def test_wandb_logger_offline(cfg_factory, tmp_path, monkeypatch):
     run(cfg)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs, "no offline wandb run written"
+    records = b"".join(p.read_bytes() for p in (tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    for key in (b"prune/val_acc", b"prune/head_mask", b"final/sparsity", b"final/acc_drop"):
+        assert key in records, key  # per-round metrics, the mask heatmap and the run summary
 
 
 @pytest.mark.parametrize("override,pattern", [

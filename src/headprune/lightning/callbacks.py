@@ -160,6 +160,7 @@ class HeadPruning(Callback):
                                self.results.output_dir / "head_mask.png", cmap="Greys_r", vmin=0, vmax=1))
         if self.diagnostics is not None:
             self._diagnose(pl_module, datamodule, limit, trainer)
+        self._log_summary(trainer, data)
         return data
 
     # -- internals ---------------------------------------------------------------------------
@@ -294,6 +295,23 @@ class HeadPruning(Callback):
             return
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+    def _log_summary(self, trainer, data: dict) -> None:
+        """Final sparsity and metrics in the wandb run summary, so a dashboard can plot a sweep's
+        metric against sparsity, one point per run."""
+        if trainer is None:
+            return
+        from lightning.pytorch.loggers import WandbLogger
+
+        final, base = data["final"], data["baseline"].get("val", {})
+        summary = {"final/sparsity": final["sparsity"], "final/stop_reason": final["stop_reason"],
+                   **{f"final/val_{k}": v for k, v in final["val"].items()},
+                   **{f"baseline/val_{k}": v for k, v in base.items()}}
+        if "acc" in base and "acc" in final["val"]:
+            summary["final/acc_drop"] = base["acc"] - final["val"]["acc"]
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and trainer.is_global_zero:
+                logger.experiment.summary.update(summary)
 
     def _log_heatmap(self, trainer, mask: HeadMask, round_no: int) -> None:
         if trainer is None or not self.heatmaps:
