@@ -213,3 +213,14 @@ def test_bad_schedule_values_fail_at_start(override, pattern, cfg_factory):
     cfg = cfg_factory(override)
     with pytest.raises(Exception, match=pattern):
         instantiate(cfg.schedule)
+
+
+@pytest.mark.parametrize("name", ["michel2019_bert_sst2", "michel2019_bert_mnli"])
+def test_michel2019_configs_smoke(name, cfg_factory, tmp_path, data_dir):
+    """The GPU + hub experiments, run here as a fast_dev_run on the tiny model and local SST-2."""
+    cfg = cfg_factory(f"experiment={name}", "model=tiny_bert", "trainer=default", "data=sst2",
+                      f"data.data_dir={data_dir}", "debug=fast", "data.max_train_samples=32", "data.score_samples=16",
+                      "schedule.baseline_epochs=1")  # fast_dev_run trains one epoch
+    assert cfg.schedule.target_sparsity == 0.9 and cfg.schedule.epochs_per_round == 0
+    res = run(cfg)
+    assert res["final"]["rounds_completed"] == 9

@@ -5,9 +5,10 @@
 set -euo pipefail
 OUT=experiments/iterative_vs_one_shot/runs
 export OMP_NUM_THREADS=1
-headprune-train experiment=quickstart schedule=one_shot schedule.target_sparsity=0.5 \
+DATA="data.max_train_samples=4000 data.score_samples=512 data.max_length=64"  # as experiment=quickstart
+headprune-train $DATA schedule=one_shot schedule.target_sparsity=0.5 \
     schedule.baseline_epochs=2 schedule.epochs_per_round=5 hydra.run.dir=$OUT/one_shot_0.5 &
-headprune-train experiment=quickstart schedule=one_shot schedule.target_sparsity=0.0 \
+headprune-train $DATA schedule=one_shot schedule.target_sparsity=0.0 \
     schedule.baseline_epochs=7 schedule.epochs_per_round=0 hydra.run.dir=$OUT/dense_7_epochs &
 wait
 mkdir -p experiments/iterative_vs_one_shot/results
