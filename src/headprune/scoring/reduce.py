@@ -43,3 +43,22 @@ def mean_over_ranks(total: torch.Tensor, count: int) -> torch.Tensor:
     if float(n) == 0:
         raise ValueError("no scoring examples on any rank (data.score_samples=0?)")
     return total / n.to(total.dtype)
+
+
+def per_example_gate_grads(model: nn.Module, mask: HeadMask, dataloader, max_batches: int | None = None):
+    """Yield, per batch, every example's d loss / d gate, shape (B, layers, heads), in float64.
+
+    One backward pass per batch: with the loss summed over the batch, example b's gates only
+    see example b's loss (HeadMask.differentiable_gates). Runs in `scoring_mode`.
+    """
+    from headprune.objectives import forward_logits, per_example_loss, to_device
+
+    with scoring_mode(model):
+        for i, batch in enumerate(dataloader):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = to_device(batch, mask.mask.device)
+            with mask.differentiable_gates(batch["input_ids"].shape[0]) as gates:  # (B, L, H)
+                loss = per_example_loss(forward_logits(model, batch), batch).sum()
+                (grad,) = torch.autograd.grad(loss, gates)
+            yield grad.detach().double()

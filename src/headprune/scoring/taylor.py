@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from headprune.heads.mask import HeadMask
-from headprune.objectives import forward_logits, per_example_loss, to_device
-from headprune.scoring.reduce import finish_scores, mean_over_ranks, scoring_mode
+from headprune.scoring.reduce import finish_scores, mean_over_ranks, per_example_gate_grads
 
 
 def taylor_importance(model: nn.Module, mask: HeadMask, dataloader, normalize: bool = True,
@@ -25,18 +24,9 @@ def taylor_importance(model: nn.Module, mask: HeadMask, dataloader, normalize: b
     `normalize`: divide each layer's scores by their L2 norm, as Michel et al. do before
     ranking heads globally across layers.
     """
-    device = mask.mask.device
     total = torch.zeros_like(mask.mask, dtype=torch.float64)
     count = 0
-    with scoring_mode(model):
-        for i, batch in enumerate(dataloader):
-            if max_batches is not None and i >= max_batches:
-                break
-            batch = to_device(batch, device)
-            batch_size = batch["input_ids"].shape[0]
-            with mask.differentiable_gates(batch_size) as gates:  # (B, L, H)
-                loss = per_example_loss(forward_logits(model, batch), batch).sum()
-                (grad,) = torch.autograd.grad(loss, gates)
-            total += grad.detach().abs().sum(0).double()
-            count += batch_size
+    for grad in per_example_gate_grads(model, mask, dataloader, max_batches):  # (B, L, H)
+        total += grad.abs().sum(0)
+        count += grad.shape[0]
     return finish_scores(mean_over_ranks(total, count), mask, normalize=normalize)
