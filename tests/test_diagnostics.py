@@ -152,7 +152,11 @@ class RecordingWandb(WandbLogger):
     """A WandbLogger that only records what it is asked to log."""
 
     def __init__(self):
-        self.images, self.metrics = [], []
+        self.images, self.metrics, self.summary = [], [], {}
+
+    @property
+    def experiment(self):
+        return SimpleNamespace(summary=self.summary)
 
     def log_image(self, key, images, step=None, **kwargs):
         self.images.append((key, len(images)))
@@ -173,7 +177,8 @@ def test_end_of_run_diagnostics_in_results_heatmaps_and_wandb(tokenizer, data_di
                           layer_policy=partial(global_policy, min_heads_per_layer=1), results=results,
                           diagnostics={"metrics": ["entropy", "magnitude"], "duplicate_threshold": 0.2})
     wandb = RecordingWandb()
-    trainer = SimpleNamespace(loggers=[wandb], global_step=0, fast_dev_run=False, world_size=1, global_rank=0)
+    trainer = SimpleNamespace(loggers=[wandb], global_step=0, fast_dev_run=False, world_size=1, global_rank=0,
+                              is_global_zero=True)
     pruning.step(module, dm, completed_epochs=0, trainer=trainer)
     pruning.finish(module, dm, trainer=trainer)
 
