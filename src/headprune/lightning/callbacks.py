@@ -179,9 +179,7 @@ class HeadPruning(Callback):
         record = self.rounds[-1]
         record["val"] = self._evaluate(pl_module, datamodule, limit)
         self.results.save()
-        self._log(trainer, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
-                            **{f"prune/val_{name}": value for name, value in record["val"].items()},
-                            **{f"prune/heads_layer_{i}": n for i, n in enumerate(record["heads_per_layer"])}})
+        self._log_round(trainer, record)
 
     def _check_stop(self, pl_module, trainer) -> bool:
         """Apply the schedule's stopping rule to the last recorded round."""
@@ -244,9 +242,7 @@ class HeadPruning(Callback):
                  *headline(record["val_before_finetune"]))
         if self.schedule.epochs_per_round == 0:
             record["val"] = record["val_before_finetune"]
-            name, value = headline(record["val"])
-            self._log(trainer, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
-                                f"prune/val_{name}": value})
+            self._log_round(trainer, record)
             self._check_stop(pl_module, trainer)
         self.results.save()
         self._log_heatmap(trainer, mask, record["round"])
@@ -289,6 +285,12 @@ class HeadPruning(Callback):
                     logger.log_image(key=f"diagnostics/{stem}", images=[fig], step=trainer.global_step)
         for fig in figures.values():
             close(fig)
+
+    def _log_round(self, trainer, record: dict) -> None:
+        """A round's sparsity, validation metrics and heads per layer, once its `val` is known."""
+        self._log(trainer, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
+                            **{f"prune/val_{name}": value for name, value in record["val"].items()},
+                            **{f"prune/heads_layer_{i}": n for i, n in enumerate(record["heads_per_layer"])}})
 
     def _log(self, trainer, metrics: dict) -> None:
         if trainer is None:

@@ -38,6 +38,16 @@ class EpochSeededSampler(Sampler[int]):
         return self.n
 
 
+def seeded_loader(data, batch_size: int, shuffle: bool, seed: int, num_workers: int = 0,
+                  collate_fn=None) -> DataLoader:
+    """A DataLoader whose batch order depends only on (seed, epoch). Its private generator for the
+    worker seeds keeps the global RNG (dropout) untouched by iterating, so a resumed run continues
+    the exact random stream of an uninterrupted one."""
+    sampler = EpochSeededSampler(len(data), seed) if shuffle else None
+    return DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                      num_workers=num_workers, generator=torch.Generator().manual_seed(seed))
+
+
 class TextClassificationDataModule(L.LightningDataModule):
     def __init__(self, tokenizer, train_file: str | None = None, validation_file: str | None = None,
                  data_dir: str | None = None, text_column="sentence", label_column="label",
@@ -151,11 +161,7 @@ class TextClassificationDataModule(L.LightningDataModule):
 
     # -- loaders -----------------------------------------------------------------------------
     def _loader(self, data: list[dict], batch_size: int, shuffle: bool) -> DataLoader:
-        sampler = EpochSeededSampler(len(data), self.seed) if shuffle else None
-        # A private generator for the loader's worker seeds keeps the global RNG (dropout) untouched
-        # by iterating, so a resumed run continues the exact random stream of an uninterrupted one.
-        return DataLoader(data, batch_size=batch_size, sampler=sampler, collate_fn=self.collate,
-                          num_workers=self.num_workers, generator=torch.Generator().manual_seed(self.seed))
+        return seeded_loader(data, batch_size, shuffle, self.seed, self.num_workers, collate_fn=self.collate)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, self.batch_size, shuffle=True)

@@ -19,7 +19,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from headprune.lightning.datamodule import EpochSeededSampler
+from headprune.lightning.datamodule import seeded_loader
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +138,7 @@ class TextLMDataModule(L.LightningDataModule):
 
     # -- loaders -----------------------------------------------------------------------------
     def _loader(self, data: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
-        sampler = EpochSeededSampler(len(data), self.seed) if shuffle else None
-        return DataLoader(data, batch_size=batch_size, sampler=sampler, num_workers=self.num_workers,
-                          generator=torch.Generator().manual_seed(self.seed))
+        return seeded_loader(data, batch_size, shuffle, self.seed, self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, self.batch_size, shuffle=True)
