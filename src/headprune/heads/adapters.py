@@ -126,6 +126,15 @@ def head_layout(model: nn.Module) -> list[list[int]]:
     return [list(range(adapter.num_heads(model.config))) for _ in range(n_layers)]
 
 
+def layer_heads(model: nn.Module, layer: int) -> list[int]:
+    """Original ids of the heads `layer` still physically has: `head_layout(model)[layer]`
+    without building the whole layout (the mask hook asks on every forward)."""
+    layout = getattr(model, LAYOUT_ATTR, None)
+    if layout is not None:
+        return list(layout[layer])
+    return list(range(get_adapter(model).num_heads(model.config)))
+
+
 def model_shape(model: nn.Module) -> tuple[int, int]:
     """(layers, heads) of the original, unpruned model."""
     adapter = get_adapter(model)

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from headprune.heads.adapters import get_adapter, head_layout, model_shape
+from headprune.heads.adapters import get_adapter, layer_heads, model_shape
 
 
 class HeadMask(nn.Module):
@@ -73,7 +73,7 @@ class HeadMask(nn.Module):
 
     def _make_hook(self, model: nn.Module, layer: int):
         def hook(module, args):
-            kept = head_layout(model)[layer]
+            kept = layer_heads(model, layer)
             gate = self.mask[layer, kept]  # (h,)
             if self.stochastic is not None:
                 gate = gate * self.stochastic.gate(layer, kept, sample=module.training)  # (h,)
