@@ -224,3 +224,22 @@ def test_michel2019_configs_smoke(name, cfg_factory, tmp_path, data_dir):
     assert cfg.schedule.target_sparsity == 0.9 and cfg.schedule.epochs_per_round == 0
     res = run(cfg)
     assert res["final"]["rounds_completed"] == 9
+
+
+@pytest.mark.parametrize("name,extra", [
+    ("quickstart", ["schedule.epochs_per_round=0"]),  # every round in fast_dev_run's one epoch
+    ("iterative_vs_one_shot", ["schedule.epochs_per_round=0"]),
+    ("iterative_vs_one_shot", ["schedule=one_shot", "schedule.epochs_per_round=2"]),
+    ("sst2_finetune", []),
+    ("metric_curves", ["model.pretrained=sentence-transformers/all-MiniLM-L6-v2", "metric=entropy"]),
+    ("layer_sensitivity", ["model.pretrained=sentence-transformers/all-MiniLM-L6-v2", "layer_policy=sensitivity"]),
+])
+def test_minilm_experiments_smoke(name, extra, cfg_factory):
+    """The MiniLM experiments' configs, run as a fast_dev_run on the tiny model."""
+    cfg = cfg_factory(f"experiment={name}", "model=tiny_bert", "debug=fast", "data.max_train_samples=32",
+                      "data.score_samples=16", "data.max_validation_samples=32", "schedule.baseline_epochs=0",
+                      *extra)  # fast_dev_run trains a single epoch: prune before it
+    res = run(cfg)
+    target = cfg.schedule.target_sparsity
+    assert res["final"]["sparsity"] == pytest.approx(min(round(target * 12), 9) / 12)  # >= 1 head per layer
+    assert all(0 <= r["val"]["acc"] <= 1 for r in res["rounds"])

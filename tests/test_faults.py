@@ -3,6 +3,7 @@ data-parallel pruning that agrees across ranks and with a single process."""
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
@@ -136,3 +137,54 @@ def test_joblib_launcher_sweep(tmp_path, data_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     policies = {_results(tmp_path / str(i))["config"]["layer_policy"]["_target_"].rsplit(".", 1)[1] for i in (0, 1)}
     assert policies == {"global_policy", "uniform_policy"}
+
+
+def test_wandb_goes_offline_when_logged_in_but_unreachable(monkeypatch, tmp_path, caplog):
+    from headprune.lightning import loggers
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{port}")
+    assert not loggers.wandb_reachable(timeout=1.0)
+    logger = loggers.wandb_logger(save_dir=str(tmp_path))
+    assert logger._offline is True
+    assert sum("server is unreachable" in r.getMessage() for r in caplog.records) == 1
+    with socket.socket() as server:  # and one that answers
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert loggers.wandb_reachable(timeout=1.0)
+
+
+def test_wandb_runs_of_a_sweep_share_group_and_tags(tmp_path):
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import open_dict
+
+    from headprune.config_paths import config_dir
+    from headprune.lightning import loggers
+
+    assert loggers.hydra_run_identity() == (None, None, [])
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            identities = []
+            for policy in ("global", "uniform"):
+                cfg = compose("train", overrides=["metric=entropy", f"layer_policy={policy}",
+                                                  f"hydra.sweep.dir={tmp_path}/sweep"], return_hydra_config=True)
+                with open_dict(cfg):
+                    cfg.hydra.mode = RunMode.MULTIRUN
+                    cfg.hydra.job.override_dirname = f"layer_policy={policy},metric=entropy"
+                HydraConfig.instance().set_config(cfg)
+                logger = loggers.wandb_logger(save_dir=str(tmp_path), offline=True, tags=["mine"])
+                identities.append(logger._wandb_init)
+    finally:
+        GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None
+    assert identities[0]["group"] == identities[1]["group"] == f"{tmp_path}/sweep"[-128:]
+    assert identities[1]["name"] == "layer_policy=uniform,metric=entropy"
+    assert identities[0]["tags"] == ["model:minilm", "data:sst2", "metric:entropy", "schedule:iterative",
+                                     "layer_policy:global", "mine"]

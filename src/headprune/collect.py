@@ -3,7 +3,10 @@
     headprune-collect multirun/2026-11-29/10-00-00 --out experiments/metric_curves
 
 writes `runs.csv` (one row per run and round, with the sweep's overrides as columns),
-`results.md` (final accuracy per run) and `accuracy_vs_sparsity.png` (one line per run label).
+`results.md` (final accuracy per run), `curves.md` (accuracy at every sparsity, one row per run
+label) and `accuracy_vs_sparsity.png` (one line per run label). `--mean-over metric.seed` merges
+runs that differ only in those overrides into one label: mean, sample standard deviation and
+count per point, drawn as a line with a +-1 std band.
 Causal-LM runs (validation `ppl` instead of `acc`) get `ppl` columns, a perplexity table and
 `perplexity_vs_sparsity.png`.
 """
@@ -13,9 +16,10 @@ import argparse
 import csv
 import io
 import json
+import statistics
 from pathlib import Path
 
-from headprune.results import write_json_atomic
+from headprune.results import write_json_atomic, write_text_atomic
 
 OVERRIDE_FILE = Path(".hydra") / "overrides.yaml"
 PLOT_FILES = {"acc": "accuracy_vs_sparsity.png", "ppl": "perplexity_vs_sparsity.png"}
@@ -53,10 +57,54 @@ def load_runs(roots: list[Path]) -> list[dict]:
     return runs
 
 
-def label(run: dict, keys: list[str] | None = None) -> str:
+def label(run: dict, keys: list[str] | None = None, mean_over: list[str] = ()) -> str:
     ov = run["overrides"]
     keys = keys if keys is not None else [k for k in sorted(ov) if k not in ("schedule.target_sparsity",)]
+    keys = [k for k in keys if k not in mean_over]
     return ", ".join(f"{k}={ov[k]}" for k in keys if k in ov) or Path(run["run_dir"]).name
+
+
+def curve_points(run: dict, metric: str, before_finetune: bool = False) -> list[tuple[float, float]]:
+    """(sparsity, metric) from the baseline through every round: after each round's fine-tuning,
+    or right after its pruning step with `before_finetune`."""
+    key = "val_before_finetune" if before_finetune else "val"
+    pts = [(0.0, run["baseline"]["val"][metric])]
+    return pts + [(r["sparsity"], r[key][metric]) for r in run["rounds"] if metric in r.get(key, {})]
+
+
+def curves(runs: list[dict], keys: list[str] | None = None, mean_over: list[str] = (),
+           before_finetune: bool = False) -> dict[str, dict[float, list[float]]]:
+    """label -> sparsity (rounded to 4 places) -> the values of every run with that label."""
+    metric = _metric(runs)
+    out: dict[str, dict[float, list[float]]] = {}
+    for run in sorted(runs, key=lambda r: label(r, keys, mean_over)):
+        points = out.setdefault(label(run, keys, mean_over), {})
+        for sparsity, value in curve_points(run, metric, before_finetune):
+            points.setdefault(round(sparsity, 4), []).append(value)
+    return out
+
+
+def _spread(values: list[float], scale: float) -> str:
+    mean = scale * statistics.fmean(values)
+    if len(values) == 1:
+        return f"{mean:.2f}"
+    return f"{mean:.2f} ± {scale * statistics.stdev(values):.2f} (n={len(values)})"
+
+
+def curve_table(runs: list[dict], keys: list[str] | None = None, mean_over: list[str] = (),
+                before_finetune: bool = False) -> str:
+    """Markdown: one row per label, one column per sparsity reached by any run."""
+    metric = _metric(runs)
+    scale = 100 if metric == "acc" else 1
+    table = curves(runs, keys, mean_over, before_finetune)
+    columns = sorted({s for points in table.values() for s in points})
+    what = "accuracy (%)" if metric == "acc" else "perplexity"
+    lines = [f"| run ({what} at heads pruned) | " + " | ".join(f"{100 * s:g}%" for s in columns) + " |",
+             "|---|" + "---:|" * len(columns)]
+    for name, points in table.items():
+        cells = [_spread(points[s], scale) if s in points else "" for s in columns]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def rows(runs: list[dict]) -> list[dict]:
@@ -116,17 +164,21 @@ def _final_ppl_table(runs: list[dict], keys: list[str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(runs: list[dict], path: Path, keys: list[str] | None = None, before_finetune: bool = False) -> None:
+def plot(runs: list[dict], path: Path, keys: list[str] | None = None, before_finetune: bool = False,
+         mean_over: list[str] = ()) -> None:
     from headprune.plots import plt
 
     metric = _metric(runs)
     scale = 100 if metric == "acc" else 1
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in sorted(runs, key=lambda r: label(r, keys)):
-        pts = [(0.0, run["baseline"]["val"][metric])]
-        key = "val_before_finetune" if before_finetune else "val"
-        pts += [(r["sparsity"], r[key][metric]) for r in run["rounds"] if key in r]
-        ax.plot([100 * s for s, _ in pts], [scale * a for _, a in pts], marker="o", ms=3, label=label(run, keys))
+    for name, points in curves(runs, keys, mean_over, before_finetune).items():
+        xs = sorted(points)
+        mean = [scale * statistics.fmean(points[s]) for s in xs]
+        (line,) = ax.plot([100 * s for s in xs], mean, marker="o", ms=3, label=name)
+        if any(len(points[s]) > 1 for s in xs):
+            std = [scale * statistics.stdev(points[s]) if len(points[s]) > 1 else 0.0 for s in xs]
+            ax.fill_between([100 * s for s in xs], [m - d for m, d in zip(mean, std)],
+                            [m + d for m, d in zip(mean, std)], color=line.get_color(), alpha=0.2)
     ax.set_xlabel("heads pruned (%)")
     ax.set_ylabel("validation accuracy (%)" if metric == "acc" else "validation perplexity")
     ax.grid(alpha=0.3)
@@ -136,14 +188,14 @@ def plot(runs: list[dict], path: Path, keys: list[str] | None = None, before_fin
     plt.close(fig)
 
 
-def collect(roots: list[Path], out: Path, keys: list[str] | None = None, before_finetune: bool = False) -> list[dict]:
+def collect(roots: list[Path], out: Path, keys: list[str] | None = None, before_finetune: bool = False,
+            mean_over: list[str] = ()) -> list[dict]:
     runs = load_runs(roots)
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("runs.csv", to_csv(rows(runs))), ("results.md", final_table(runs, keys))):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text(text)
-        tmp.replace(out / name)
-    plot(runs, out / PLOT_FILES[_metric(runs)], keys, before_finetune)
+    for name, text in (("runs.csv", to_csv(rows(runs))), ("results.md", final_table(runs, keys)),
+                       ("curves.md", curve_table(runs, keys, mean_over, before_finetune))):
+        write_text_atomic(out / name, text)
+    plot(runs, out / PLOT_FILES[_metric(runs)], keys, before_finetune, mean_over)
     write_json_atomic(out / "runs.json", [{k: r[k] for k in ("run_dir", "overrides", "baseline", "final", "model")}
                                           | {"rounds": [{k: v for k, v in x.items() if k != "scores"}
                                                         for x in r["rounds"]]} for r in runs])
@@ -157,10 +209,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--label", nargs="*", default=None, help="override keys that name a run in table and plot")
     parser.add_argument("--before-finetune", action="store_true",
                         help="plot accuracy right after each pruning step instead of after fine-tuning")
+    parser.add_argument("--mean-over", nargs="*", default=[], metavar="KEY",
+                        help="override keys (e.g. metric.seed) whose runs are averaged into one curve")
     args = parser.parse_args(argv)
-    runs = collect(args.roots, args.out, args.label, args.before_finetune)
+    runs = collect(args.roots, args.out, args.label, args.before_finetune, args.mean_over)
     print(f"collected {len(runs)} runs into {args.out}")
     print((args.out / "results.md").read_text())
+    print((args.out / "curves.md").read_text())
 
 
 if __name__ == "__main__":

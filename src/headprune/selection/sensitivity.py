@@ -15,26 +15,49 @@ from headprune.evaluation import evaluate
 from headprune.heads.mask import HeadMask
 
 
+def _weakest(mask: HeadMask, scores: torch.Tensor, layer: int, share: float) -> list[int]:
+    """The ceil(share x alive) lowest-scoring alive heads of `layer`."""
+    heads = mask.alive()[layer].nonzero().flatten().tolist()
+    heads.sort(key=lambda h: float(scores[layer, h]))
+    return heads[:math.ceil(share * len(heads))] if heads else []
+
+
+def _check_share(share: float) -> None:
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"layer_policy.sensitivity_share={share!r} must be in (0, 1]")
+
+
 @torch.no_grad()
+def sensitivity_profile(model: nn.Module, mask: HeadMask, scores: torch.Tensor, dataloader,
+                        shares: list[float], max_batches: int | None = None) -> list[dict]:
+    """Validation metrics with the `share` lowest-scoring alive heads of one layer masked, for
+    every layer and share, plus the change of each metric against the unmasked model.
+
+    One row per (layer, share): {"layer", "share", "heads_masked", <metric>, "<metric>_change"},
+    after a first row with layer=None for the unmasked model. Rows of a layer with no alive
+    head report the unmasked metrics.
+    """
+    for share in shares:
+        _check_share(share)
+    device = mask.mask.device
+    base = evaluate(model, dataloader, device, max_batches=max_batches)
+    rows = [{"layer": None, "share": 0.0, "heads_masked": 0, **base, **{f"{k}_change": 0.0 for k in base}}]
+    for layer in range(mask.num_layers):
+        for share in shares:
+            heads = _weakest(mask, scores, layer, share)
+            val = base
+            if heads:
+                trial = mask.mask.clone()
+                trial[layer, heads] = 0.0
+                with mask.override(trial):
+                    val = evaluate(model, dataloader, device, max_batches=max_batches)
+            rows.append({"layer": layer, "share": share, "heads_masked": len(heads), **val,
+                         **{f"{k}_change": val[k] - base[k] for k in base}})
+    return rows
+
+
 def layer_sensitivity(model: nn.Module, mask: HeadMask, scores: torch.Tensor, dataloader,
                       share: float = 0.5, max_batches: int | None = None) -> list[float]:
     """Loss rise per layer when the `share` lowest-scoring alive heads of that layer are masked."""
-    if not 0.0 < share <= 1.0:
-        raise ValueError(f"layer_policy.sensitivity_share={share!r} must be in (0, 1]")
-    device = mask.mask.device
-    base = evaluate(model, dataloader, device, max_batches=max_batches)["loss"]
-    alive = mask.alive()
-    profile = []
-    for layer in range(mask.num_layers):
-        heads = alive[layer].nonzero().flatten().tolist()
-        k = math.ceil(share * len(heads)) if heads else 0
-        if k == 0:
-            profile.append(0.0)
-            continue
-        heads.sort(key=lambda h: float(scores[layer, h]))
-        trial = mask.mask.clone()
-        trial[layer, heads[:k]] = 0.0
-        with mask.override(trial):
-            loss = evaluate(model, dataloader, device, max_batches=max_batches)["loss"]
-        profile.append(loss - base)
-    return profile
+    rows = sensitivity_profile(model, mask, scores, dataloader, [share], max_batches)
+    return [row["loss_change"] for row in rows[1:]]
