@@ -6,7 +6,8 @@ from headprune.collect import collect, main
 
 
 def _run(folder, overrides, base, accs):
-    rounds = [{"round": i + 1, "sparsity": 0.1 * (i + 1), "val": {"acc": a, "loss": 1 - a}} for i, a in enumerate(accs)]
+    rounds = [{"round": i + 1, "sparsity": 0.1 * (i + 1), "val": {"acc": a, "loss": 1 - a}, "scores": [[a, 1.0]]}
+              for i, a in enumerate(accs)]
     (folder / ".hydra").mkdir(parents=True)
     (folder / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
     (folder / "results.json").write_text(json.dumps({
@@ -31,3 +32,5 @@ def test_mean_over_seeds_merges_runs_into_one_curve(tmp_path, capsys):
     collect([tmp_path / "sweep"], tmp_path / "out2", keys=["metric", "metric.seed"])
     assert len((tmp_path / "out2" / "curves.md").read_text().splitlines()) == 6
     assert not list((tmp_path / "out").glob(".*tmp"))
+    saved = json.loads((tmp_path / "out" / "runs.json").read_text())
+    assert [["scores" in r for r in run["rounds"]] for run in saved][0] == [True, False]

@@ -1,0 +1,115 @@
+"""Gather the iterative_vs_one_shot runs into one table and plot.
+
+    python experiments/iterative_vs_one_shot/collect.py --gather experiments/iterative_vs_one_shot/runs \\
+        --out experiments/iterative_vs_one_shot
+
+--gather copies each run's results.json (a single run `runs/<name>/` or a one-job multirun
+`runs/<name>/0/`) to `<out>/results/<name>.json`; the iterative arm at 50% is the quickstart run
+(experiments/quickstart/results.json, the same config). The table and plot are then built from
+`<out>/results/*.json` alone: `results.md`, `iterative_vs_one_shot.csv`, `acc_vs_sparsity.png`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+from headprune.collect import to_csv
+from headprune.results import write_text_atomic
+
+REPO = Path(__file__).resolve().parents[2]
+ARMS = ("iterative", "one_shot")
+
+
+def gather(runs: Path, out: Path) -> None:
+    results = out / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    for run in sorted(p for p in runs.iterdir() if p.is_dir()):
+        for src in (run / "results.json", run / "0" / "results.json"):
+            if src.is_file() and json.loads(src.read_text())["final"]:
+                shutil.copyfile(src, results / f"{run.name}.json")
+    shutil.copyfile(REPO / "experiments" / "quickstart" / "results.json", results / "iterative_0.5.json")
+
+
+def _epochs(res: dict) -> int:
+    sched = res["config"]["schedule"]
+    return sched["baseline_epochs"] + len(res["rounds"]) * sched["epochs_per_round"] + sched["recover_epochs"]
+
+
+def table_rows(results: Path) -> list[dict]:
+    rows = []
+    for path in sorted(results.glob("*.json")):
+        arm, _, target = path.stem.rpartition("_")
+        if arm not in ARMS:
+            continue
+        res = json.loads(path.read_text())
+        rounds = res["rounds"]
+        rows.append({"target": float(target), "arm": arm, "epochs": _epochs(res), "rounds": len(rounds),
+                     "heads_kept": sum(res["final"]["heads_per_layer"]),
+                     "heads_per_layer": " ".join(map(str, res["final"]["heads_per_layer"])),
+                     "acc_baseline": res["baseline"]["val"]["acc"],
+                     "acc_worst_after_prune": min(r["val_before_finetune"]["acc"] for r in rounds),
+                     "acc_after_last_prune": rounds[-1]["val_before_finetune"]["acc"],
+                     "acc_final": res["final"]["val"]["acc"]})
+    rows.sort(key=lambda r: (r["target"], r["arm"]))
+    return rows
+
+
+def markdown(rows: list[dict], dense: dict | None) -> str:
+    lines = ["| target | arm | epochs | heads kept (per layer) | acc after 2 baseline epochs | lowest acc right after a prune "
+             "| final acc | final - baseline |", "|---:|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {100 * r['target']:g}% | {r['arm']} | {r['epochs']} | {r['heads_kept']} ({r['heads_per_layer']}) | "
+                     f"{100 * r['acc_baseline']:.2f} | {100 * r['acc_worst_after_prune']:.2f} | "
+                     f"**{100 * r['acc_final']:.2f}** | {100 * (r['acc_final'] - r['acc_baseline']):+.2f} |")
+    if dense is not None and rows:  # trained as long as the 50% arms, never pruned
+        acc = dense["final"]["val"]["acc"]
+        lines.append(f"| 0% | dense control | {_epochs(dense)} | 72 | – | – | **{100 * acc:.2f}** | "
+                     f"{100 * (acc - rows[0]['acc_baseline']):+.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], dense: dict | None, path: Path) -> None:
+    from headprune.plots import plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for arm, color in zip(ARMS, ("tab:blue", "tab:red")):
+        pts = [r for r in rows if r["arm"] == arm]
+        xs = [100 * r["target"] for r in pts]
+        ax.plot(xs, [100 * r["acc_final"] for r in pts], "o-", color=color, label=f"{arm}: after fine-tuning")
+        ax.plot(xs, [100 * r["acc_worst_after_prune"] for r in pts], "x--", color=color, alpha=0.6,
+                label=f"{arm}: lowest right after a prune")
+    if rows:
+        ax.axhline(100 * rows[0]["acc_baseline"], color="grey", lw=0.8, ls=":", label="after the 2 baseline epochs")
+    if dense is not None:
+        ax.plot([0], [100 * dense["final"]["val"]["acc"]], "k*", ms=9, label=f"dense, {_epochs(dense)} epochs")
+    ax.set_xlabel("heads pruned (%)")
+    ax.set_ylabel("SST-2 dev accuracy (%)")
+    ax.set_title("MiniLM, 4,000 SST-2 sentences, same epochs per target")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gather", type=Path, help="runs folder to copy results.json files from")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if args.gather:
+        gather(args.gather, args.out)
+    rows = table_rows(args.out / "results")
+    dense_path = args.out / "results" / "dense_7_epochs.json"
+    dense = json.loads(dense_path.read_text()) if dense_path.is_file() else None
+    text = markdown(rows, dense)
+    write_text_atomic(args.out / "results.md", text)
+    write_text_atomic(args.out / "iterative_vs_one_shot.csv", to_csv(rows))
+    plot(rows, dense, args.out / "acc_vs_sparsity.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
