@@ -107,3 +107,51 @@ def test_train_run_exports_the_pruned_model(train_cfg, tmp_path, tokenizer, monk
     HeadMask.for_model(masked).mask.copy_(seen["mask"])
     batch = tiny_batch(tokenizer)
     torch.testing.assert_close(logits(load_pruned(export_dir), batch), logits(masked, batch), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])  # Linear and Conv1D output projections
+def test_scale_heads_equals_fractional_mask(family):
+    from headprune.heads.surgery import scale_heads
+
+    model = tiny(family)
+    batch = inputs()
+    layers, heads = len(HeadMask.for_model(model, attach=False).mask), model.config.num_attention_heads
+    factors = torch.rand(layers, heads, generator=torch.Generator().manual_seed(0))
+    factors[1, 2] = 0.0  # removed physically below
+    mask = HeadMask.for_model(model)
+    mask.mask.copy_(factors)
+    with torch.no_grad():
+        gated = model(**batch).logits
+    mask.detach()
+    prune_heads(model, {1: [2]})  # scaling follows the physical layout
+    scale_heads(model, factors)
+    with torch.no_grad():
+        scaled = model(**batch).logits
+    assert torch.allclose(gated, scaled, atol=1e-5)
+    with pytest.raises(ValueError, match="do not match"):
+        scale_heads(model, torch.ones(layers + 1, heads))
+
+
+def test_export_folds_learned_l0_gates(tmp_path, tokenizer):
+    """The exported model computes what the gated model evaluated: closed gates removed, open
+    ones scaled into the output projection."""
+    from headprune.lightning.module import HeadPruneModule
+    from headprune.results import RunResults
+    from headprune.train import export_pruned
+
+    module = HeadPruneModule(tiny_bert(), num_labels=2, l0_penalty=0.1).eval()
+    gates = module.head_mask.stochastic
+    with torch.no_grad():
+        gates.log_alpha.copy_(torch.tensor([[5.0, 0.0, -5.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-5.0, -0.5, 5.0, 5.0]]))
+    module.head_mask.prune([(1, 3)])
+    det = gates.deterministic()
+    assert det[0, 2] == 0 and 0 < det[0, 1] < 1 and det[1, 0] == 1
+    batch = {k: v for k, v in tiny_batch(tokenizer).items() if k != "labels"}
+    with torch.no_grad():
+        evaluated = module.model(**batch).logits
+    results = RunResults(tmp_path)
+    export_pruned(module, tmp_path / "export", results, baseline_params={})
+    assert results.data["final"]["l0_gates_folded"] == {"closed_heads": 2, "heads_per_layer": [3, 3, 3]}
+    reloaded = load_pruned(tmp_path / "export").eval()
+    with torch.no_grad():
+        assert torch.allclose(reloaded(**batch).logits, evaluated, atol=1e-5)

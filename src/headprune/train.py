@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from headprune.config_paths import config_dir
 from headprune.config_schema import register_schemas
 from headprune.evaluation import VAL_METRICS, headline
-from headprune.heads.surgery import count_params, prune_heads, save_pruned
+from headprune.heads.surgery import count_params, prune_heads, save_pruned, scale_heads
 from headprune.lightning.callbacks import HeadPruning
 from headprune.lightning.module import HeadPruneModule
 from headprune.models import load_tokenizer
@@ -124,8 +124,21 @@ def _refuse_to_overwrite(output_dir: Path, resuming: bool, overwrite: bool) -> N
 def export_pruned(module: HeadPruneModule, directory: Path, results: RunResults, baseline_params: dict,
                   tokenizer=None) -> None:
     """Physically remove every head the mask pruned from the trained model (in place) and save it
-    with `save_pruned`; record the export folder and parameter counts in results.json."""
-    prune_heads(module.model, module.head_mask.pruned())
+    with `save_pruned`; record the export folder and parameter counts in results.json.
+
+    Learned L0 gates are folded in first, so the export computes what the evaluated model did:
+    heads whose test-time gate is 0 are removed too, the others' outputs are scaled by their gate."""
+    mask = module.head_mask
+    if mask.stochastic is not None:
+        gates = mask.stochastic.deterministic() * mask.mask  # (L, H)
+        closed = int(((gates == 0) & mask.alive()).sum())
+        if closed:
+            log.info("export: %d heads whose learned gate is closed are removed as well", closed)
+        scale_heads(module.model, gates)
+        mask.mask.copy_((gates > 0).to(mask.mask))
+        mask.stochastic = None
+        results.data["final"]["l0_gates_folded"] = {"closed_heads": closed, "heads_per_layer": mask.heads_per_layer()}
+    prune_heads(module.model, mask.pruned())
     save_pruned(module.model, directory, tokenizer=tokenizer)
     results.data["baseline"]["params"] = baseline_params
     results.data["final"].update(export_dir=str(directory), params=count_params(module.model))

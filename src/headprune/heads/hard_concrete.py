@@ -57,6 +57,11 @@ class HardConcreteGates(nn.Module):
             s = torch.sigmoid(log_alpha)
         return (s * (self.high - self.low) + self.low).clamp(0.0, 1.0)
 
+    @torch.no_grad()
+    def deterministic(self) -> torch.Tensor:
+        """(layers, heads) test-time gates: what evaluation multiplies each head's output by."""
+        return (torch.sigmoid(self.log_alpha) * (self.high - self.low) + self.low).clamp(0.0, 1.0)
+
     @contextmanager
     def sampling(self, generator: torch.Generator | None = None) -> Iterator[None]:
         """Sample gates even while the model is in eval mode (training gates on a frozen model)."""

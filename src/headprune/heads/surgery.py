@@ -149,6 +149,30 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
 
 
 # -- internals --------------------------------------------------------------------------------
+@torch.no_grad()
+def scale_heads(model: nn.Module, factors: torch.Tensor) -> nn.Module:
+    """Multiply each head's output by `factors[layer, head]` (original numbering, shape
+    (layers, heads)) by scaling that head's output-projection input columns in place: the model
+    then computes what a HeadMask with those gate values computes, with no hook. Heads already
+    removed are ignored."""
+    adapter = get_adapter(model)
+    layout = head_layout(model)
+    if tuple(factors.shape) != (len(layout), adapter.num_heads(model.config)):
+        raise ValueError(f"factors of shape {tuple(factors.shape)} do not match the model's (layers, heads) = "
+                         f"({len(layout)}, {adapter.num_heads(model.config)})")
+    head_dim = adapter.head_dim(model.config)
+    for layer, block in enumerate(adapter.blocks(model)):
+        if not layout[layer]:
+            continue
+        o = adapter.out_proj(block)
+        scale = factors[layer, layout[layer]].to(o.weight).repeat_interleave(head_dim)  # (h * D,)
+        if isinstance(o, Conv1D):  # weight (in, out)
+            o.weight.mul_(scale.view(-1, 1))
+        else:  # Linear: weight (out, in)
+            o.weight.mul_(scale.view(1, -1))
+    return model
+
+
 def _validated(heads: HeadSpec, n_layers: int, n_heads: int) -> dict[int, set[int]]:
     pairs = ([(layer, h) for layer, ids in heads.items() for h in ids] if isinstance(heads, Mapping)
              else list(heads))
