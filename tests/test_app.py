@@ -181,6 +181,7 @@ def test_budget_shortfall_is_explained(cfg_factory, tmp_path, caplog):
     assert round1["n_requested"] == 11 and round1["n_pruned"] == 6
     assert "min_heads_per_layer=2" in round1["shortfall"]
     assert any("pruning 6 heads instead" in r.getMessage() for r in caplog.records)
+    assert res["final"]["stop_reason"] == "constrained: the layer policy's limits let 6 of the 11 heads the target asks for go"
 
 
 def test_help_lists_group_choices(data_dir):

@@ -146,7 +146,10 @@ class HeadPruning(Callback):
         if self.stop_reason is not None:
             reason = self.stop_reason
         elif len(self.rounds) == len(self.sparsities):
-            reason = "target_reached"
+            total = mask.mask.numel()
+            planned, pruned = self.schedule.heads_after(len(self.sparsities) - 1, total), total - int(mask.alive().sum())
+            reason = "target_reached" if pruned >= planned else (
+                f"constrained: the layer policy's limits let {pruned} of the {planned} heads the target asks for go")
         else:
             reason = f"interrupted after {len(self.rounds)} of {len(self.sparsities)} rounds"
         data["final"] = {"sparsity": mask.sparsity(), "heads_per_layer": mask.heads_per_layer(),
