@@ -4,9 +4,9 @@
         --out experiments/iterative_vs_one_shot
 
 --gather copies each run's results.json (a single run `runs/<name>/` or a one-job multirun
-`runs/<name>/0/`) to `<out>/results/<name>.json`; the iterative arm at 50% is the quickstart run
-(experiments/quickstart/results.json, the same config). The table and plot are then built from
-`<out>/results/*.json` alone: `results.md`, `iterative_vs_one_shot.csv`, `acc_vs_sparsity.png`.
+`runs/<name>/0/`) to `<out>/results/<name>.json`. The table and plot are then built from
+`<out>/results/*.json` alone (`iterative_<target>`, `one_shot_<target>`, `dense_7_epochs`):
+`results.md`, `iterative_vs_one_shot.csv`, `acc_vs_sparsity.png`.
 """
 from __future__ import annotations
 
@@ -17,8 +17,6 @@ from pathlib import Path
 
 from headprune.collect import to_csv
 from headprune.results import write_text_atomic
-
-REPO = Path(__file__).resolve().parents[2]
 ARMS = ("iterative", "one_shot")
 
 
@@ -29,7 +27,6 @@ def gather(runs: Path, out: Path) -> None:
         for src in (run / "results.json", run / "0" / "results.json"):
             if src.is_file() and json.loads(src.read_text())["final"]:
                 shutil.copyfile(src, results / f"{run.name}.json")
-    shutil.copyfile(REPO / "experiments" / "quickstart" / "results.json", results / "iterative_0.5.json")
 
 
 def _epochs(res: dict) -> int:
@@ -63,10 +60,9 @@ def markdown(rows: list[dict], dense: dict | None) -> str:
         lines.append(f"| {100 * r['target']:g}% | {r['arm']} | {r['epochs']} | {r['heads_kept']} ({r['heads_per_layer']}) | "
                      f"{100 * r['acc_baseline']:.2f} | {100 * r['acc_worst_after_prune']:.2f} | "
                      f"**{100 * r['acc_final']:.2f}** | {100 * (r['acc_final'] - r['acc_baseline']):+.2f} |")
-    if dense is not None and rows:  # trained as long as the 50% arms, never pruned
-        acc = dense["final"]["val"]["acc"]
-        lines.append(f"| 0% | dense control | {_epochs(dense)} | 72 | – | – | **{100 * acc:.2f}** | "
-                     f"{100 * (acc - rows[0]['acc_baseline']):+.2f} |")
+    if dense is not None:  # trained as long as the 50% arms, never pruned
+        lines.append(f"| 0% | dense control | {_epochs(dense)} | 72 | – | – | "
+                     f"**{100 * dense['final']['val']['acc']:.2f}** | – |")
     return "\n".join(lines) + "\n"
 
 
