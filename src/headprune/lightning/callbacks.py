@@ -147,7 +147,8 @@ class HeadPruning(Callback):
             reason = self.stop_reason
         elif len(self.rounds) == len(self.sparsities):
             total = mask.mask.numel()
-            planned, pruned = self.schedule.heads_after(len(self.sparsities) - 1, total), total - int(mask.alive().sum())
+            planned = self.schedule.heads_after(len(self.sparsities) - 1, total) if self.sparsities else 0
+            pruned = total - int(mask.alive().sum())
             reason = "target_reached" if pruned >= planned else (
                 f"constrained: the layer policy's limits let {pruned} of the {planned} heads the target asks for go")
         else:
