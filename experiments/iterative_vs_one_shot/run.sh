@@ -16,8 +16,9 @@ for t in $TARGETS; do
     headprune-train -m experiment=iterative_vs_one_shot schedule=one_shot schedule.target_sparsity=$t \
         schedule.epochs_per_round=$rounds hydra.sweep.dir=$OUT/one_shot_$t
 done
-# The dense control: as many epochs as the 50% arms (2 + 5), no pruning.
+# The dense control: as many epochs as the 50% arms (2 + 5), no pruning; then the table and plot.
 if [ $# -eq 0 ]; then
     headprune-train -m experiment=iterative_vs_one_shot schedule=one_shot schedule.target_sparsity=0.0 \
         schedule.baseline_epochs=7 schedule.epochs_per_round=0 hydra.sweep.dir=$OUT/dense_7_epochs
+    python experiments/iterative_vs_one_shot/collect.py --gather $OUT --out experiments/iterative_vs_one_shot
 fi

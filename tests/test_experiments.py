@@ -1,0 +1,43 @@
+"""The committed experiment tables are what the experiments' own scripts make of the committed
+result files, so a table cannot drift from the runs behind it."""
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EXP = REPO / "experiments"
+
+
+def _script(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_iterative_vs_one_shot_table_matches_results(tmp_path, monkeypatch):
+    collect = _script(EXP / "iterative_vs_one_shot" / "collect.py")
+    shutil.copytree(EXP / "iterative_vs_one_shot" / "results", tmp_path / "results")
+    monkeypatch.setattr(sys, "argv", ["collect.py", "--out", str(tmp_path)])
+    collect.main()
+    assert (tmp_path / "results.md").read_text() == (EXP / "iterative_vs_one_shot" / "results.md").read_text()
+    targets = {(r["target"], r["arm"]) for r in collect.table_rows(tmp_path / "results")}
+    assert targets == {(t, arm) for t in (0.3, 0.5, 0.7, 0.9) for arm in ("iterative", "one_shot")}
+
+
+def test_layer_profile_table_matches_results():
+    profile = _script(EXP / "layer_sensitivity" / "layer_profile.py")
+    saved = json.loads((EXP / "layer_sensitivity" / "profile.json").read_text())
+    assert profile.table(saved["rows"], saved["shares"]) == (EXP / "layer_sensitivity" / "profile.md").read_text()
+    assert {r["layer"] for r in saved["rows"]} == {None, *range(6)}
+
+
+def test_metric_curves_cover_every_metric_and_policy():
+    for policy in ("global", "uniform"):
+        runs = json.loads((EXP / "metric_curves" / policy / "runs.json").read_text())
+        metrics = sorted(r["overrides"]["metric"] for r in runs)
+        assert metrics == sorted(["taylor", "entropy", "lrp", "fisher", "confidence", "magnitude"] + ["random"] * 3)
+        for run in runs:
+            assert [round(r["sparsity"], 1) for r in run["rounds"]] == [round(0.1 * i, 1) for i in range(1, 10)]
