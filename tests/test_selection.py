@@ -99,5 +99,5 @@ def test_sensitivity_profile_masks_the_weakest_heads_of_one_layer(tokenizer):
     assert torch.equal(mask.mask, before)
     rises = layer_sensitivity(model, mask, scores, batches, share=0.25)
     assert rises == pytest.approx([r["loss_change"] for r in rows[1::2]])
-    with pytest.raises(ValueError, match="sensitivity_share"):
+    with pytest.raises(ValueError, match=r"layer_policy\.share"):
         sensitivity_profile(model, mask, scores, batches, shares=[0.0])

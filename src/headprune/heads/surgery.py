@@ -148,7 +148,6 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
     return model.to(device) if device is not None else model
 
 
-# -- internals --------------------------------------------------------------------------------
 @torch.no_grad()
 def scale_heads(model: nn.Module, factors: torch.Tensor) -> nn.Module:
     """Multiply each head's output by `factors[layer, head]` (original numbering, shape
@@ -173,6 +172,7 @@ def scale_heads(model: nn.Module, factors: torch.Tensor) -> nn.Module:
     return model
 
 
+# -- internals --------------------------------------------------------------------------------
 def _validated(heads: HeadSpec, n_layers: int, n_heads: int) -> dict[int, set[int]]:
     pairs = ([(layer, h) for layer, ids in heads.items() for h in ids] if isinstance(heads, Mapping)
              else list(heads))

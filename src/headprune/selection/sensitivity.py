@@ -24,7 +24,7 @@ def _weakest(mask: HeadMask, scores: torch.Tensor, layer: int, share: float) -> 
 
 def _check_share(share: float) -> None:
     if not 0.0 < share <= 1.0:
-        raise ValueError(f"layer_policy.sensitivity_share={share!r} must be in (0, 1]")
+        raise ValueError(f"sensitivity share={share!r} (layer_policy.share) must be in (0, 1]")
 
 
 @torch.no_grad()
