@@ -55,12 +55,16 @@ class HardConcreteGates(nn.Module):
             s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + log_alpha) / self.beta)
         else:
             s = torch.sigmoid(log_alpha)
-        return (s * (self.high - self.low) + self.low).clamp(0.0, 1.0)
+        return self._stretch(s)
 
     @torch.no_grad()
     def deterministic(self) -> torch.Tensor:
         """(layers, heads) test-time gates: what evaluation multiplies each head's output by."""
-        return (torch.sigmoid(self.log_alpha) * (self.high - self.low) + self.low).clamp(0.0, 1.0)
+        return self._stretch(torch.sigmoid(self.log_alpha))
+
+    def _stretch(self, s: torch.Tensor) -> torch.Tensor:
+        """Stretch s in (0, 1) to (low, high) and clip to [0, 1]: the gate."""
+        return (s * (self.high - self.low) + self.low).clamp(0.0, 1.0)
 
     @contextmanager
     def sampling(self, generator: torch.Generator | None = None) -> Iterator[None]:
