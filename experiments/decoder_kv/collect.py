@@ -10,7 +10,6 @@ and copies of every results.json / bench.json under results/ (small files; no ch
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import shutil
 import statistics
@@ -20,6 +19,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+from headprune.collect import to_csv  # noqa: E402
+from headprune.results import write_text_atomic  # noqa: E402
 
 
 def _load(path: Path) -> dict:
@@ -137,12 +139,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for results.md, decoder_kv.csv, the plot")
     args = parser.parse_args(argv)
     rows, curve = table_rows(args.root), no_finetune_curve(args.root)
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "decoder_kv.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    (args.out / "results.md").write_text(markdown(rows, curve))
+    write_text_atomic(args.out / "decoder_kv.csv", to_csv(rows))
+    write_text_atomic(args.out / "results.md", markdown(rows, curve))
     plot(rows, curve, args.out / "ppl_vs_sparsity.png")
     copy_small_files(args.root, args.out)
     print((args.out / "results.md").read_text())

@@ -8,7 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from headprune.results import write_json_atomic  # noqa: E402
+from headprune.results import write_json_atomic, write_text_atomic  # noqa: E402
 
 ATTENTION_TARGET = 1.85  # attention sub-layer speed-up wanted at 50% of the heads removed
 
@@ -56,7 +56,7 @@ def write_reports(results: dict, output_dir: str | Path) -> dict[str, Path]:
     output_dir = Path(output_dir)
     paths = {"json": output_dir / "bench.json", "md": output_dir / "bench.md", "png": output_dir / "bench.png"}
     write_json_atomic(paths["json"], results)
-    paths["md"].write_text(markdown(results), encoding="utf-8")
+    write_text_atomic(paths["md"], markdown(results))
     plot(results, paths["png"])
     return paths
 
