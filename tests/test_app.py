@@ -12,8 +12,8 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from headprune.config_paths import config_dir
-from headprune.train import run
+from headprune.apps.config_paths import config_dir
+from headprune.apps.train import run
 
 CONF = config_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -120,7 +120,7 @@ def test_unknown_group_option_lists_choices(override, group, cfg_factory):
 
 def test_console_script_fast_dev_run(tmp_path, data_dir):
     env = dict(os.environ, HEADPRUNE_DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "headprune.train", "model=tiny_bert", "debug=fast", "data.max_train_samples=32",
+    cmd = [sys.executable, "-m", "headprune.apps.train", "model=tiny_bert", "debug=fast", "data.max_train_samples=32",
            "data.score_samples=16", f"hydra.run.dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -185,7 +185,7 @@ def test_budget_shortfall_is_explained(cfg_factory, tmp_path, caplog):
 
 
 def test_help_lists_group_choices(data_dir):
-    proc = subprocess.run([sys.executable, "-m", "headprune.train", "--help"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "headprune.apps.train", "--help"], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0
     for line in ("layer_policy: depth_prior, global, sensitivity, uniform",
@@ -244,3 +244,15 @@ def test_minilm_experiments_smoke(name, extra, cfg_factory):
     target = cfg.schedule.target_sparsity
     assert res["final"]["sparsity"] == pytest.approx(min(round(target * 12), 9) / 12)  # >= 1 head per layer
     assert all(0 <= r["val"]["acc"] <= 1 for r in res["rounds"])
+
+
+def test_l0_gates_learned_in_finetune_from_the_metric_config(cfg_factory, tmp_path):
+    """metric=l0_gates metric.finetune=true: one place (the metric config) sets the penalty and the
+    gates' learning rate, the module learns the gates with the model, and the export folds them."""
+    cfg = cfg_factory(*TINY_RUN, "metric=l0_gates", "metric.finetune=true", "metric.penalty=0.05",
+                      "schedule=one_shot", "schedule.target_sparsity=0.25")
+    res = run(cfg)
+    assert "l0_gates_folded" in res["final"]
+    cfg = cfg_factory(*TINY_RUN, "metric=l0_gates", "schedule=one_shot", "schedule.target_sparsity=0.25",
+                      "overwrite=true")
+    assert "l0_gates_folded" not in run(cfg)["final"]  # frozen-model gates: trained and removed at scoring time

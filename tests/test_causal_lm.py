@@ -9,14 +9,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import headprune.train as train_app
+import headprune.apps.train as train_app
 from headprune import head_layout, load_pruned
-from headprune.byte_tokenizer import ByteTokenizer
-from headprune.config_paths import config_dir
-from headprune.evaluation import evaluate
-from headprune.lightning.lm_datamodule import TextLMDataModule, split_blocks
+from headprune.models.byte_tokenizer import ByteTokenizer
+from headprune.apps.config_paths import config_dir
+from headprune.tasks import evaluate
+from headprune.data.language_model import TextLMDataModule, split_blocks
 from headprune.models import load_tokenizer
-from headprune.train import run
+from headprune.apps.train import run
 
 TINY_GPT2 = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides.n_layer=2",
              "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32",
@@ -181,7 +181,7 @@ def _fake_run(folder, val_before, vals):
 
 
 def test_collect_reports_perplexity_for_lm_runs_and_accuracy_otherwise(tmp_path):
-    from headprune.collect import collect
+    from headprune.apps.collect import collect
 
     _fake_run(tmp_path / "lm" / "0", {"loss": 1.0, "ppl": 2.72}, [{"loss": 1.1, "ppl": 3.0}, {"loss": 1.2, "ppl": 3.32}])
     collect([tmp_path / "lm"], tmp_path / "out_lm")

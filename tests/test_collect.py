@@ -2,7 +2,7 @@
 import json
 import statistics
 
-from headprune.collect import collect, main
+from headprune.apps.collect import collect, main
 
 
 def _run(folder, overrides, base, accs):

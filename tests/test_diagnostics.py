@@ -9,16 +9,16 @@ import torch
 from lightning.pytorch.loggers import WandbLogger
 from omegaconf import OmegaConf
 
-from headprune.diagnostics import head_diagnostics, js_distances, special_token_ids
+from headprune.scoring.diagnostics import head_diagnostics, js_distances, special_token_ids
 from headprune.heads.mask import HeadMask
 from headprune.lightning.callbacks import HeadPruning
-from headprune.lightning.datamodule import TextClassificationDataModule
+from headprune.data.classification import TextClassificationDataModule
 from headprune.lightning.module import HeadPruneModule
-from headprune.results import RunResults
+from headprune.lightning.results import RunResults
 from headprune.scoring.taylor import taylor_importance
-from headprune.selection.layer_policies import global_policy
+from headprune.selection.layer_policies import GlobalPolicy
 from headprune.selection.schedules import OneShot
-from headprune.train import _diagnostics_options
+from headprune.apps.train import _diagnostics_options
 from tests.conftest import tiny_batch, tiny_bert
 
 try:
@@ -174,7 +174,7 @@ def test_end_of_run_diagnostics_in_results_heatmaps_and_wandb(tokenizer, data_di
     results = RunResults(tmp_path)
     pruning = HeadPruning(metric=partial(taylor_importance, normalize=True),
                           schedule=OneShot(target_sparsity=0.25, baseline_epochs=0, epochs_per_round=0),
-                          layer_policy=partial(global_policy, min_heads_per_layer=1), results=results,
+                          layer_policy=GlobalPolicy(min_heads_per_layer=1), results=results,
                           diagnostics={"metrics": ["entropy", "magnitude"], "duplicate_threshold": 0.2})
     wandb = RecordingWandb()
     trainer = SimpleNamespace(loggers=[wandb], global_step=0, fast_dev_run=False, world_size=1, global_rank=0,

@@ -10,9 +10,9 @@ from hydra.core.global_hydra import GlobalHydra
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
-import headprune.train
+import headprune.apps.train
 from headprune import HeadMask, count_params, load_pruned, prune_heads, save_pruned
-from headprune.config_paths import config_dir
+from headprune.apps.config_paths import config_dir
 from headprune.lightning.module import HeadPruneModule
 from tests.conftest import tiny_batch, tiny_bert
 from tests.test_surgery import PRUNE, inputs, tiny
@@ -83,16 +83,16 @@ def train_cfg(tmp_path, data_dir):
 
 def test_train_run_exports_the_pruned_model(train_cfg, tmp_path, tokenizer, monkeypatch):
     seen = {}
-    export = headprune.train.export_pruned
+    export = headprune.apps.train.export_pruned
 
     def spy(module, *args, **kwargs):  # the trained, masked model just before removal
         seen["state"] = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
         seen["mask"] = module.head_mask.mask.clone()
         export(module, *args, **kwargs)
 
-    monkeypatch.setattr(headprune.train, "export_pruned", spy)
+    monkeypatch.setattr(headprune.apps.train, "export_pruned", spy)
     assert train_cfg.export is True  # the default; `export=false` skips it
-    res = headprune.train.run(train_cfg)
+    res = headprune.apps.train.run(train_cfg)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["final"]["export_dir"] == str(tmp_path / "export") == res["final"]["export_dir"]
     n_pruned = len(saved["final"]["pruned"])
@@ -136,8 +136,8 @@ def test_export_folds_learned_l0_gates(tmp_path, tokenizer):
     """The exported model computes what the gated model evaluated: closed gates removed, open
     ones scaled into the output projection."""
     from headprune.lightning.module import HeadPruneModule
-    from headprune.results import RunResults
-    from headprune.train import export_pruned
+    from headprune.lightning.results import RunResults
+    from headprune.apps.train import export_pruned
 
     module = HeadPruneModule(tiny_bert(), num_labels=2, l0_penalty=0.1).eval()
     gates = module.head_mask.stochastic

@@ -13,8 +13,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from lightning.pytorch.callbacks import Callback
 
-from headprune.config_paths import config_dir
-from headprune.train import run
+from headprune.apps.config_paths import config_dir
+from headprune.apps.train import run
 
 BASE = ["model=tiny_bert", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
         "data.max_validation_samples=64", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
@@ -89,11 +89,11 @@ def test_ddp_ranks_agree_and_match_single_process(tmp_path, data_dir):
               "schedule.epochs_per_round=1", "export=false", f"data.data_dir={data_dir}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
-    cmd = [sys.executable, "-m", "headprune.train", *common, "trainer=ddp", "check_consistency=true",
+    cmd = [sys.executable, "-m", "headprune.apps.train", *common, "trainer=ddp", "check_consistency=true",
            f"hydra.run.dir={ddp_dir}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    proc = subprocess.run([sys.executable, "-m", "headprune.train", *common, f"hydra.run.dir={single_dir}"],
+    proc = subprocess.run([sys.executable, "-m", "headprune.apps.train", *common, f"hydra.run.dir={single_dir}"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ddp, single = _results(ddp_dir), _results(single_dir)
@@ -106,7 +106,7 @@ def test_ddp_ranks_agree_and_match_single_process(tmp_path, data_dir):
 
 def test_failed_job_in_multirun_does_not_stop_the_others(tmp_path, data_dir):
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    cmd = [sys.executable, "-m", "headprune.train", "-m", "model=tiny_bert", "debug=fast", "logger=wandb",
+    cmd = [sys.executable, "-m", "headprune.apps.train", "-m", "model=tiny_bert", "debug=fast", "logger=wandb",
            "data.max_train_samples=32", "data.score_samples=16", f"data.data_dir={data_dir}",
            "schedule.target_sparsity=1.5,0.25", f"hydra.sweep.dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -130,13 +130,13 @@ def test_wandb_falls_back_to_offline_when_not_logged_in(monkeypatch, tmp_path, c
 
 def test_joblib_launcher_sweep(tmp_path, data_dir):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "headprune.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
+    cmd = [sys.executable, "-m", "headprune.apps.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
            "model=tiny_bert", "debug=fast", "data.max_train_samples=32", "data.score_samples=16",
            f"data.data_dir={data_dir}", "layer_policy=global,uniform", f"hydra.sweep.dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     policies = {_results(tmp_path / str(i))["config"]["layer_policy"]["_target_"].rsplit(".", 1)[1] for i in (0, 1)}
-    assert policies == {"global_policy", "uniform_policy"}
+    assert policies == {"GlobalPolicy", "UniformPolicy"}
 
 
 def test_wandb_goes_offline_when_logged_in_but_unreachable(monkeypatch, tmp_path, caplog):
@@ -164,7 +164,7 @@ def test_wandb_runs_of_a_sweep_share_group_and_tags(tmp_path):
     from hydra.types import RunMode
     from omegaconf import open_dict
 
-    from headprune.config_paths import config_dir
+    from headprune.apps.config_paths import config_dir
     from headprune.lightning import loggers
 
     assert loggers.hydra_run_identity() == (None, None, [])

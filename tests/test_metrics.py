@@ -3,15 +3,16 @@ import math
 
 import pytest
 import torch
-import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from transformers import AutoModelForSequenceClassification, GPT2Config, LlamaConfig
 
-from headprune.config_paths import config_dir
+from headprune.apps.config_paths import config_dir
 from headprune.heads.adapters import get_adapter
 from headprune.heads.hard_concrete import HardConcreteGates
 from headprune.heads.mask import HeadMask
 from headprune.lightning.module import HeadPruneModule
-from headprune.objectives import forward_logits, per_example_loss
+from headprune.tasks import forward_logits, per_example_loss
 from headprune.scoring import METRIC_INFO, METRICS, metric_name, score_heads
 from headprune.scoring.attention import confidence_importance, entropy_importance
 from headprune.scoring.fisher import fisher_importance
@@ -66,7 +67,10 @@ def test_every_metric_is_registered_with_info_and_a_config():
     assert set(METRICS) == {"taylor", "fisher", "lrp", "entropy", "confidence", "magnitude", "random", "l0_gates"}
     for name, info in METRIC_INFO.items():
         assert info.raw_high in ("keep", "prune", "neither") and info.raw and info.uses
-        cfg = yaml.safe_load((config_dir() / "metric" / f"{name}.yaml").read_text())
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose("train", overrides=[f"metric={name}"]).metric  # _target_ and _partial_ from the schema
+        GlobalHydra.instance().clear()
         assert cfg["_partial_"] is True
         assert cfg["_target_"] == f"{info.fn.__module__}.{info.fn.__name__}"
         assert metric_name(info.fn) == name
@@ -389,5 +393,5 @@ def test_l0_metric_trains_gates_on_a_frozen_model(tokenizer):
     assert mask.stochastic is None
     assert ((scores > 0) & (scores < 1)).all() and scores.max() < 0.99  # the penalty closed gates
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
-    with pytest.raises(ValueError, match="l0.penalty=-1"):
+    with pytest.raises(ValueError, match="metric.penalty=-1"):
         HeadPruneModule(model, num_labels=2, l0_penalty=-1)

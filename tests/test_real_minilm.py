@@ -4,12 +4,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from headprune.config_paths import config_dir
+from headprune.apps.config_paths import config_dir
 from headprune.heads.mask import HeadMask
-from headprune.lightning.datamodule import TextClassificationDataModule
+from headprune.data.classification import TextClassificationDataModule
 from headprune.models import build_model, load_tokenizer
 from headprune.scoring.taylor import taylor_importance
-from headprune.train import run
+from headprune.apps.train import run
 
 pytestmark = pytest.mark.real_model
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from headprune.selection.layer_policies import global_policy, layer_normalized, uniform_policy
+from headprune.selection.layer_policies import GlobalPolicy, UniformPolicy, layer_normalized
 from headprune.selection.schedules import Iterative, OneShot
 
 
@@ -35,27 +35,27 @@ def test_bad_step_and_epochs_name_field():
 def test_global_picks_lowest_and_respects_minimum():
     scores = torch.tensor([[0.1, 0.2, 0.9], [0.05, 0.8, 0.7]])
     alive = torch.ones(2, 3, dtype=torch.bool)
-    assert sorted(global_policy(scores, alive, 2)) == [(0, 0), (1, 0)]
+    assert sorted(GlobalPolicy()(scores, alive, 2)) == [(0, 0), (1, 0)]
     # layer 0 may lose at most 2 of 3 heads with min 1; the next lowest after (0,0),(0,1) is (1,0)
-    chosen = global_policy(torch.tensor([[0.0, 0.01, 0.02], [0.5, 0.6, 0.7]]), alive, 3, min_heads_per_layer=1)
+    chosen = GlobalPolicy(min_heads_per_layer=1)(torch.tensor([[0.0, 0.01, 0.02], [0.5, 0.6, 0.7]]), alive, 3)
     assert sorted(chosen) == [(0, 0), (0, 1), (1, 0)]
 
 
 def test_global_never_rechooses_pruned_and_budget_error():
     scores = torch.zeros(2, 3)
     alive = torch.tensor([[False, True, True], [True, True, True]])
-    chosen = global_policy(scores, alive, 3, min_heads_per_layer=1)
+    chosen = GlobalPolicy(min_heads_per_layer=1)(scores, alive, 3)
     assert (0, 0) not in chosen and len(chosen) == 3
     with pytest.raises(ValueError, match="min_heads_per_layer"):
-        global_policy(scores, alive, 4, min_heads_per_layer=1)
+        GlobalPolicy(min_heads_per_layer=1)(scores, alive, 4)
 
 
 def test_global_normalisation_changes_ranking():
     scores = torch.tensor([[10.0, 20.0], [0.1, 0.3]])
     alive = torch.ones(2, 2, dtype=torch.bool)
-    assert global_policy(scores, alive, 1, min_heads_per_layer=0) == [(1, 0)]
+    assert GlobalPolicy(min_heads_per_layer=0)(scores, alive, 1) == [(1, 0)]
     normed = layer_normalized(scores, alive)
-    assert global_policy(scores, alive, 1, min_heads_per_layer=0, normalize=True) == [
+    assert GlobalPolicy(min_heads_per_layer=0, normalize=True)(scores, alive, 1) == [
         divmod(int(normed.argmin()), 2)]
 
 
@@ -63,7 +63,7 @@ def test_uniform_spreads_evenly():
     torch.manual_seed(0)
     scores = torch.rand(4, 6)
     alive = torch.ones(4, 6, dtype=torch.bool)
-    chosen = uniform_policy(scores, alive, 8)
+    chosen = UniformPolicy()(scores, alive, 8)
     per_layer = [sum(1 for l, _ in chosen if l == i) for i in range(4)]
     assert per_layer == [2, 2, 2, 2]
     for layer in range(4):
@@ -73,7 +73,7 @@ def test_uniform_spreads_evenly():
 
 
 def test_sensitivity_profile_masks_the_weakest_heads_of_one_layer(tokenizer):
-    from headprune.evaluation import evaluate
+    from headprune.tasks import evaluate
     from headprune.heads.mask import HeadMask
     from headprune.selection.sensitivity import layer_sensitivity, sensitivity_profile
     from tests.conftest import tiny_batch, tiny_bert

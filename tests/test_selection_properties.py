@@ -42,14 +42,14 @@ def _options(name, layers, seed=0):
 def test_policy_budget_and_constraints(name, case):
     scores, alive, n_prune, min_heads, max_prune = case
     layers, heads = alive.shape
-    policy = LAYER_POLICIES[name]
     options = _options(name, layers)
+    sensitivity = options.pop("sensitivity", None)
+    policy = LAYER_POLICIES[name](min_heads_per_layer=min_heads, max_prune_per_layer=max_prune, **options)
     caps = capacity(alive, min_heads, max_prune)
     if name == "depth_prior" and layers > 2:
         caps[0] = caps[-1] = 0
     try:
-        chosen = policy(scores, alive, n_prune, min_heads_per_layer=min_heads, max_prune_per_layer=max_prune,
-                        **options)
+        chosen = policy(scores, alive, n_prune, sensitivity=sensitivity)
     except BudgetError as err:
         assert n_prune > sum(caps) and err.available == sum(caps)
         assert "min_heads_per_layer" in str(err)
@@ -112,6 +112,6 @@ def test_depth_weights():
 def test_sensitivity_policy_prefers_insensitive_layers():
     scores = torch.rand(3, 8, generator=torch.Generator().manual_seed(0))
     alive = torch.ones(3, 8, dtype=torch.bool)
-    chosen = LAYER_POLICIES["sensitivity"](scores, alive, 9, sensitivity=[1.0, 0.1, 1.0])
+    chosen = LAYER_POLICIES["sensitivity"]()(scores, alive, 9, sensitivity=[1.0, 0.1, 1.0])
     per_layer = [sum(1 for l, _ in chosen if l == i) for i in range(3)]
     assert per_layer[1] > per_layer[0] and per_layer[1] > per_layer[2]

@@ -2,7 +2,7 @@ import torch
 
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
-from headprune.objectives import forward_logits, per_example_loss
+from headprune.tasks import forward_logits, per_example_loss
 from headprune.scoring import score_heads
 from headprune.scoring.taylor import taylor_importance
 from tests.conftest import tiny_batch, tiny_bert

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from headprune.lightning.datamodule import TextClassificationDataModule
-from headprune.textdata import label_vocabulary, read_table
+from headprune.data.classification import TextClassificationDataModule
+from headprune.data.textdata import label_vocabulary, read_table
 
 
 def _write(path, text):

@@ -15,13 +15,9 @@ import shutil
 import statistics
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from headprune.collect import to_csv  # noqa: E402
-from headprune.results import write_text_atomic  # noqa: E402
+from headprune.apps.collect import to_csv
+from headprune.atomic import write_text_atomic
+from headprune.plots import plt
 
 
 def _load(path: Path) -> dict:

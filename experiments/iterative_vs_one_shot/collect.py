@@ -15,8 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
-from headprune.collect import to_csv
-from headprune.results import write_text_atomic
+from headprune.apps.collect import to_csv
+from headprune.atomic import write_text_atomic
 ARMS = ("iterative", "one_shot")
 
 

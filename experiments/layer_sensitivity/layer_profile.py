@@ -18,9 +18,9 @@ import time
 import torch
 
 from headprune.heads.mask import HeadMask
-from headprune.lightning.datamodule import TextClassificationDataModule
+from headprune.data.classification import TextClassificationDataModule
 from headprune.models import build_model, load_tokenizer
-from headprune.results import write_json_atomic, write_text_atomic
+from headprune.atomic import write_json_atomic, write_text_atomic
 from headprune.scoring import score_heads
 from headprune.selection.sensitivity import sensitivity_profile
 

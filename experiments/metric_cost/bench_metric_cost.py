@@ -19,9 +19,9 @@ import time
 import torch
 
 from headprune.heads.mask import HeadMask
-from headprune.lightning.datamodule import TextClassificationDataModule
+from headprune.data.classification import TextClassificationDataModule
 from headprune.models import build_model, load_tokenizer
-from headprune.objectives import forward_logits, per_example_loss
+from headprune.tasks import forward_logits, per_example_loss
 from headprune.scoring import METRIC_INFO
 
 

@@ -2,9 +2,10 @@
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import (count_params, heads_of_kv_groups, kv_group_heads, load_pruned, prune_heads,
-                                      save_pruned)
+                                      save_pruned, scale_heads)
 from headprune.scoring import score_heads
+from headprune.selection.rounds import Round, prune_round
 
-__all__ = ["HeadMask", "count_params", "get_adapter", "head_layout", "heads_of_kv_groups", "kv_group_heads",
-           "load_pruned", "prune_heads", "save_pruned", "score_heads"]
+__all__ = ["HeadMask", "Round", "count_params", "get_adapter", "head_layout", "heads_of_kv_groups", "kv_group_heads",
+           "load_pruned", "prune_heads", "prune_round", "save_pruned", "scale_heads", "score_heads"]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""Figures written to run dirs and loggers (matplotlib, headless)."""
+"""Figures written to run dirs and loggers. The one place matplotlib is set up headless (Agg):
+every other module draws with `from headprune.plots import plt`."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -29,9 +29,9 @@ def attention_flops(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
     return projections + scores_and_sum
 
 
-def ffn_flops(batch: int, tokens: int, hidden: int, intermediate: int, gated: bool = False) -> float:
-    """FLOPs of one feed-forward block (two matrices, three when `gated` as in Llama)."""
-    return 2 * batch * tokens * hidden * intermediate * (3 if gated else 2)
+def ffn_flops(batch: int, tokens: int, hidden: int, intermediate: int) -> float:
+    """FLOPs of one feed-forward block of two matrices (BERT, GPT-2)."""
+    return 2 * batch * tokens * hidden * intermediate * 2
 
 
 def model_attention_flops(batch: int, q_len: int, kv_len: int, heads: Sequence[int], kv_heads: Sequence[int],

@@ -3,12 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from headprune.results import write_json_atomic, write_text_atomic  # noqa: E402
+from headprune.atomic import write_json_atomic, write_text_atomic
+from headprune.plots import plt
 
 ATTENTION_TARGET = 1.85  # attention sub-layer speed-up wanted at 50% of the heads removed
 

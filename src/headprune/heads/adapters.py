@@ -2,15 +2,56 @@
 
 An adapter answers, for one model family: which module is each layer's attention, which
 module is its output projection (whose input is the concatenation of the heads' contexts),
-and how many query / key-value heads of what size the config declares. Head gating
-(`mask.py`), scoring and physical removal (`surgery.py`) only talk to adapters, so adding
-a family means adding one class here.
+how many query / key-value heads of what size the config declares, and which rows and
+columns of which weights belong to each head (`head_rows`, in the family's own weight layout:
+GPT-2's fused `c_attn` included). Head gating (`mask.py`), scoring, physical removal
+(`surgery.py`) and optimizer-state surgery only talk to adapters, so adding a family means
+adding one `register_adapter(ArchAdapter(...))` entry here (docs/adding_an_architecture.md).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+PARTS = ("q", "k", "v", "o")
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The features of one projection that belong to one head: output features `start:stop`
+    (Q/K/V rows, `outputs=True`) or input features (output-projection columns). Knows where
+    they sit in the module's weight: Linear stores (out, in), GPT-2's Conv1D (in, out)."""
+
+    module: nn.Module
+    outputs: bool
+    start: int
+    stop: int
+
+    @property
+    def index(self) -> range:
+        return range(self.start, self.stop)
+
+    def weight_dim(self) -> int:
+        """The dimension of `module.weight` along which these features lie."""
+        conv = isinstance(self.module, Conv1D)
+        return int(conv) if self.outputs else int(not conv)
+
+    def param_slices(self, with_bias: bool = True) -> list[tuple[nn.Parameter, int, slice]]:
+        """(parameter, dim, slice) of the weight, and of the bias for output features."""
+        cut = slice(self.start, self.stop)
+        out = [(self.module.weight, self.weight_dim(), cut)]
+        if with_bias and self.outputs and getattr(self.module, "bias", None) is not None:
+            out.append((self.module.bias, 0, cut))
+        return out
+
+    def weight(self) -> torch.Tensor:
+        """The weight slice as (features, other side): rows for Q/K/V, columns (transposed) for O."""
+        dim = self.weight_dim()
+        w = self.module.weight.narrow(dim, self.start, self.stop - self.start)
+        return w if dim == 0 else w.t()
 
 LAYOUT_ATTR = "headprune_layout"
 
@@ -24,6 +65,8 @@ class ArchAdapter:
     attributes; `q`, `k`, `v`, `o` name the projections inside that module (`o` may be a
     dotted path, as in BERT where the output projection sits beside the attention).
     When `q`, `k` and `v` name one module, its outputs are the fused [q | k | v] (GPT-2).
+
+    Only Linear and GPT-2's Conv1D projections are supported.
 
     For physical removal (`surgery.py`): `core` leads from the attention module to the module
     that computes the heads' context (and owns the attributes its forward reads); "" means the
@@ -70,6 +113,53 @@ class ArchAdapter:
         hidden = getattr(config, "hidden_size", None) or getattr(config, "dim")
         return int(hidden) // self.num_heads(config)
 
+    @property
+    def fused_qkv(self) -> bool:
+        """Q, K and V are one projection whose outputs are [q | k | v] (GPT-2's `c_attn`)."""
+        return self.q == self.k == self.v
+
+    def group_size(self, config) -> int:
+        """Query heads per KV head (1 without grouped-query attention)."""
+        return self.num_heads(config) // self.num_kv_heads(config)
+
+    def head_rows(self, model: nn.Module, layer: int) -> dict[int, dict[str, Rows]]:
+        """{original head id: {"q"|"k"|"v"|"o": Rows}} for the heads `layer` physically holds.
+
+        A head owns `head_dim` query rows and output-projection columns at its position among
+        the layer's kept heads. Its "k"/"v" rows are those of its KV head: under grouped-query
+        attention the query heads of a group share them (same Rows). A fused projection holds
+        [all kept q | all kept KV k | all kept KV v] along its outputs."""
+        attn = self.attention(self.blocks(model)[layer])
+        kept = layer_heads(model, layer)
+        d, group = self.head_dim(model.config), self.group_size(model.config)
+        kv_kept = sorted({h // group for h in kept})  # KV heads the layer holds, in order
+        q, k, v, o = (_get(attn, path) for path in (self.q, self.k, self.v, self.o))
+        k_offset = len(kept) * d if self.fused_qkv else 0
+        v_offset = k_offset + len(kv_kept) * d if self.fused_qkv else 0
+        rows = {}
+        for pos, head in enumerate(kept):
+            kv = kv_kept.index(head // group)
+            rows[head] = {"q": Rows(q, True, pos * d, (pos + 1) * d),
+                          "k": Rows(k, True, k_offset + kv * d, k_offset + (kv + 1) * d),
+                          "v": Rows(v, True, v_offset + kv * d, v_offset + (kv + 1) * d),
+                          "o": Rows(o, False, pos * d, (pos + 1) * d)}
+        return rows
+
+    def qk_output_features(self, model: nn.Module, layer: int) -> dict[nn.Module, torch.Tensor]:
+        """{projection: bool (out_features,)} True where an output feature is a query or key
+        (a separate Q or K projection is all True; a fused one is True on its q and k thirds)."""
+        attn = self.attention(self.blocks(model)[layer])
+        flags: dict[nn.Module, torch.Tensor] = {}
+        for path in dict.fromkeys((self.q, self.k, self.v)):
+            module = _get(attn, path)
+            width = module.weight.shape[1] if isinstance(module, Conv1D) else module.weight.shape[0]
+            flags[module] = torch.zeros(width, dtype=torch.bool)
+        for parts in self.head_rows(model, layer).values():
+            for part in ("q", "k"):
+                r = parts[part]
+                flags[r.module][r.start:r.stop] = True
+        return flags
+
 
 ADAPTERS: dict[str, ArchAdapter] = {}
 
@@ -111,7 +201,7 @@ def get_adapter(model: nn.Module) -> ArchAdapter:
         raise NotImplementedError(
             f"headprune has no head adapter for model_type={model_type!r}. Supported model types: "
             f"{supported}. To add one, register an ArchAdapter naming the block list and the Q/K/V/O "
-            "projections (see README, 'Adding an architecture')."
+            "projections (see docs/adding_an_architecture.md)."
         )
     return ADAPTERS[model_type]
 

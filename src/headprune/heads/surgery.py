@@ -32,7 +32,7 @@ from transformers.pytorch_utils import Conv1D
 
 from headprune.heads.adapters import LAYOUT_ATTR, ArchAdapter, _get, get_adapter, head_layout
 from headprune.heads.headless import HeadlessAttention
-from headprune.results import write_json_atomic
+from headprune.atomic import write_json_atomic
 
 LAYOUT_FILE = "headprune_layout.json"
 HeadSpec = Mapping[int, Iterable[int]] | Iterable[tuple[int, int]]
@@ -54,7 +54,7 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> nn.Module:
     for layer, remove in request.items():
         kept = [h for h in layout[layer] if h not in remove]
         if kept != layout[layer]:
-            _prune_layer(model, adapter, layer, layout[layer], kept)
+            _prune_layer(model, adapter, layer, kept)
             layout[layer] = kept
     setattr(model, LAYOUT_ATTR, layout)
     return model
@@ -186,27 +186,26 @@ def _validated(heads: HeadSpec, n_layers: int, n_heads: int) -> dict[int, set[in
     return request
 
 
-def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, before: list[int], after: list[int]) -> None:
-    """Slice one layer from heads `before` to heads `after` (sorted original ids)."""
+def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list[int]) -> None:
+    """Slice one layer down to heads `after` (sorted original ids): every projection keeps the
+    features that the adapter's `head_rows` give the kept heads."""
     d = adapter.head_dim(model.config)
-    group = adapter.num_heads(model.config) // adapter.num_kv_heads(model.config)
+    group = adapter.group_size(model.config)
     block = adapter.blocks(model)[layer]
     attn = adapter.attention(block)
     core = _get(attn, adapter.core) if adapter.core else attn
-    q, k, v, o = (_get(attn, path) for path in (adapter.q, adapter.k, adapter.v, adapter.o))
-
-    kv_before, kv_after = _kv_groups(before, group), _kv_groups(after, group)
-    q_rows = _rows([before.index(h) for h in after], d)
-    kv_rows = _rows([kv_before.index(g) for g in kv_after], d)
+    q, o = _get(attn, adapter.q), _get(attn, adapter.o)
+    keep: dict[tuple[int, bool], tuple[nn.Module, bool, set[int]]] = {}
+    for head, parts in adapter.head_rows(model, layer).items():  # in the current layout
+        for r in parts.values():  # every projection gets an entry, even one that keeps nothing
+            kept = keep.setdefault((id(r.module), r.outputs), (r.module, r.outputs, set()))[2]
+            if head in after:
+                kept.update(r.index)
     with torch.no_grad():
-        if q is k is v:  # fused [q | k | v] outputs
-            q_width, kv_width = len(before) * d, len(kv_before) * d
-            _keep(q, torch.cat([q_rows, q_width + kv_rows, q_width + kv_width + kv_rows]), outputs=True)
-        else:
-            for proj, rows in ((q, q_rows), (k, kv_rows), (v, kv_rows)):
-                _keep(proj, rows, outputs=True)
-        _keep(o, q_rows, outputs=False)
+        for module, outputs, index in keep.values():
+            _keep(module, torch.tensor(sorted(index), dtype=torch.long), outputs=outputs)
 
+    kv_after = sorted({h // group for h in after})
     counts = [sum(1 for h in after if h // group == g) for g in kv_after]
     per_group = max(counts, default=0)
     sizes = {"heads": len(after), "width": len(after) * d, "groups": per_group}
@@ -234,16 +233,6 @@ def _make_headless(adapter: ArchAdapter, block: nn.Module, core: nn.Module, head
     path = adapter.attn_path + (f".{adapter.core}" if adapter.core else "")
     parent, _, name = path.rpartition(".")
     setattr(_get(block, parent) if parent else block, name, HeadlessAttention(core, out, head_dim, layer_idx))
-
-
-def _kv_groups(heads: list[int], group: int) -> list[int]:
-    return sorted({h // group for h in heads})
-
-
-def _rows(positions: list[int], head_dim: int) -> torch.Tensor:
-    """Feature indices of the heads at `positions` (physical order), each `head_dim` wide."""
-    pos = torch.tensor(positions, dtype=torch.long, device="cpu").view(-1, 1)
-    return (pos * head_dim + torch.arange(head_dim, device="cpu")).flatten()
 
 
 def _keep(module: nn.Module, index: torch.Tensor, outputs: bool) -> None:

@@ -1,20 +1,15 @@
-"""HeadPruning: the Lightning callback that decides WHEN to score and prune.
+"""HeadPruning: the Lightning callback that decides WHEN to prune.
 
-What to score with (`metric`), which heads to take (`layer_policy`) and how far to go
-(`schedule`) are plain functions/objects handed in by config; this class only calls them at
-epoch boundaries and records what happened in results.json and the loggers.
-
-Timeline for baseline_epochs=b, epochs_per_round=e and R rounds: after epoch b the baseline
-is evaluated and round 1 prunes; after epoch b + k*e round k's fine-tuned validation metrics
-are recorded and round k+1 prunes; after epoch b + R*e the last round is recorded, and
-`recover_epochs` more epochs may follow. Pruning only changes the HeadMask buffer, so
-parameter shapes (and the optimizer) stay valid mid-fit.
+What a round does (score, select, prune) is `selection.rounds.prune_round`; what to score with
+(`metric`), which heads to take (`layer_policy`) and how far to go (`schedule`) come from config.
+This class calls `prune_round` at the epoch boundaries the schedule names
+(`Schedule.round_epoch`), evaluates, applies the schedule's stopping rule, and records every
+round in results.json and the loggers.
 """
 from __future__ import annotations
 
 import logging
 import random
-import time
 from typing import Callable
 
 import lightning as L
@@ -22,33 +17,30 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from headprune.distributed import all_equal
-from headprune.evaluation import evaluate, headline
 from headprune.heads.mask import HeadMask
-from headprune.heads.slices import reset_optimizer_state
-from headprune.results import RunResults
-from headprune.selection.layer_policies import BudgetError
+from headprune.heads.optimizer_state import reset_optimizer_state
+from headprune.lightning import loggers
+from headprune.lightning.results import RunResults
+from headprune.selection.rounds import prune_round
 from headprune.selection.schedules import Schedule
-from headprune.selection.sensitivity import layer_sensitivity
+from headprune.tasks import evaluate
 
 log = logging.getLogger(__name__)
 
 
-def _needs_sensitivity(policy: Callable) -> bool:
-    return bool(getattr(getattr(policy, "func", policy), "needs_sensitivity", False))
-
-
 class HeadPruning(Callback):
+    """`diagnostics`: head_diagnostics options, run on the final model (None = off).
+    `check_consistency`: assert identical masks on every rank after each round."""
+
     def __init__(self, metric: Callable, schedule: Schedule, layer_policy: Callable,
-                 results: RunResults | None = None, heatmaps: bool = True, sensitivity_share: float = 0.5,
-                 diagnostics: dict | None = None, check_consistency: bool = False):
+                 results: RunResults | None = None, diagnostics: dict | None = None,
+                 check_consistency: bool = False):
         self.metric = metric
-        self.check_consistency = check_consistency  # assert identical masks on every rank after each round
-        self.diagnostics = diagnostics  # head_diagnostics options, run at the end; None = off
         self.schedule = schedule
         self.layer_policy = layer_policy
         self.results = results if results is not None else RunResults(None)
-        self.heatmaps = heatmaps
-        self.sensitivity_share = sensitivity_share
+        self.diagnostics = diagnostics
+        self.check_consistency = check_consistency
         self.sparsities = schedule.sparsities()
         self.stop_reason: str | None = None
         self.sensitivity: list[float] | None = None
@@ -113,11 +105,10 @@ class HeadPruning(Callback):
 
     def step(self, pl_module, datamodule, completed_epochs: int, trainer: L.Trainer | None = None) -> None:
         """Do whatever is due after `completed_epochs` training epochs."""
-        b, e = self.schedule.baseline_epochs, self.schedule.epochs_per_round
         limit = self._limit(trainer)
         while self.stop_reason is None:
             k = len(self.rounds)
-            if completed_epochs != b + k * e or k > len(self.sparsities):
+            if k > len(self.sparsities) or completed_epochs != self.schedule.round_epoch(k):
                 return
             data = self.results.data
             if not data["baseline"]:
@@ -143,28 +134,19 @@ class HeadPruning(Callback):
         mask: HeadMask = pl_module.head_mask
         fresh = self.stop_reason is not None or self.schedule.recover_epochs > 0 or not self.rounds
         final_val = self._evaluate(pl_module, datamodule, limit) if fresh else self.rounds[-1]["val"]
-        if self.stop_reason is not None:
-            reason = self.stop_reason
-        elif len(self.rounds) == len(self.sparsities):
-            total = mask.mask.numel()
-            planned = self.schedule.heads_after(len(self.sparsities) - 1, total) if self.sparsities else 0
-            pruned = total - int(mask.alive().sum())
-            reason = "target_reached" if pruned >= planned else (
-                f"constrained: the layer policy's limits let {pruned} of the {planned} heads the target asks for go")
-        else:
-            reason = f"interrupted after {len(self.rounds)} of {len(self.sparsities)} rounds"
         data["final"] = {"sparsity": mask.sparsity(), "heads_per_layer": mask.heads_per_layer(),
                          "pruned": mask.pruned(), "rounds_completed": len(self.rounds),
-                         "rounds_planned": len(self.sparsities), "stop_reason": reason, "val": final_val}
+                         "rounds_planned": len(self.sparsities), "stop_reason": self._final_reason(mask),
+                         "val": final_val}
         self.results.save()
-        if self.heatmaps and self.results.output_dir is not None and self.results.writer:
+        if self.results.output_dir is not None and self.results.writer:
             from headprune.plots import close, head_heatmap
 
             close(head_heatmap(mask.mask, f"kept heads (sparsity {mask.sparsity():.2f})",
                                self.results.output_dir / "head_mask.png", cmap="Greys_r", vmin=0, vmax=1))
         if self.diagnostics is not None:
             self._diagnose(pl_module, datamodule, limit, trainer)
-        self._log_summary(trainer, data)
+        loggers.log_run_summary(trainer, data)
         return data
 
     # -- internals ---------------------------------------------------------------------------
@@ -176,6 +158,18 @@ class HeadPruning(Callback):
         mask: HeadMask = pl_module.head_mask
         self.results.data["model"] = {"layers": mask.num_layers, "heads": mask.num_heads}
 
+    def _final_reason(self, mask: HeadMask) -> str:
+        if self.stop_reason is not None:
+            return self.stop_reason
+        if len(self.rounds) < len(self.sparsities):
+            return f"interrupted after {len(self.rounds)} of {len(self.sparsities)} rounds"
+        total = mask.mask.numel()
+        planned = self.schedule.heads_after(len(self.sparsities) - 1, total) if self.sparsities else 0
+        pruned = total - int(mask.alive().sum())
+        if pruned >= planned:
+            return "target_reached"
+        return f"constrained: the layer policy's limits let {pruned} of the {planned} heads the target asks for go"
+
     def _evaluate(self, pl_module, datamodule, limit) -> dict:
         return evaluate(pl_module.model, datamodule.val_dataloader(), pl_module.device, max_batches=limit)
 
@@ -183,7 +177,7 @@ class HeadPruning(Callback):
         record = self.rounds[-1]
         record["val"] = self._evaluate(pl_module, datamodule, limit)
         self.results.save()
-        self._log_round(trainer, record)
+        loggers.log_round(trainer, record)
 
     def _check_stop(self, pl_module, trainer) -> bool:
         """Apply the schedule's stopping rule to the last recorded round."""
@@ -203,74 +197,48 @@ class HeadPruning(Callback):
 
     def _prune_round(self, pl_module, datamodule, k: int, limit, trainer) -> None:
         mask: HeadMask = pl_module.head_mask
-        total = mask.mask.numel()
-        already = total - int(mask.alive().sum())
-        n_prune = max(self.schedule.heads_after(k, total) - already, 0)
         self._last_good = mask.mask.detach().clone().cpu()
-        start = time.perf_counter()
         world = trainer.world_size if trainer is not None else 1
         loader = (datamodule.score_dataloader(trainer.global_rank, world) if world > 1
                   else datamodule.score_dataloader())
-        scores = self.metric(pl_module.model, mask, loader, **({"max_batches": limit} if limit else {}))
-        score_seconds = time.perf_counter() - start
-        options = {}
-        if _needs_sensitivity(self.layer_policy):
-            if self.sensitivity is None:
-                self._measure_sensitivity(pl_module, mask, scores, loader, limit)
-                if world > 1:
-                    self.sensitivity = trainer.strategy.broadcast(self.sensitivity, src=0)
-            options["sensitivity"] = self.sensitivity
-        shortfall = None
-        try:
-            heads = self.layer_policy(scores, mask.alive(), n_prune, **options)
-        except BudgetError as err:
-            shortfall = str(err)
-            log.warning("round %d: %s; pruning %d heads instead", k + 1, err, err.available)
-            heads = self.layer_policy(scores, mask.alive(), err.available, **options)
-        if world > 1:  # one decision, rank 0's, everywhere (scores are already reduced across ranks)
-            heads = [tuple(h) for h in trainer.strategy.broadcast(list(heads), src=0)]
-        mask.prune(heads)
+        sync = (lambda value: trainer.strategy.broadcast(value, src=0)) if world > 1 else None
+        result = prune_round(pl_module.model, mask, self.metric, self.layer_policy,
+                             self.schedule.heads_to_prune(k, mask.alive()), loader, round_no=k + 1,
+                             eval_loader=datamodule.val_dataloader(), sensitivity=self.sensitivity, sync=sync,
+                             max_batches=limit)
+        if result.sensitivity is not None:
+            self._record_sensitivity(result.sensitivity)
         if self.check_consistency and not all_equal(mask.mask):
             raise RuntimeError(f"round {k + 1}: the head masks differ between ranks")
         if self.schedule.reset_optimizer_state and trainer is not None:
-            reset_optimizer_state(trainer.optimizers, pl_module.model, heads)
-        record = {"round": k + 1, "sparsity": mask.sparsity(), "n_pruned": len(heads), "n_requested": n_prune,
-                  "heads_per_layer": mask.heads_per_layer(), "pruned": sorted([list(h) for h in heads]),
-                  "score_seconds": round(score_seconds, 3), "scores": scores.tolist(),
-                  "val_before_finetune": self._evaluate(pl_module, datamodule, limit)}
-        if shortfall:
-            record["shortfall"] = shortfall
+            reset_optimizer_state(trainer.optimizers, pl_module.model, result.pruned)
+        record = result.record()
         self.rounds.append(record)
-        log.info("round %d: pruned %d heads -> sparsity %.3f, heads per layer %s, val %s before fine-tuning %.4f",
-                 k + 1, len(heads), record["sparsity"], record["heads_per_layer"],
-                 *headline(record["val_before_finetune"]))
         if self.schedule.epochs_per_round == 0:
             record["val"] = record["val_before_finetune"]
-            self._log_round(trainer, record)
+            loggers.log_round(trainer, record)
             self._check_stop(pl_module, trainer)
         self.results.save()
-        self._log_heatmap(trainer, mask, record["round"])
+        loggers.log_head_mask(trainer, mask, record["round"])
 
-    def _measure_sensitivity(self, pl_module, mask: HeadMask, scores, loader, limit) -> None:
-        share = getattr(self.layer_policy, "keywords", {}).get("share", self.sensitivity_share)
-        self.sensitivity = layer_sensitivity(pl_module.model, mask, scores, loader, share=share, max_batches=limit)
-        self.results.data["layer_sensitivity"] = {"share": share, "loss_rise": self.sensitivity}
+    def _record_sensitivity(self, sensitivity: list[float]) -> None:
+        share = self.layer_policy.share
+        self.sensitivity = sensitivity
+        self.results.data["layer_sensitivity"] = {"share": share, "loss_rise": sensitivity}
         log.info("layer sensitivity (loss rise with %.0f%% of a layer's heads masked): %s",
-                 100 * share, [round(s, 4) for s in self.sensitivity])
+                 100 * share, [round(s, 4) for s in sensitivity])
         if self.results.output_dir is not None and self.results.writer:
             from headprune.plots import close, layer_profile
 
-            close(layer_profile(self.sensitivity, "layer sensitivity (validation-loss rise on the scoring slice)",
+            close(layer_profile(sensitivity, "layer sensitivity (validation-loss rise on the scoring slice)",
                                 self.results.output_dir / "layer_sensitivity.png"))
 
     def _diagnose(self, pl_module, datamodule, limit, trainer) -> None:
         """Head diagnostics of the final model on the scoring slice: results.json `diagnostics`,
         PNG heatmaps in the run dir, images in a wandb logger."""
-        from lightning.pytorch.loggers import WandbLogger
-
-        from headprune.diagnostics import diagnostic_figures, head_diagnostics
         from headprune.plots import close
         from headprune.scoring import metric_name
+        from headprune.scoring.diagnostics import diagnostic_figures, head_diagnostics
 
         diag = head_diagnostics(pl_module.model, pl_module.head_mask, datamodule.score_dataloader(),
                                 tokenizer=getattr(datamodule, "tokenizer", None), max_batches=limit,
@@ -280,54 +248,9 @@ class HeadPruning(Callback):
             diag.importance[f"{metric_name(self.metric) or 'metric'}_round{last['round']}"] = torch.tensor(last["scores"])
         self.results.data["diagnostics"] = diag.to_json()
         self.results.save()
-        if not self.heatmaps or not self.results.writer:  # every rank computes (collectives), rank 0 draws
+        if not self.results.writer:  # every rank computes (collectives), rank 0 draws
             return
         figures = diagnostic_figures(diag, self.results.output_dir)
-        for logger in trainer.loggers if trainer is not None else []:
-            if isinstance(logger, WandbLogger):
-                for stem, fig in figures.items():
-                    logger.log_image(key=f"diagnostics/{stem}", images=[fig], step=trainer.global_step)
+        loggers.log_figures(trainer, {f"diagnostics/{stem}": fig for stem, fig in figures.items()})
         for fig in figures.values():
             close(fig)
-
-    def _log_round(self, trainer, record: dict) -> None:
-        """A round's sparsity, validation metrics and heads per layer, once its `val` is known."""
-        self._log(trainer, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
-                            **{f"prune/val_{name}": value for name, value in record["val"].items()},
-                            **{f"prune/heads_layer_{i}": n for i, n in enumerate(record["heads_per_layer"])}})
-
-    def _log(self, trainer, metrics: dict) -> None:
-        if trainer is None:
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-
-    def _log_summary(self, trainer, data: dict) -> None:
-        """Final sparsity and metrics in the wandb run summary, so a dashboard can plot a sweep's
-        metric against sparsity, one point per run."""
-        if trainer is None:
-            return
-        from lightning.pytorch.loggers import WandbLogger
-
-        final, base = data["final"], data["baseline"].get("val", {})
-        summary = {"final/sparsity": final["sparsity"], "final/stop_reason": final["stop_reason"],
-                   **{f"final/val_{k}": v for k, v in final["val"].items()},
-                   **{f"baseline/val_{k}": v for k, v in base.items()}}
-        if "acc" in base and "acc" in final["val"]:
-            summary["final/acc_drop"] = base["acc"] - final["val"]["acc"]
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger) and trainer.is_global_zero:
-                logger.experiment.summary.update(summary)
-
-    def _log_heatmap(self, trainer, mask: HeadMask, round_no: int) -> None:
-        if trainer is None or not self.heatmaps:
-            return
-        from lightning.pytorch.loggers import WandbLogger
-
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                from headprune.plots import close, head_heatmap
-
-                fig = head_heatmap(mask.mask, f"kept heads after round {round_no}", cmap="Greys_r", vmin=0, vmax=1)
-                logger.log_image(key="prune/head_mask", images=[fig], step=trainer.global_step)
-                close(fig)

@@ -81,3 +81,64 @@ def wandb_logger(project: str = "headprune", save_dir: str = ".", name: str | No
     tags = list(dict.fromkeys([*auto_tags, *(tags or [])]))
     return WandbLogger(project=project, save_dir=save_dir, name=name or auto_name, group=group or auto_group,
                        tags=tags, offline=offline, **kwargs)
+
+
+# -- what the pruning callback sends to a Trainer's loggers ------------------------------------
+def log_metrics(trainer, metrics: dict) -> None:
+    """`metrics` to every logger of `trainer` at its global step (nothing without a Trainer)."""
+    if trainer is None:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def log_round(trainer, record: dict) -> None:
+    """A round's sparsity, validation metrics and heads per layer, once its `val` is known."""
+    log_metrics(trainer, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
+                          **{f"prune/val_{name}": value for name, value in record["val"].items()},
+                          **{f"prune/heads_layer_{i}": n for i, n in enumerate(record["heads_per_layer"])}})
+
+
+def log_run_summary(trainer, data: dict) -> None:
+    """Final sparsity and metrics in the wandb run summary, so a dashboard can plot a sweep's
+    metric against sparsity, one point per run."""
+    if trainer is None or not trainer.is_global_zero:
+        return
+    final, base = data["final"], data["baseline"].get("val", {})
+    summary = {"final/sparsity": final["sparsity"], "final/stop_reason": final["stop_reason"],
+               **{f"final/val_{k}": v for k, v in final["val"].items()},
+               **{f"baseline/val_{k}": v for k, v in base.items()}}
+    if "acc" in base and "acc" in final["val"]:
+        summary["final/acc_drop"] = base["acc"] - final["val"]["acc"]
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.experiment.summary.update(summary)
+
+
+def log_figures(trainer, figures: dict) -> None:
+    """{key: matplotlib figure} as images in every wandb logger of `trainer`."""
+    if trainer is None:
+        return
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            for key, fig in figures.items():
+                logger.log_image(key=key, images=[fig], step=trainer.global_step)
+
+
+def log_head_mask(trainer, mask, round_no: int) -> None:
+    """The kept-heads heatmap after a round, in every wandb logger."""
+    if trainer is None or not any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+        return
+    from headprune.plots import close, head_heatmap
+
+    fig = head_heatmap(mask.mask, f"kept heads after round {round_no}", cmap="Greys_r", vmin=0, vmax=1)
+    log_figures(trainer, {"prune/head_mask": fig})
+    close(fig)
+
+
+def finish_wandb(loggers: list) -> None:
+    """Finish every wandb run among `loggers` that was started, so its files are complete and a
+    failed job in a sweep does not leave its run open."""
+    for logger in loggers:
+        if isinstance(logger, WandbLogger) and getattr(logger, "_experiment", None) is not None:
+            logger.experiment.finish()

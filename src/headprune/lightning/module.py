@@ -1,7 +1,7 @@
 """The LightningModule: an HF model with a HeadMask, trained with a per-example loss.
 
 Sequence classification logs accuracy and loss; a causal LM logs the per-token loss and the
-perplexity (its exponential), the same numbers `headprune.evaluation.evaluate` reports.
+perplexity (its exponential), the same numbers `headprune.tasks.evaluate` reports.
 """
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from headprune.heads.hard_concrete import HardConcreteGates
 from headprune.heads.adapters import LAYOUT_ATTR, head_layout
+from headprune.heads.hard_concrete import HardConcreteGates
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import apply_layout
-from headprune.objectives import forward_logits, per_example_loss, target_counts
-
-TASKS = ("classification", "causal_lm")
+from headprune.tasks import check_task, forward_logits, per_example_loss, target_counts
 
 
 class HeadPruneModule(L.LightningModule):
@@ -27,9 +25,10 @@ class HeadPruneModule(L.LightningModule):
 
     `optimizer` is a partial taking the parameters; `scheduler` a partial taking
     (optimizer, total_steps) and returning a per-step LR scheduler, or None.
-    `l0_penalty` > 0 learns Hard-Concrete head gates with the model (Voita et al. 2019): gates
-    are sampled in training, deterministic at evaluation, `l0_penalty` x the expected number
-    of open heads is added to the loss, and the gates train at learning rate `l0_lr`.
+    `l0_penalty` > 0 learns Hard-Concrete head gates with the model (Voita et al. 2019;
+    `metric=l0_gates metric.finetune=true` sets it to `metric.penalty`): gates are sampled in
+    training, deterministic at evaluation, `l0_penalty` x the expected number of open heads is
+    added to the loss, and the gates train at learning rate `l0_lr` (`metric.lr`).
     `task` (model.task): "classification" (needs `num_labels`) or "causal_lm".
     """
 
@@ -37,8 +36,7 @@ class HeadPruneModule(L.LightningModule):
                  scheduler: Callable | None = None, l0_penalty: float = 0.0, l0_lr: float = 0.1,
                  task: str = "classification"):
         super().__init__()
-        if task not in TASKS:
-            raise ValueError(f"model.task={task!r} is not allowed; allowed: {', '.join(TASKS)}")
+        check_task(task)
         if task == "classification" and not num_labels:
             raise ValueError(f"model.task=classification needs the number of classes, got num_labels={num_labels!r}")
         self.task = task
@@ -48,7 +46,7 @@ class HeadPruneModule(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         if l0_penalty < 0:
-            raise ValueError(f"l0.penalty={l0_penalty!r} must be >= 0")
+            raise ValueError(f"metric.penalty={l0_penalty!r} must be >= 0 (the L0 penalty on the head gates)")
         self.l0_penalty, self.l0_lr = l0_penalty, l0_lr
         if l0_penalty > 0:
             self.head_mask.stochastic = HardConcreteGates(self.head_mask.num_layers, self.head_mask.num_heads)

@@ -23,7 +23,7 @@ from torch import nn
 
 from headprune.heads.adapters import head_layout
 from headprune.heads.mask import HeadMask
-from headprune.objectives import MODEL_INPUTS, to_device
+from headprune.tasks import MODEL_INPUTS, to_device
 from headprune.scoring.reduce import finish_scores, mean_over_ranks
 
 

@@ -4,9 +4,10 @@ Each head gets a stochastic gate (heads/hard_concrete.py) trained to keep the ta
 while an L0 penalty (weight x expected number of open gates) pushes gates shut. The score is
 the probability that a gate is open, P(z != 0): raw HIGH = KEEP.
 
-Two ways to get trained gates:
-- during fine-tuning: with `l0.penalty > 0` in the run config, HeadPruneModule attaches the
-  gates to its HeadMask and trains them with the model (the Voita setting); this metric then
+Two ways to get trained gates, both configured in one place (`metric=l0_gates`):
+- during fine-tuning (`metric.finetune=true`): HeadPruneModule attaches the gates to its
+  HeadMask and trains them with the model (the Voita setting), adding `metric.penalty` x the
+  expected number of open gates to the loss, at learning rate `metric.lr`; this metric then
   just reads them.
 - otherwise, at scoring time: fresh gates are trained for `steps` Adam steps (learning rate
   `lr`, penalty weight `penalty`) on the scoring batches, cycled, with the model frozen and in
@@ -25,7 +26,7 @@ from torch import nn
 from headprune.distributed import all_reduce_sum, rank_and_world
 from headprune.heads.hard_concrete import HardConcreteGates
 from headprune.heads.mask import HeadMask
-from headprune.objectives import forward_logits, per_example_loss, to_device
+from headprune.tasks import forward_logits, per_example_loss, to_device
 from headprune.scoring.reduce import finish_scores, scoring_mode
 
 
@@ -60,9 +61,15 @@ def train_gates(model: nn.Module, mask: HeadMask, dataloader, steps: int = 100, 
 
 
 def l0_gates_importance(model: nn.Module, mask: HeadMask, dataloader, steps: int = 100, lr: float = 0.05,
-                        penalty: float = 0.01, seed: int = 0, max_batches: int | None = None) -> torch.Tensor:
-    """(layers, heads) gate open-probabilities; pruned heads score 0."""
+                        penalty: float = 0.01, seed: int = 0, finetune: bool = False,
+                        max_batches: int | None = None) -> torch.Tensor:
+    """(layers, heads) gate open-probabilities; pruned heads score 0. With `finetune` the gates
+    trained with the model (HeadMask.stochastic) are read, and their absence is an error;
+    otherwise gates already on the mask are read, or fresh ones trained on the frozen model."""
     gates = mask.stochastic
+    if gates is None and finetune:
+        raise ValueError("metric.finetune=true reads the gates trained during fine-tuning, but the model has none: "
+                         "build HeadPruneModule with l0_penalty=metric.penalty > 0 (headprune-train does)")
     if gates is None:
         gates = train_gates(model, mask, dataloader, steps, lr, penalty, seed, max_batches)
     return finish_scores(gates.open_probability().detach(), mask)

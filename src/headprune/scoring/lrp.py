@@ -38,7 +38,7 @@ from torch import nn
 
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
-from headprune.objectives import forward_logits, to_device
+from headprune.tasks import forward_logits, to_device
 from headprune.scoring.reduce import finish_scores, mean_over_ranks, scoring_mode
 
 TARGETS = ("predicted", "gold")
@@ -54,10 +54,12 @@ def _detach_output(module, args, out):
     return out.detach()
 
 
-def _detach_query_key_thirds(module, args, out):
-    """Fused [Q | K | V] projection: freeze Q and K, keep V."""
-    width = out.shape[-1] // 3
-    return torch.cat([out[..., :2 * width].detach(), out[..., 2 * width:]], dim=-1)
+def _detach_features(flags: torch.Tensor):
+    """A forward hook freezing the output features where `flags` (out_features,) is True."""
+    def hook(module, args, out):
+        keep = flags.to(out.device)
+        return torch.where(keep, out.detach(), out)
+    return hook
 
 
 def _layer_norm_rule(module: nn.LayerNorm, args, out):
@@ -97,13 +99,12 @@ def conservative_backward(model: nn.Module) -> Iterator[None]:
     (forward values are unchanged). Works under eager and sdpa attention."""
     adapter = get_adapter(model)
     handles = []
-    for block in adapter.blocks(model):
-        attn = adapter.attention(block)
-        q, k = attn.get_submodule(adapter.q), attn.get_submodule(adapter.k)
-        if q is k:
-            handles.append(q.register_forward_hook(_detach_query_key_thirds))
-        else:
-            handles += [q.register_forward_hook(_detach_output), k.register_forward_hook(_detach_output)]
+    for layer in range(len(adapter.blocks(model))):
+        for module, flags in adapter.qk_output_features(model, layer).items():
+            if bool(flags.all()):
+                handles.append(module.register_forward_hook(_detach_output))
+            elif bool(flags.any()):  # a fused [q | k | v] projection: freeze q and k, keep v
+                handles.append(module.register_forward_hook(_detach_features(flags)))
     for parent in model.modules():
         gated = hasattr(parent, "gate_proj")
         for child in parent.children():

@@ -51,7 +51,7 @@ def per_example_gate_grads(model: nn.Module, mask: HeadMask, dataloader, max_bat
     One backward pass per batch: with the loss summed over the batch, example b's gates only
     see example b's loss (HeadMask.differentiable_gates). Runs in `scoring_mode`.
     """
-    from headprune.objectives import forward_logits, per_example_loss, to_device
+    from headprune.tasks import forward_logits, per_example_loss, to_device
 
     with scoring_mode(model):
         for i, batch in enumerate(dataloader):

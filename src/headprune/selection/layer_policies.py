@@ -1,21 +1,29 @@
 """Layer policies: given importance scores and a number of heads to prune, pick which heads.
 
-Pure functions `policy(scores, alive, n_prune, **options) -> list[(layer, head)]`:
+A policy is a small typed object holding its options (Hydra builds it from
+`conf/layer_policy/<name>.yaml`); calling it is a pure function
+`policy(scores, alive, n_prune, sensitivity=None) -> list[(layer, head)]`:
 `scores` is (layers, heads), higher = more important; `alive` is the bool keep-mask (True =
 not yet pruned). Heads already pruned are never chosen again. Each policy returns exactly
 `n_prune` heads or raises `BudgetError` explaining which constraint makes that impossible.
 
-Constraints shared by all policies:
+Constraints shared by all policies (`LayerPolicy`):
 - `min_heads_per_layer`: every layer keeps at least this many heads (0 lets a whole
   attention sub-layer go);
 - `max_prune_per_layer`: no layer loses more than this many heads over the whole run
   (None = no limit).
+`caps(alive)` says how many more heads each layer may lose under a policy's constraints
+(protected layers included), for callers that plan a budget of their own.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, List, Optional
 
 import torch
+
+from headprune.selection.sensitivity import check_share
 
 
 class BudgetError(ValueError):
@@ -26,13 +34,17 @@ class BudgetError(ValueError):
         self.available = available
 
 
-def capacity(alive: torch.Tensor, min_heads_per_layer: int = 1,
-             max_prune_per_layer: int | None = None) -> list[int]:
-    """How many more heads each layer may lose under the constraints."""
+def check_constraints(min_heads_per_layer: int, max_prune_per_layer: int | None) -> None:
     if min_heads_per_layer < 0:
         raise ValueError(f"layer_policy.min_heads_per_layer={min_heads_per_layer} must be >= 0")
     if max_prune_per_layer is not None and max_prune_per_layer < 0:
         raise ValueError(f"layer_policy.max_prune_per_layer={max_prune_per_layer} must be >= 0 or null")
+
+
+def capacity(alive: torch.Tensor, min_heads_per_layer: int = 1,
+             max_prune_per_layer: int | None = None) -> list[int]:
+    """How many more heads each layer may lose under the constraints."""
+    check_constraints(min_heads_per_layer, max_prune_per_layer)
     n_heads = alive.shape[1]
     caps = []
     for left in alive.sum(dim=1).tolist():
@@ -91,36 +103,71 @@ def _by_quota(scores: torch.Tensor, alive: torch.Tensor, quota: list[int]) -> li
     return chosen
 
 
-def global_policy(scores: torch.Tensor, alive: torch.Tensor, n_prune: int, min_heads_per_layer: int = 1,
-                  max_prune_per_layer: int | None = None, normalize: bool = False) -> list[tuple[int, int]]:
+@dataclass
+class LayerPolicy:
+    """The constraints every policy honours; subclasses decide the order heads go in.
+    `needs_sensitivity`: the policy reads a measured per-layer sensitivity profile (the
+    pruning round measures it once, with `share` of each layer's weakest heads masked)."""
+
+    min_heads_per_layer: int = 1
+    max_prune_per_layer: Optional[int] = None
+
+    needs_sensitivity: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        check_constraints(self.min_heads_per_layer, self.max_prune_per_layer)
+
+    def caps(self, alive: torch.Tensor) -> list[int]:
+        """How many more heads each layer may lose."""
+        return capacity(alive, self.min_heads_per_layer, self.max_prune_per_layer)
+
+    def why(self) -> str:
+        """The settings that limit the caps, for error messages."""
+        return _constraints_text(self.min_heads_per_layer, self.max_prune_per_layer)
+
+    def __call__(self, scores: torch.Tensor, alive: torch.Tensor, n_prune: int,
+                 sensitivity: Sequence[float] | None = None) -> list[tuple[int, int]]:
+        caps = self.caps(alive)
+        _check(scores, alive, n_prune, caps, self.why())
+        return self.select(scores, alive, n_prune, caps, sensitivity)
+
+    def select(self, scores: torch.Tensor, alive: torch.Tensor, n_prune: int, caps: list[int],
+               sensitivity: Sequence[float] | None) -> list[tuple[int, int]]:
+        raise NotImplementedError
+
+
+@dataclass
+class GlobalPolicy(LayerPolicy):
     """Rank all alive heads together and prune the lowest. `normalize` divides scores by their
     layer's L2 norm first (Michel et al.), so layers with large raw scores are not spared."""
-    caps = capacity(alive, min_heads_per_layer, max_prune_per_layer)
-    _check(scores, alive, n_prune, caps, _constraints_text(min_heads_per_layer, max_prune_per_layer))
-    if normalize:
-        scores = layer_normalized(scores, alive)
-    return _lowest_first(scores, alive, caps, n_prune)
+
+    normalize: bool = False
+
+    def select(self, scores, alive, n_prune, caps, sensitivity=None):
+        if self.normalize:
+            scores = layer_normalized(scores, alive)
+        return _lowest_first(scores, alive, caps, n_prune)
 
 
-def uniform_policy(scores: torch.Tensor, alive: torch.Tensor, n_prune: int, min_heads_per_layer: int = 1,
-                   max_prune_per_layer: int | None = None) -> list[tuple[int, int]]:
+@dataclass
+class UniformPolicy(LayerPolicy):
     """The same share of heads in every layer: each pick goes to the layer that has lost the
     fewest heads so far (ties: the layer whose weakest head scores lowest) and takes that
     layer's lowest-scoring alive head."""
-    caps = capacity(alive, min_heads_per_layer, max_prune_per_layer)
-    _check(scores, alive, n_prune, caps, _constraints_text(min_heads_per_layer, max_prune_per_layer))
-    lost = (~alive).sum(dim=1).tolist()
-    quota = [0] * alive.shape[0]
-    for _ in range(n_prune):
-        def key(layer: int):
-            heads = alive[layer].nonzero().flatten().tolist()
-            heads.sort(key=lambda h: (float(scores[layer, h]), h))
-            nxt = heads[quota[layer]]
-            return (lost[layer] + quota[layer], float(scores[layer, nxt]), layer)
 
-        layer = min((l for l in range(len(caps)) if quota[l] < caps[l]), key=key)
-        quota[layer] += 1
-    return _by_quota(scores, alive, quota)
+    def select(self, scores, alive, n_prune, caps, sensitivity=None):
+        lost = (~alive).sum(dim=1).tolist()
+        quota = [0] * alive.shape[0]
+        for _ in range(n_prune):
+            def key(layer: int):
+                heads = alive[layer].nonzero().flatten().tolist()
+                heads.sort(key=lambda h: (float(scores[layer, h]), h))
+                nxt = heads[quota[layer]]
+                return (lost[layer] + quota[layer], float(scores[layer, nxt]), layer)
+
+            layer = min((l for l in range(len(caps)) if quota[l] < caps[l]), key=key)
+            quota[layer] += 1
+        return _by_quota(scores, alive, quota)
 
 
 def depth_weights(num_layers: int, protect_first: int = 0, protect_last: int = 0,
@@ -148,54 +195,71 @@ def depth_weights(num_layers: int, protect_first: int = 0, protect_last: int = 0
     return out
 
 
-def depth_prior_policy(scores: torch.Tensor, alive: torch.Tensor, n_prune: int, protect_first: int = 1,
-                       protect_last: int = 1, weights: Sequence[float] | None = None,
-                       min_heads_per_layer: int = 1, max_prune_per_layer: int | None = None,
-                       normalize: bool = True) -> list[tuple[int, int]]:
+@dataclass
+class DepthPriorPolicy(LayerPolicy):
     """Global ranking of (layer-normalised) scores multiplied by a prior over depth: protected
     first/last layers are never pruned, and a layer with weight 2 needs half the score of one
     with weight 1 to survive."""
-    prior = depth_weights(alive.shape[0], protect_first, protect_last, weights)
-    caps = [0 if w == float("inf") else c
-            for w, c in zip(prior, capacity(alive, min_heads_per_layer, max_prune_per_layer))]
-    why = _constraints_text(min_heads_per_layer, max_prune_per_layer)
-    _check(scores, alive, n_prune, caps, f"{why}, layer_policy.protect_first={protect_first}, "
-                                         f"layer_policy.protect_last={protect_last}")
-    s = layer_normalized(scores, alive) if normalize else scores
-    finite = torch.tensor([w if w != float("inf") else 1.0 for w in prior], dtype=s.dtype)
-    return _lowest_first(s * finite[:, None], alive, caps, n_prune)
+
+    protect_first: int = 1
+    protect_last: int = 1
+    weights: Optional[List[float]] = None
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        depth_weights(1, self.protect_first, self.protect_last, self.weights)
+
+    def prior(self, num_layers: int) -> list[float]:
+        return depth_weights(num_layers, self.protect_first, self.protect_last, self.weights)
+
+    def caps(self, alive: torch.Tensor) -> list[int]:
+        return [0 if w == float("inf") else c for w, c in zip(self.prior(alive.shape[0]), super().caps(alive))]
+
+    def why(self) -> str:
+        return (f"{super().why()}, layer_policy.protect_first={self.protect_first}, "
+                f"layer_policy.protect_last={self.protect_last}")
+
+    def select(self, scores, alive, n_prune, caps, sensitivity=None):
+        s = layer_normalized(scores, alive) if self.normalize else scores
+        finite = torch.tensor([w if w != float("inf") else 1.0 for w in self.prior(alive.shape[0])], dtype=s.dtype)
+        return _lowest_first(s * finite[:, None], alive, caps, n_prune)
 
 
-def sensitivity_policy(scores: torch.Tensor, alive: torch.Tensor, n_prune: int,
-                       sensitivity: Sequence[float] | None = None, min_heads_per_layer: int = 1,
-                       max_prune_per_layer: int | None = None, floor: float = 1e-3,
-                       share: float = 0.5) -> list[tuple[int, int]]:
+@dataclass
+class SensitivityPolicy(LayerPolicy):
     """Give more of the budget to less sensitive layers.
 
-    `sensitivity[l]` is layer l's measured loss rise (see `selection.sensitivity`), clamped
-    below at `floor`. Heads are handed out one at a time to the layer whose next removal
-    costs least, estimated as sensitivity x (heads that layer would then have lost); each
-    layer drops its lowest-scoring heads. `share` is the fraction of a layer's heads masked when
-    the profile is measured (used by the callback, recorded with the profile).
+    `sensitivity[l]` is layer l's measured loss rise (see `selection.sensitivity`) with `share`
+    of its lowest-scoring heads masked, clamped below at `floor`. Heads are handed out one at a
+    time to the layer whose next removal costs least, estimated as sensitivity x (heads that
+    layer would then have lost); each layer drops its lowest-scoring heads.
     """
-    if sensitivity is None:
-        raise ValueError("sensitivity_policy needs the measured layer sensitivity profile "
-                         "(the pruning callback measures it once before the first round)")
-    if len(sensitivity) != alive.shape[0]:
-        raise ValueError(f"sensitivity has {len(sensitivity)} entries for {alive.shape[0]} layers")
-    caps = capacity(alive, min_heads_per_layer, max_prune_per_layer)
-    _check(scores, alive, n_prune, caps, _constraints_text(min_heads_per_layer, max_prune_per_layer))
-    sens = [max(float(s), floor) for s in sensitivity]
-    lost = (~alive).sum(dim=1).tolist()
-    quota = [0] * alive.shape[0]
-    for _ in range(n_prune):
-        layer = min((l for l in range(len(caps)) if quota[l] < caps[l]),
-                    key=lambda l: (sens[l] * (lost[l] + quota[l] + 1), l))
-        quota[layer] += 1
-    return _by_quota(scores, alive, quota)
+
+    share: float = 0.5
+    floor: float = 1e-3
+
+    needs_sensitivity: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_share(self.share)
+
+    def select(self, scores, alive, n_prune, caps, sensitivity=None):
+        if sensitivity is None:
+            raise ValueError("layer_policy=sensitivity needs the measured layer sensitivity profile "
+                             "(prune_round measures it once before the first round)")
+        if len(sensitivity) != alive.shape[0]:
+            raise ValueError(f"sensitivity has {len(sensitivity)} entries for {alive.shape[0]} layers")
+        sens = [max(float(s), self.floor) for s in sensitivity]
+        lost = (~alive).sum(dim=1).tolist()
+        quota = [0] * alive.shape[0]
+        for _ in range(n_prune):
+            layer = min((l for l in range(len(caps)) if quota[l] < caps[l]),
+                        key=lambda l: (sens[l] * (lost[l] + quota[l] + 1), l))
+            quota[layer] += 1
+        return _by_quota(scores, alive, quota)
 
 
-sensitivity_policy.needs_sensitivity = True  # the callback measures the profile for it
-
-LAYER_POLICIES = {"global": global_policy, "uniform": uniform_policy, "depth_prior": depth_prior_policy,
-                  "sensitivity": sensitivity_policy}
+LAYER_POLICIES: dict[str, type[LayerPolicy]] = {"global": GlobalPolicy, "uniform": UniformPolicy,
+                                                "depth_prior": DepthPriorPolicy, "sensitivity": SensitivityPolicy}

@@ -2,8 +2,13 @@
 when to stop early.
 
 A schedule is a small validated object; `sparsities()` is the pure part (the sparsity
-reached after round 1, 2, ...), the epoch counts tell the callback when rounds happen.
+reached after round 1, 2, ...), the epoch counts say when rounds happen.
 Sparsity is the share of the ORIGINAL head count that is pruned.
+
+Timeline for baseline_epochs=b, epochs_per_round=e and R rounds (`round_epoch`): after epoch b
+the baseline is evaluated and round 1 prunes; after epoch b + k*e round k's fine-tuned
+validation metrics are recorded and round k+1 prunes; after epoch b + R*e the last round is
+recorded, and `recover_epochs` more epochs may follow.
 """
 from __future__ import annotations
 
@@ -54,6 +59,16 @@ class Schedule:
     def heads_after(self, round_index: int, total_heads: int) -> int:
         """Number of heads pruned in total after round `round_index` (0-based)."""
         return int(round(self.sparsities()[round_index] * total_heads))
+
+    def heads_to_prune(self, round_index: int, alive) -> int:
+        """How many more heads round `round_index` (0-based) removes from the bool keep-mask `alive`."""
+        total = alive.numel()
+        return max(self.heads_after(round_index, total) - (total - int(alive.sum())), 0)
+
+    def round_epoch(self, round_index: int) -> int:
+        """Training epochs completed when round `round_index` (0-based) prunes; the previous
+        round's fine-tuning ends at the same point."""
+        return self.baseline_epochs + round_index * self.epochs_per_round
 
     def stop_reason(self, baseline: dict, val: dict) -> str | None:
         """Why to stop after a round whose fine-tuned validation metrics are `val`, or None."""

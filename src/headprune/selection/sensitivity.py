@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from headprune.evaluation import evaluate
+from headprune.tasks import evaluate
 from headprune.heads.mask import HeadMask
 
 
@@ -22,9 +22,9 @@ def _weakest(mask: HeadMask, scores: torch.Tensor, layer: int, share: float) -> 
     return heads[:math.ceil(share * len(heads))] if heads else []
 
 
-def _check_share(share: float) -> None:
+def check_share(share: float) -> None:
     if not 0.0 < share <= 1.0:
-        raise ValueError(f"sensitivity share={share!r} (layer_policy.share) must be in (0, 1]")
+        raise ValueError(f"layer_policy.share={share!r} must be in (0, 1]: the share of a layer's heads masked")
 
 
 @torch.no_grad()
@@ -38,7 +38,7 @@ def sensitivity_profile(model: nn.Module, mask: HeadMask, scores: torch.Tensor, 
     head report the unmasked metrics.
     """
     for share in shares:
-        _check_share(share)
+        check_share(share)
     device = mask.mask.device
     base = evaluate(model, dataloader, device, max_batches=max_batches)
     rows = [{"layer": None, "share": 0.0, "heads_masked": 0, **base, **{f"{k}_change": 0.0 for k in base}}]

@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from headprune.results import write_json_atomic, write_text_atomic
+from headprune.atomic import write_json_atomic, write_text_atomic
 
 OVERRIDE_FILE = Path(".hydra") / "overrides.yaml"
 PLOT_FILES = {"acc": "accuracy_vs_sparsity.png", "ppl": "perplexity_vs_sparsity.png"}

@@ -14,24 +14,19 @@ import lightning as L
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from headprune.config_paths import config_dir
-from headprune.config_schema import register_schemas
-from headprune.evaluation import VAL_METRICS, headline
+from headprune.apps.components import instantiate_group
+from headprune.apps.config_paths import config_dir
+from headprune.apps.config_schema import register_schemas
 from headprune.heads.surgery import count_params, prune_heads, save_pruned, scale_heads
 from headprune.lightning.callbacks import HeadPruning
+from headprune.lightning.loggers import finish_wandb
 from headprune.lightning.module import HeadPruneModule
+from headprune.lightning.results import RunResults
 from headprune.models import load_tokenizer
-from headprune.results import RunResults
+from headprune.tasks import VAL_METRICS, check_task, headline
 
 log = logging.getLogger(__name__)
 register_schemas()
-
-
-def _instantiate_group(group: DictConfig | None) -> list:
-    """Instantiate every `_target_` entry of a name -> config mapping (loggers, callbacks)."""
-    if not group:
-        return []
-    return [instantiate(c) for c in group.values() if isinstance(c, DictConfig) and "_target_" in c]
 
 
 def run(cfg: DictConfig) -> dict:
@@ -57,15 +52,14 @@ def run(cfg: DictConfig) -> dict:
     module = HeadPruneModule(model, num_labels=datamodule.num_labels, task=task,
                              optimizer=instantiate(cfg.optim.optimizer),
                              scheduler=instantiate(cfg.optim.scheduler) if cfg.optim.get("scheduler") else None,
-                             l0_penalty=OmegaConf.select(cfg, "l0.penalty", default=0.0),
-                             l0_lr=OmegaConf.select(cfg, "l0.lr", default=0.1))
+                             **_gates_in_finetune(cfg.metric))
 
     results = RunResults(output_dir, config=OmegaConf.to_container(cfg, resolve=True))
     pruning = HeadPruning(metric=metric, schedule=schedule, layer_policy=layer_policy, results=results,
                           diagnostics=_diagnostics_options(cfg),
                           check_consistency=bool(cfg.get("check_consistency", False)))
-    callbacks = [pruning, *_instantiate_group(cfg.get("callbacks"))]
-    loggers = _instantiate_group(cfg.get("logger"))
+    callbacks = [pruning, *instantiate_group(cfg.get("callbacks"))]
+    loggers = instantiate_group(cfg.get("logger"))
     epochs = schedule.total_epochs()
     log.info("schedule: %d baseline epoch(s), rounds to sparsities %s, %d epoch(s) per round -> %d epochs",
              schedule.baseline_epochs, schedule.sparsities(), schedule.epochs_per_round, epochs)
@@ -79,7 +73,7 @@ def run(cfg: DictConfig) -> dict:
         if cfg.get("export", True) and trainer.is_global_zero:
             export_pruned(module, output_dir / "export", results, baseline_params, tokenizer=tokenizer)
     finally:
-        _close_loggers(loggers)  # a failed job in a sweep still finishes its wandb run
+        finish_wandb(loggers)  # a failed job in a sweep still finishes its wandb run
     final = results.data["final"]
     name, base_value = headline(results.data["baseline"]["val"])
     log.info("baseline val %s %.4f -> final val %s %.4f at sparsity %.2f (results: %s)",
@@ -90,9 +84,7 @@ def run(cfg: DictConfig) -> dict:
 def _task(cfg: DictConfig) -> str:
     """model.task, checked against the data config: a causal-LM data module sets `task: causal_lm`
     in its class, text classification has none."""
-    task = cfg.model.get("task", "classification")
-    if task not in VAL_METRICS:
-        raise ValueError(f"model.task={task!r} is not allowed; allowed: {', '.join(VAL_METRICS)}")
+    task = check_task(cfg.model.get("task", "classification"))
     target = get_class(cfg.data._target_)
     data_task = getattr(target, "task", "classification")
     if data_task != task:
@@ -146,20 +138,20 @@ def export_pruned(module: HeadPruneModule, directory: Path, results: RunResults,
     log.info("pruned model exported to %s (%s)", directory, results.data["final"]["params"])
 
 
+def _gates_in_finetune(metric_cfg: DictConfig) -> dict:
+    """HeadPruneModule's L0-gate options: `metric=l0_gates metric.finetune=true` learns the gates
+    with the model at `metric.penalty` and `metric.lr`; otherwise none."""
+    if not metric_cfg.get("finetune", False):
+        return {}
+    return {"l0_penalty": metric_cfg.penalty, "l0_lr": metric_cfg.lr}
+
+
 def _diagnostics_options(cfg: DictConfig) -> dict | None:
     """head_diagnostics options from the `diagnostics` block, or None when it is off."""
     block = cfg.get("diagnostics")
     if not block or not block.get("enabled", True):
         return None
     return {k: v for k, v in OmegaConf.to_container(block, resolve=True).items() if k != "enabled"}
-
-
-def _close_loggers(loggers: list) -> None:
-    from lightning.pytorch.loggers import WandbLogger
-
-    for logger in loggers:
-        if isinstance(logger, WandbLogger) and getattr(logger, "_experiment", None) is not None:
-            logger.experiment.finish()
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")

@@ -25,7 +25,9 @@ from headprune.bench.encoder import bench_encoder
 from headprune.bench.report import summary, write_reports
 from headprune.bench.timing import Clock
 from headprune.bench.variants import build_variants, exported_variants
-from headprune.config_paths import config_dir
+from headprune.apps.components import instantiate_group
+from headprune.apps.config_paths import config_dir
+from headprune.lightning.loggers import finish_wandb
 
 log = logging.getLogger(__name__)
 register_bench_schema()
@@ -122,8 +124,7 @@ def _load() -> list[float]:
 
 def _log(cfg: DictConfig, results: dict, paths: dict) -> None:
     """Send the headline numbers, both tables and the plot to every configured logger."""
-    group = cfg.get("logger") or {}
-    loggers = [instantiate(c) for c in group.values() if isinstance(c, DictConfig) and "_target_" in c]
+    loggers = instantiate_group(cfg.get("logger"))
     metrics = {f"bench/{section}/{key}": float(value)
                for section, block in results["summary"].items()
                for key, value in _flat(block).items() if isinstance(value, (int, float, bool))}
@@ -137,9 +138,7 @@ def _log(cfg: DictConfig, results: dict, paths: dict) -> None:
         if hasattr(logger, "log_image"):
             logger.log_image("bench/plot", images=[str(paths["png"])])
         logger.finalize("success")
-        finish = getattr(getattr(logger, "experiment", None), "finish", None)
-        if type(logger).__name__ == "WandbLogger" and callable(finish):
-            finish()
+    finish_wandb(loggers)
 
 
 def _flat(block: dict, prefix: str = "") -> dict:

@@ -19,7 +19,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from headprune.lightning.datamodule import seeded_loader
+from headprune.data.loaders import seeded_loader
 
 log = logging.getLogger(__name__)
 

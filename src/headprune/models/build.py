@@ -17,9 +17,10 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, GPT2Config)
 
-from headprune.byte_tokenizer import ByteTokenizer
+from headprune.heads.surgery import LAYOUT_FILE, load_pruned
+from headprune.models.byte_tokenizer import ByteTokenizer
+from headprune.tasks import check_task
 
-LAYOUT_FILE = "headprune_layout.json"  # written by headprune.save_pruned
 MINILM_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -69,8 +70,7 @@ def build_model(pretrained: str, num_labels: int = 2, task: str = "classificatio
     e.g. fewer layers for tests) and initialise weights randomly (seeded by `seed`). Built-in
     sources (`BUILTINS`, e.g. `byte-gpt2`) have no weights and need it.
     """
-    if task not in ("classification", "causal_lm"):
-        raise ValueError(f"model.task={task!r} is not allowed; allowed: classification, causal_lm")
+    check_task(task)
     if attn_implementation not in ("eager", "sdpa"):
         raise ValueError(f"model.attn_implementation={attn_implementation!r} is not allowed; allowed: eager, sdpa")
     path = resolve_pretrained(pretrained)
@@ -96,7 +96,5 @@ def build_model(pretrained: str, num_labels: int = 2, task: str = "classificatio
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
     if (Path(path) / LAYOUT_FILE).is_file():  # a headprune export with uneven heads
-        from headprune.heads.surgery import load_pruned
-
         return load_pruned(path, attn_implementation=attn_implementation, **kwargs)
     return auto.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)

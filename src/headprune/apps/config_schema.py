@@ -1,10 +1,12 @@
 """Typed Hydra schemas, derived from the code they configure.
 
 Every metric, schedule and layer policy gets a dataclass schema in Hydra's ConfigStore under
-`schema/<group>/<name>`, built from the function signature (options after the positional
-inputs) or the schedule dataclass's fields. Each `conf/<group>/<name>.yaml` lists its schema
-first in its defaults, so a misspelt field (`schedule.stpe=0.2`) or a value of the wrong type
-fails at compose time, naming the key. Ranges are checked when the object is built.
+`schema/<group>/<name>`, built from the metric function's signature (options after the
+positional inputs) or the schedule's / layer policy's dataclass fields; the schema also sets
+`_target_` (and `_partial_` for metrics), so the yaml files only hold values. Each
+`conf/<group>/<name>.yaml` lists its schema first in its defaults, so a misspelt field
+(`schedule.stpe=0.2`) or a value of the wrong type fails at compose time, naming the key.
+Ranges are checked when the object is built.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any, List, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 
-_POSITIONAL = {"metric": 3, "layer_policy": 3}  # (model, mask, dataloader) / (scores, alive, n_prune)
+METRIC_POSITIONAL = 3  # a metric's inputs: (model, mask, dataloader)
 
 
 def _omegaconf_type(annotation: Any) -> Any:
@@ -37,7 +39,7 @@ def _omegaconf_type(annotation: Any) -> Any:
     return Any
 
 
-def _field(annotation: Any, default: Any) -> tuple:
+def _field(default: Any):
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d))
     return dataclasses.field(default=default)
@@ -51,16 +53,16 @@ def schema_for_function(name: str, fn, n_positional: int):
         if i < n_positional or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
             continue
         default = None if param.default is inspect.Parameter.empty else param.default
-        fields.append((param.name, _omegaconf_type(hints.get(param.name, Any)), _field(None, default)))
+        fields.append((param.name, _omegaconf_type(hints.get(param.name, Any)), _field(default)))
     return dataclasses.make_dataclass(f"{name.title().replace('_', '')}Schema", fields)
 
 
-def schema_for_class(name: str, cls):
+def schema_for_class(name: str, cls, kind: str):
     hints = typing.get_type_hints(cls)
     fields = [("_target_", str, dataclasses.field(default=f"{cls.__module__}.{cls.__name__}"))]
     for f in dataclasses.fields(cls):
-        fields.append((f.name, _omegaconf_type(hints[f.name]), _field(None, f.default)))
-    return dataclasses.make_dataclass(f"{name.title().replace('_', '')}ScheduleSchema", fields)
+        fields.append((f.name, _omegaconf_type(hints[f.name]), _field(f.default)))
+    return dataclasses.make_dataclass(f"{name.title().replace('_', '')}{kind}Schema", fields)
 
 
 def register_schemas() -> None:
@@ -71,9 +73,8 @@ def register_schemas() -> None:
 
     cs = ConfigStore.instance()
     for name, fn in METRICS.items():
-        cs.store(group="schema/metric", name=name, node=schema_for_function(name, fn, _POSITIONAL["metric"]))
-    for name, fn in LAYER_POLICIES.items():
-        cs.store(group="schema/layer_policy", name=name,
-                 node=schema_for_function(name, fn, _POSITIONAL["layer_policy"]))
+        cs.store(group="schema/metric", name=name, node=schema_for_function(name, fn, METRIC_POSITIONAL))
+    for name, cls in LAYER_POLICIES.items():
+        cs.store(group="schema/layer_policy", name=name, node=schema_for_class(name, cls, "LayerPolicy"))
     for name, cls in SCHEDULES.items():
-        cs.store(group="schema/schedule", name=name, node=schema_for_class(name, cls))
+        cs.store(group="schema/schedule", name=name, node=schema_for_class(name, cls, "Schedule"))

@@ -1,0 +1,97 @@
+"""One whole pruning round as a plain function: score, select, prune, record.
+
+`prune_round` is what the Lightning callback calls after each fine-tuning stretch, and what a
+hand-written loop calls without a Trainer:
+
+    for k in range(schedule.num_rounds):
+        r = prune_round(model, mask, metric, policy, schedule.heads_to_prune(k, mask.alive()),
+                        score_loader, round_no=k + 1, eval_loader=val_loader)
+        finetune(model)          # anything: a few optimizer steps, distillation, nothing
+
+The mask changes, the model's weights do not; `headprune.prune_heads(model, r.pruned)` removes
+the heads physically afterwards if wanted.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from headprune.heads.mask import HeadMask
+from headprune.selection.layer_policies import BudgetError
+from headprune.selection.sensitivity import layer_sensitivity
+from headprune.tasks import evaluate, headline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Round:
+    """What one round did. `record()` is its results.json form."""
+
+    round: int
+    sparsity: float
+    n_pruned: int
+    n_requested: int
+    heads_per_layer: list[int]
+    pruned: list[list[int]]  # this round's (layer, head) pairs, original ids, sorted
+    score_seconds: float
+    scores: torch.Tensor  # (layers, heads) the scores the selection saw
+    shortfall: str | None = None  # why fewer heads went than requested (the policy's limits)
+    sensitivity: list[float] | None = None  # the layer profile, when this round measured it
+    val_before_finetune: dict | None = None
+
+    def record(self) -> dict:
+        out = {"round": self.round, "sparsity": self.sparsity, "n_pruned": self.n_pruned,
+               "n_requested": self.n_requested, "heads_per_layer": self.heads_per_layer, "pruned": self.pruned,
+               "score_seconds": round(self.score_seconds, 3), "scores": self.scores.tolist()}
+        if self.val_before_finetune is not None:
+            out["val_before_finetune"] = self.val_before_finetune
+        if self.shortfall:
+            out["shortfall"] = self.shortfall
+        return out
+
+
+def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, policy: Callable, n_prune: int,
+                loader, *, round_no: int = 1, eval_loader=None, sensitivity: list[float] | None = None,
+                sync: Callable[[Any], Any] | None = None, max_batches: int | None = None) -> Round:
+    """Score the heads of `model` on `loader` with `metric`, let `policy` pick `n_prune` of the
+    alive ones and zero them in `mask`.
+
+    When the policy's constraints cannot place `n_prune` heads, as many as it can place go and
+    the round's `shortfall` says why. A policy with `needs_sensitivity` gets `sensitivity`, or
+    a profile measured here on `loader` (returned in `Round.sensitivity`; pass it to later
+    rounds). `sync(value)` makes a value identical on every data-parallel rank (rank 0's):
+    applied to the measured profile and to the chosen heads. `eval_loader`: evaluate the
+    pruned model before any fine-tuning (`val_before_finetune`).
+    """
+    start = time.perf_counter()
+    limit = {"max_batches": max_batches} if max_batches else {}
+    scores = metric(model, mask, loader, **limit)
+    score_seconds = time.perf_counter() - start
+    measured = None
+    if getattr(policy, "needs_sensitivity", False) and sensitivity is None:
+        sensitivity = layer_sensitivity(model, mask, scores, loader, share=policy.share, max_batches=max_batches)
+        sensitivity = measured = sync(sensitivity) if sync is not None else sensitivity
+    options = {"sensitivity": sensitivity} if sensitivity is not None else {}
+    shortfall = None
+    try:
+        heads = policy(scores, mask.alive(), n_prune, **options)
+    except BudgetError as err:
+        shortfall = str(err)
+        log.warning("round %d: %s; pruning %d heads instead", round_no, err, err.available)
+        heads = policy(scores, mask.alive(), err.available, **options)
+    if sync is not None:  # one decision, rank 0's, everywhere
+        heads = [tuple(h) for h in sync(list(heads))]
+    mask.prune(heads)
+    val = evaluate(model, eval_loader, mask.mask.device, max_batches=max_batches) if eval_loader is not None else None
+    result = Round(round_no, mask.sparsity(), len(heads), n_prune, mask.heads_per_layer(),
+                   sorted([list(h) for h in heads]), score_seconds, scores, shortfall, measured, val)
+    if val is not None:
+        log.info("round %d: pruned %d heads -> sparsity %.3f, heads per layer %s, val %s before fine-tuning %.4f",
+                 round_no, len(heads), result.sparsity, result.heads_per_layer, *headline(val))
+    return result

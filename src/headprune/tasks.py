@@ -1,0 +1,106 @@
+"""What each task computes: logits, per-example losses and validation metrics.
+
+The single list of tasks (`TASKS`) lives here. Training, evaluation between rounds and the
+gradient-based metrics all use these functions, so they agree on every number:
+- classification: cross-entropy of (B, C) logits; validation {"acc", "loss"} (mean per example);
+- causal_lm: mean next-token cross-entropy over each example's real tokens; validation
+  {"loss", "ppl"}: the mean loss per token and its exponential, the perplexity.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+# what `evaluate` reports, per task (model.task)
+VAL_METRICS = {"classification": ("acc", "loss"), "causal_lm": ("loss", "ppl")}
+TASKS = tuple(VAL_METRICS)
+
+
+def check_task(task: str) -> str:
+    if task not in TASKS:
+        raise ValueError(f"model.task={task!r} is not allowed; allowed: {', '.join(TASKS)}")
+    return task
+
+
+def forward_logits(model: nn.Module, batch: dict) -> torch.Tensor:
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    return model(**inputs).logits
+
+
+def per_example_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Loss of each example, shape (B,).
+
+    Sequence classification: cross-entropy of (B, C) logits against `labels`.
+    Causal LM: mean next-token cross-entropy over each example's real tokens.
+    """
+    if logits.dim() == 2:
+        return F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+    targets = batch.get("labels", batch["input_ids"])[:, 1:]  # (B, T-1)
+    logits = logits[:, :-1].float()  # (B, T-1, V)
+    token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
+    weights = target_weights(batch)  # (B, T-1)
+    return (token_loss * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+
+
+def target_counts(batch: dict) -> torch.Tensor:
+    """(B,) number of next-token targets each causal-LM example's loss averages over, so that
+    sum(per_example_loss * target_counts) / sum(target_counts) is the per-token mean loss."""
+    return target_weights(batch).sum(1)
+
+
+def target_weights(batch: dict) -> torch.Tensor:
+    """(B, T-1) 1.0 where position t+1 is a real, labelled target of position t."""
+    targets = batch.get("labels", batch["input_ids"])[:, 1:]  # (B, T-1)
+    weights = (targets != -100).float()
+    if "attention_mask" in batch:
+        weights = weights * batch["attention_mask"][:, 1:].float()
+    return weights
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def headline(val: dict) -> tuple[str, float]:
+    """(name, value) of the number that sums up a validation result: accuracy (higher is better)
+    for classification, perplexity (lower is better) for causal LM."""
+    name = "acc" if "acc" in val else "ppl"
+    return name, val[name]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataloader, device: torch.device | str = "cpu",
+             max_batches: int | None = None) -> dict[str, float]:
+    """Validation metrics over `dataloader`, in eval mode: {"acc", "loss"} for (B, C)
+    classification logits, {"loss", "ppl"} (per token) for (B, T, V) causal-LM logits."""
+    was_training = model.training
+    model.eval()
+    correct, loss_sum, count, lm = 0, 0.0, 0.0, False
+    try:
+        for i, batch in enumerate(dataloader):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = to_device(batch, device)
+            logits = forward_logits(model, batch)
+            losses = per_example_loss(logits, batch)  # (B,)
+            lm = logits.dim() == 3
+            if lm:  # weight each example's mean by its number of targets: a per-token mean
+                weights = target_counts(batch)  # (B,)
+                loss_sum += float((losses * weights).sum())
+                count += float(weights.sum())
+            else:
+                loss_sum += float(losses.sum())
+                correct += int((logits.argmax(-1) == batch["labels"]).sum())
+                count += batch["labels"].shape[0]
+    finally:
+        model.train(was_training)
+    if count == 0:
+        raise ValueError("evaluate() got an empty dataloader")
+    if lm:
+        loss = loss_sum / count
+        return {"loss": loss, "ppl": math.exp(loss)}
+    return {"acc": correct / count, "loss": loss_sum / count}
