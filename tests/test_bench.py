@@ -64,6 +64,22 @@ def test_quick_run_writes_json_markdown_and_plot(quick_run):
     assert list((out / "wandb").glob("offline-run-*")), "no offline wandb run written"
 
 
+def test_train_step_rows_compare_pruned_with_masked_at_each_sparsity(quick_run):
+    results = quick_run[1]
+    rows = results["train_step"]
+    names = {(r["variant"], r["sparsity"]) for r in rows}
+    assert names == {("dense", 0.0)} | {(v, s) for s in SPARSITIES for v in ("masked", "pruned_uniform", "pruned_skewed")}
+    at = {(r["variant"], r["sparsity"]): r for r in rows}
+    for s in SPARSITIES:
+        for layout in ("uniform", "skewed"):
+            r = at[(f"pruned_{layout}", s)]
+            assert r["vs_masked_ratio"] == pytest.approx(at[("masked", s)]["step_ms"] / r["step_ms"])
+            assert r["theoretical_forward_ratio"] > 1.0 and r["heads_kept"] == round(12 * (1 - s))
+        assert at[("masked", s)]["vs_masked_ratio"] is None and at[("masked", s)]["theoretical_forward_ratio"] == 1.0
+    assert results["summary"]["train_step"]["vs_masked_ratio_50"] == at[("pruned_uniform", 0.5)]["vs_masked_ratio"]
+    assert "## Training step" in (quick_run[0] / "bench.md").read_text()
+
+
 def test_encoder_rows_cover_every_variant_with_every_field(quick_run):
     rows = quick_run[1]["encoder"]
     assert {(r["batch"], r["seq"]) for r in rows} == {(2, 8)}

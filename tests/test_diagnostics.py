@@ -178,6 +178,7 @@ def test_end_of_run_diagnostics_in_results_heatmaps_and_wandb(tokenizer, data_di
                           diagnostics={"metrics": ["entropy", "magnitude"], "duplicate_threshold": 0.2})
     wandb = RecordingWandb()
     trainer = SimpleNamespace(loggers=[wandb], global_step=0, fast_dev_run=False, world_size=1, global_rank=0,
+                              optimizers=[], strategy=SimpleNamespace(),
                               is_global_zero=True)
     pruning.step(module, dm, completed_epochs=0, trainer=trainer)
     pruning.finish(module, dm, trainer=trainer)

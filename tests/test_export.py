@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import headprune.apps.train
-from headprune import HeadMask, count_params, load_pruned, prune_heads, save_pruned
+from headprune import HeadMask, count_params, head_layout, load_pruned, prune_heads, save_pruned
+from headprune.heads.surgery import apply_layout
 from headprune.apps.config_paths import config_dir
 from headprune.lightning.module import HeadPruneModule
 from tests.conftest import tiny_batch, tiny_bert
@@ -85,9 +86,10 @@ def test_train_run_exports_the_pruned_model(train_cfg, tmp_path, tokenizer, monk
     seen = {}
     export = headprune.apps.train.export_pruned
 
-    def spy(module, *args, **kwargs):  # the trained, masked model just before removal
+    def spy(module, *args, **kwargs):  # the trained model as evaluated, just before the export
         seen["state"] = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
         seen["mask"] = module.head_mask.mask.clone()
+        seen["layout"] = head_layout(module.model)  # heads already removed during fit (pruning.physical)
         export(module, *args, **kwargs)
 
     monkeypatch.setattr(headprune.apps.train, "export_pruned", spy)
@@ -103,6 +105,7 @@ def test_train_run_exports_the_pruned_model(train_cfg, tmp_path, tokenizer, monk
 
     export_dir = tmp_path / "export"
     masked = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(export_dir)).eval()
+    apply_layout(masked, seen["layout"])
     masked.load_state_dict(seen["state"])
     HeadMask.for_model(masked).mask.copy_(seen["mask"])
     batch = tiny_batch(tokenizer)

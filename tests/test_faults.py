@@ -64,8 +64,11 @@ def test_resume_after_crash_matches_uninterrupted_run(tmp_path, data_dir):
     assert len(partial["rounds"]) == 2 and "val" not in partial["rounds"][1]
     with pytest.raises(FileExistsError, match="ckpt_path"):
         run(_cfg(broken, data_dir))
+    saved = torch.load(broken / "checkpoints" / "last.ckpt", weights_only=False)
+    assert sum(map(len, saved["headprune_layout"])) == 9  # round 1's 3 heads already left the weights
     run(_cfg(broken, data_dir, f"ckpt_path={broken / 'checkpoints' / 'last.ckpt'}"))
     a, b = _results(whole), _results(broken)
+    assert a["pruning"]["physical_effective"] is True  # the checkpoint resumed from holds a shrunken model
     assert _strip(b["rounds"]) == _strip(a["rounds"])
     assert b["final"]["pruned"] == a["final"]["pruned"] and b["final"]["val"] == a["final"]["val"]
 
@@ -80,8 +83,10 @@ def test_nonfinite_loss_stops_with_reason(tmp_path, data_dir):
 
 def test_ddp_ranks_agree_and_match_single_process(tmp_path, data_dir):
     """Two CPU processes (gloo): every rank scores half of the scoring slice, the accumulators are
-    summed across ranks, both ranks prune the same heads (check_consistency asserts it), and round 1
-    (scored before any training) equals a single process scoring the whole slice."""
+    summed across ranks, both ranks prune the same heads, remove them from the model and re-wrap it,
+    and gradients still synchronise (check_consistency compares masks and weights across ranks after
+    every round and every epoch's optimizer steps); round 1 (scored before any training) equals a
+    single process scoring the whole slice."""
     common = ["model=tiny_bert", "logger=none", "callbacks=none", "data.max_train_samples=64",
               "data.score_samples=32", "data.max_validation_samples=32", "data.eval_batch_size=8",
               "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0", "schedule=iterative",
@@ -97,7 +102,7 @@ def test_ddp_ranks_agree_and_match_single_process(tmp_path, data_dir):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ddp, single = _results(ddp_dir), _results(single_dir)
-    assert ddp["config"]["trainer"]["strategy"] == "ddp"
+    assert ddp["config"]["trainer"]["strategy"] == "ddp" and ddp["pruning"]["physical_effective"] is True
     assert ddp["rounds"][0]["pruned"] == single["rounds"][0]["pruned"]
     torch.testing.assert_close(torch.tensor(ddp["rounds"][0]["scores"]), torch.tensor(single["rounds"][0]["scores"]),
                                rtol=1e-4, atol=1e-6)

@@ -24,6 +24,7 @@ from headprune.bench.decoder import bench_decoder, build_decoder
 from headprune.bench.encoder import bench_encoder
 from headprune.bench.report import summary, write_reports
 from headprune.bench.timing import Clock
+from headprune.bench.train_step import bench_train_step
 from headprune.bench.variants import build_variants, exported_variants
 from headprune.apps.components import instantiate_group
 from headprune.apps.config_paths import config_dir
@@ -46,20 +47,23 @@ def run(cfg: DictConfig) -> dict:
     clock, rounds = Clock(device), {"warmup": bench.warmup, "repeats": bench.repeats}
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    results = {"meta": _meta(cfg, device), "encoder": [], "decoder": []}
+    results = {"meta": _meta(cfg, device), "encoder": [], "train_step": [], "decoder": []}
 
     exported = load_pruned(bench.pruned_dir) if bench.pruned_dir else None
     exported_is_lm = exported is not None and _is_causal_lm(exported)
-    if bench.encoder.enabled:
+    for section, bench_fn in (("encoder", bench_encoder), ("train_step", bench_train_step)):
+        settings = bench[section]
+        if not settings.enabled:
+            continue
         if exported is not None and not exported_is_lm:
-            variants = _exported(exported, _kinds(bench.encoder), device, dtype, cfg.seed)
+            variants = _exported(exported, _kinds(settings), device, dtype, cfg.seed)
             name = f"exported:{bench.pruned_dir}"
         else:
             dense = instantiate(cfg.model)(num_labels=2).eval().to(device, dtype)
-            variants = build_variants(dense, _kinds(bench.encoder), list(bench.layouts))
+            variants = build_variants(dense, _kinds(settings), list(bench.layouts))
             name = _model_name(cfg.model)
-        results["encoder"] = bench_encoder(variants, list(bench.encoder.batches), list(bench.encoder.seqs), clock,
-                                           seed=cfg.seed, model_name=name, **rounds)
+        results[section] = bench_fn(variants, list(settings.batches), list(settings.seqs), clock, seed=cfg.seed,
+                                    model_name=name, **rounds)
         del variants
     if bench.decoder.enabled:
         d = bench.decoder
@@ -130,7 +134,7 @@ def _log(cfg: DictConfig, results: dict, paths: dict) -> None:
                for key, value in _flat(block).items() if isinstance(value, (int, float, bool))}
     for logger in loggers:
         logger.log_metrics(metrics)
-        for section in ("encoder", "decoder"):
+        for section in ("encoder", "train_step", "decoder"):
             rows = results[section]
             if rows and hasattr(logger, "log_table"):
                 columns = [k for k, v in rows[0].items() if not isinstance(v, dict)]

@@ -57,7 +57,8 @@ def run(cfg: DictConfig) -> dict:
     results = RunResults(output_dir, config=OmegaConf.to_container(cfg, resolve=True))
     pruning = HeadPruning(metric=metric, schedule=schedule, layer_policy=layer_policy, results=results,
                           diagnostics=_diagnostics_options(cfg),
-                          check_consistency=bool(cfg.get("check_consistency", False)))
+                          check_consistency=bool(cfg.get("check_consistency", False)),
+                          physical=bool(cfg.pruning.physical))
     callbacks = [pruning, *instantiate_group(cfg.get("callbacks"))]
     loggers = instantiate_group(cfg.get("logger"))
     epochs = schedule.total_epochs()

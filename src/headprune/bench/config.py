@@ -32,6 +32,14 @@ class EncoderSettings:
 
 
 @dataclass
+class TrainStepSettings:
+    enabled: bool = MISSING
+    batches: List[int] = MISSING
+    seqs: List[int] = MISSING
+    variants: Dict[str, List[float]] = MISSING
+
+
+@dataclass
 class DecoderSettings:
     enabled: bool = MISSING
     models: List[str] = MISSING
@@ -54,6 +62,7 @@ class BenchSettings:
     warmup: int = MISSING
     repeats: int = MISSING
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
+    train_step: TrainStepSettings = field(default_factory=TrainStepSettings)
     decoder: DecoderSettings = field(default_factory=DecoderSettings)
     decoder_configs: Dict[str, Any] = MISSING
 
@@ -93,16 +102,20 @@ def check(bench: DictConfig) -> None:
             raise ValueError(f"bench.sparsities contains {s}; allowed: values with 0 < sparsity < 1")
     for layout in bench.layouts:
         _one_of("bench.layouts", layout, LAYOUTS)
-    for section in ("encoder", "decoder"):
+    for section in ("encoder", "train_step", "decoder"):
         for kind, sparsities in bench[section].variants.items():
             _one_of(f"bench.{section}.variants", kind, KINDS[1:])
             for s in sparsities:
                 if not 0 < s < 1:
                     raise ValueError(f"bench.{section}.variants.{kind} contains {s}; allowed: 0 < sparsity < 1")
-    for name in ("batches", "seqs"):
-        if not bench.encoder[name] or min(bench.encoder[name]) < 1:
-            raise ValueError(f"bench.encoder.{name}={list(bench.encoder[name])} is not allowed; "
-                             "allowed: a non-empty list of positive integers")
+    for section in ("encoder", "train_step"):
+        for name in ("batches", "seqs"):
+            if not bench[section][name] or min(bench[section][name]) < 1:
+                raise ValueError(f"bench.{section}.{name}={list(bench[section][name])} is not allowed; "
+                                 "allowed: a non-empty list of positive integers")
+    unknown = set(bench.train_step.variants) - {"masked", "pruned"}
+    if unknown:
+        raise ValueError(f"bench.train_step.variants: {sorted(unknown)} are not allowed; allowed: masked, pruned")
     for name in ("batch", "prompt_len", "new_tokens"):
         if bench.decoder[name] < 1:
             raise ValueError(f"bench.decoder.{name}={bench.decoder[name]} is not allowed; allowed: an integer >= 1")

@@ -7,6 +7,7 @@ from headprune.atomic import write_json_atomic, write_text_atomic
 from headprune.plots import plt
 
 ATTENTION_TARGET = 1.85  # attention sub-layer speed-up wanted at 50% of the heads removed
+TRAIN_STEP_TARGET = 1.25  # training step at 50% of the heads, pruned vs masked
 
 
 def summary(results: dict) -> dict:
@@ -30,6 +31,16 @@ def summary(results: dict) -> dict:
         if masked:
             out["encoder"].update(masked_forward_ratio_50=masked["forward_ratio"],
                                   masked_attention_ratio_50=masked["attention_ratio"])
+    steps = results.get("train_step") or []
+    if steps:
+        batch, seq = max(((r["batch"], r["seq"]) for r in steps), key=lambda bs: (bs[0] * bs[1], bs))
+        half = next((r for r in steps if (r["batch"], r["seq"]) == (batch, seq) and r["kind"] == "pruned"
+                     and r["layout"] in ("uniform", "exported") and r["sparsity"] == 0.5), None)
+        out["train_step"] = {"batch": batch, "seq": seq}
+        if half and half["vs_masked_ratio"] is not None:
+            out["train_step"].update(vs_masked_ratio_50=half["vs_masked_ratio"], step_ratio_50=half["step_ratio"],
+                                     theoretical_forward_ratio_50=half["theoretical_forward_ratio"],
+                                     target=TRAIN_STEP_TARGET, meets_target=half["vs_masked_ratio"] >= TRAIN_STEP_TARGET)
     dec = results.get("decoder") or []
     for model in dict.fromkeys(r["model"] for r in dec):
         rows = [r for r in dec if r["model"] == model]
@@ -78,6 +89,18 @@ def markdown(results: dict) -> str:
                          f"| {_ms(r['attention_ms'], r['attention_spread_ms'])} | {r['forward_ratio']:.2f} "
                          f"| {r['attention_ratio']:.2f} | {r['theoretical_attention_ratio']:.2f} |")
         lines.append("")
+    steps = results.get("train_step") or []
+    if steps:
+        lines += ["## Training step: forward + backward + AdamW" + (f" ({steps[0]['model']})" if steps[0].get("model")
+                                                                     else ""), "",
+                  "| variant | sparsity | batch | seq | step ms | samples/s | x dense | x masked | theoretical x |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in steps:
+            vs_masked = f"{r['vs_masked_ratio']:.2f}" if r["vs_masked_ratio"] is not None else ""
+            lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
+                         f"| {_ms(r['step_ms'], r['step_spread_ms'])} | {r['samples_per_s']:.1f} "
+                         f"| {r['step_ratio']:.2f} | {vs_masked} | {r['theoretical_forward_ratio']:.2f} |")
+        lines.append("")
     dec = results.get("decoder") or []
     if dec:
         r0 = dec[0]
@@ -93,7 +116,8 @@ def markdown(results: dict) -> str:
                          f"| {r['kv_cache_bytes']:,} | {r['kv_ratio']:.3f} | {r['theoretical_attention_ratio']:.2f} |")
         lines.append("")
     lines += ["ms: median [first quartile - third quartile] over the timed rounds. x: dense time / variant time "
-              "(2.00 = twice as fast); theoretical: dense / variant attention FLOPs (matrix products only, zero "
+              "(2.00 = twice as fast); x masked: the masked variant's time at the same sparsity / this one's; "
+              "theoretical: dense / variant attention FLOPs (training step: forward FLOPs; matrix products only, zero "
               "weights skipped). KV ratio: variant cache bytes / dense. Attention share: time inside the attention "
               "modules / decode time (separate hooked pass).", ""]
     return "\n".join(lines)
@@ -102,7 +126,8 @@ def markdown(results: dict) -> str:
 def plot(results: dict, path: str | Path) -> None:
     """Latency ratio vs sparsity: encoder attention sub-layer (largest grid point) and decoder per-token."""
     enc, dec = results.get("encoder") or [], results.get("decoder") or []
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    steps = results.get("train_step") or []
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     if enc:
         batch, seq = results["summary"]["encoder"]["batch"], results["summary"]["encoder"]["seq"]
         rows = [r for r in enc if (r["batch"], r["seq"]) == (batch, seq)]
@@ -113,6 +138,10 @@ def plot(results: dict, path: str | Path) -> None:
             _curves(axes[1], [r for r in dec if r["model"] == model], "per_token_ratio", label=f"{model} ",
                     theory=i == 0)
         axes[1].set_title("decoder per-token latency")
+    if steps:
+        batch, seq = results["summary"]["train_step"]["batch"], results["summary"]["train_step"]["seq"]
+        _curves(axes[2], [r for r in steps if (r["batch"], r["seq"]) == (batch, seq)], "step_ratio", theory=False)
+        axes[2].set_title(f"training step (batch {batch}, seq {seq})")
     for ax in axes:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xlabel("sparsity (share of heads removed)")
@@ -149,6 +178,11 @@ def _summary_lines(s: dict) -> list[str]:
         lines.append(f"- masked, 50% heads: forward {enc['masked_forward_ratio_50']:.2f}x, attention "
                      f"{enc['masked_attention_ratio_50']:.2f}x dense (dense attention IQR "
                      f"{enc['dense_attention_iqr_rel']:.0%} of its median)")
+    step = s.get("train_step", {})
+    if "vs_masked_ratio_50" in step:
+        lines.append(f"- training step, 50% heads removed (batch {step['batch']}, seq {step['seq']}): "
+                     f"{step['vs_masked_ratio_50']:.2f}x the masked model's (target >= {step['target']}x), "
+                     f"{step['step_ratio_50']:.2f}x dense (forward FLOPs {step['theoretical_forward_ratio_50']:.2f}x)")
     for model, d in s.get("decoder", {}).items():
         line = f"- {model}: KV bytes exactly the kept KV-head share: {d['kv_exact']}"
         if "per_token_ratio_50" in d:

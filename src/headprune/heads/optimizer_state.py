@@ -35,3 +35,25 @@ def reset_optimizer_state(optimizers, model: nn.Module, heads) -> int:
                         value.narrow(dim, sl.start, sl.stop - sl.start).zero_()
                         n += 1
     return n
+
+
+def carry_optimizer_state(optimizers, sliced) -> int:
+    """Point `optimizers` at the parameters `prune_heads` created (its `sliced` list) and keep the
+    surviving slice of each one's state: tensors shaped like the old parameter (Adam's moments)
+    are sliced the same way, everything else (step counts) is kept as it is. Param-group
+    settings and LR schedulers are untouched, so training continues where it was.
+    Returns the number of parameters moved."""
+    moved = 0
+    for old, new, dim, index in sliced:
+        for opt in optimizers:
+            for group in opt.param_groups:
+                for i, p in enumerate(group["params"]):
+                    if p is old:
+                        group["params"][i] = new
+                        moved += 1
+            if old in opt.state:
+                state = opt.state.pop(old)
+                opt.state[new] = {k: v.index_select(dim, index.to(v.device))
+                                  if hasattr(v, "shape") and v.shape == old.shape and v.dim() > 0 else v
+                                  for k, v in state.items()}
+    return moved

@@ -16,13 +16,15 @@ their outputs dropped before the output projection). Pruning whole groups
 A layer that loses every head gets a `HeadlessAttention` (headless.py) in place of its
 attention core: it returns the output projection's bias, as masking all its heads does.
 
-Parameter shapes change, so prune after `fit()` (or between fits), never mid-fit.
+Parameter shapes change: mid-fit, the optimizer must be given the new parameters (with their
+state sliced, `heads.optimizer_state.carry_optimizer_state`), as the Lightning callback does.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -38,13 +40,26 @@ LAYOUT_FILE = "headprune_layout.json"
 HeadSpec = Mapping[int, Iterable[int]] | Iterable[tuple[int, int]]
 
 
-def prune_heads(model: nn.Module, heads: HeadSpec) -> nn.Module:
+class Sliced(NamedTuple):
+    """A parameter `prune_heads` replaced: `new` is `old.index_select(dim, index)`."""
+
+    old: nn.Parameter
+    new: nn.Parameter
+    dim: int
+    index: torch.Tensor
+
+
+def prune_heads(model: nn.Module, heads: HeadSpec, sliced: list[Sliced] | None = None) -> nn.Module:
     """Remove `heads` from `model` in place and return it.
 
     `heads` maps layer -> head ids, or is an iterable of (layer, head) pairs (as
     `HeadMask.pruned()` gives), always in the original model's numbering. Heads already
     removed are skipped, so applying the same request twice is harmless. A layer may lose
     every head: its attention then returns only the output projection's bias.
+
+    Every sliced parameter is replaced by a new, smaller one. Pass a list as `sliced` to get a
+    `Sliced(old, new, dim, index)` entry per replaced parameter, e.g. to carry optimizer state
+    over (`heads.optimizer_state.carry_optimizer_state`).
     """
     adapter = get_adapter(model)
     blocks = adapter.blocks(model)
@@ -54,7 +69,7 @@ def prune_heads(model: nn.Module, heads: HeadSpec) -> nn.Module:
     for layer, remove in request.items():
         kept = [h for h in layout[layer] if h not in remove]
         if kept != layout[layer]:
-            _prune_layer(model, adapter, layer, kept)
+            _prune_layer(model, adapter, layer, kept, sliced)
             layout[layer] = kept
     setattr(model, LAYOUT_ATTR, layout)
     return model
@@ -186,7 +201,8 @@ def _validated(heads: HeadSpec, n_layers: int, n_heads: int) -> dict[int, set[in
     return request
 
 
-def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list[int]) -> None:
+def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list[int],
+                 sliced: list[Sliced] | None = None) -> None:
     """Slice one layer down to heads `after` (sorted original ids): every projection keeps the
     features that the adapter's `head_rows` give the kept heads."""
     d = adapter.head_dim(model.config)
@@ -203,7 +219,7 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
                 kept.update(r.index)
     with torch.no_grad():
         for module, outputs, index in keep.values():
-            _keep(module, torch.tensor(sorted(index), dtype=torch.long), outputs=outputs)
+            _keep(module, torch.tensor(sorted(index), dtype=torch.long), outputs, sliced)
 
     kv_after = sorted({h // group for h in after})
     counts = [sum(1 for h in after if h // group == g) for g in kv_after]
@@ -235,16 +251,21 @@ def _make_headless(adapter: ArchAdapter, block: nn.Module, core: nn.Module, head
     setattr(_get(block, parent) if parent else block, name, HeadlessAttention(core, out, head_dim, layer_idx))
 
 
-def _keep(module: nn.Module, index: torch.Tensor, outputs: bool) -> None:
+def _keep(module: nn.Module, index: torch.Tensor, outputs: bool, sliced: list[Sliced] | None) -> None:
     """Keep only the output (or input) features `index` of a Linear or a Conv1D (weight (in, out))."""
     conv = isinstance(module, Conv1D)
     dim = int(conv) if outputs else int(not conv)
-    weight = module.weight
-    module.weight = nn.Parameter(weight.index_select(dim, index.to(weight.device)),
-                                 requires_grad=weight.requires_grad)
-    if outputs and module.bias is not None:
-        module.bias = nn.Parameter(module.bias.index_select(0, index.to(weight.device)),
-                                   requires_grad=module.bias.requires_grad)
+    index = index.to(module.weight.device)
+    for name, param_dim in (("weight", dim), ("bias", 0)):
+        old = getattr(module, name, None)
+        if old is None or (name == "bias" and not outputs):
+            continue
+        # nothing to train in an empty slice (a layer with no heads); DDP must not wait for its gradient
+        kept = old.detach().index_select(param_dim, index)
+        new = nn.Parameter(kept, requires_grad=old.requires_grad and kept.numel() > 0)
+        setattr(module, name, new)
+        if sliced is not None:
+            sliced.append(Sliced(old, new, param_dim, index))
     attr = ("nf" if conv else "out_features") if outputs else ("nx" if conv else "in_features")
     setattr(module, attr, len(index))
 

@@ -4,12 +4,16 @@ What a round does (score, select, prune) is `selection.rounds.prune_round`; what
 (`metric`), which heads to take (`layer_policy`) and how far to go (`schedule`) come from config.
 This class calls `prune_round` at the epoch boundaries the schedule names
 (`Schedule.round_epoch`), evaluates, applies the schedule's stopping rule, and records every
-round in results.json and the loggers.
+round in results.json and the loggers, with the wall time and throughput of the training that
+followed it. With `physical` the pruned heads then leave the model (`lightning/shrink.py`), so
+each round's fine-tuning is cheaper than the last; a schedule that may reject a round
+(`until_threshold`) keeps the newest round's heads masked until the next round accepts it.
 """
 from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Callable
 
 import lightning as L
@@ -21,6 +25,7 @@ from headprune.heads.mask import HeadMask
 from headprune.heads.optimizer_state import reset_optimizer_state
 from headprune.lightning import loggers
 from headprune.lightning.results import RunResults
+from headprune.lightning.shrink import shrink, shrink_supported
 from headprune.selection.rounds import prune_round
 from headprune.selection.schedules import Schedule
 from headprune.tasks import evaluate
@@ -30,22 +35,27 @@ log = logging.getLogger(__name__)
 
 class HeadPruning(Callback):
     """`diagnostics`: head_diagnostics options, run on the final model (None = off).
-    `check_consistency`: assert identical masks on every rank after each round."""
+    `check_consistency`: assert identical masks (and weights) on every rank after each epoch.
+    `physical`: remove pruned heads from the model after each round (where the strategy allows;
+    results.json `pruning.physical_effective` says what happened)."""
 
     def __init__(self, metric: Callable, schedule: Schedule, layer_policy: Callable,
                  results: RunResults | None = None, diagnostics: dict | None = None,
-                 check_consistency: bool = False):
+                 check_consistency: bool = False, physical: bool = True):
         self.metric = metric
         self.schedule = schedule
         self.layer_policy = layer_policy
         self.results = results if results is not None else RunResults(None)
         self.diagnostics = diagnostics
         self.check_consistency = check_consistency
+        self.physical = self._physical = physical
         self.sparsities = schedule.sparsities()
         self.stop_reason: str | None = None
         self.sensitivity: list[float] | None = None
         self._last_good: torch.Tensor | None = None
         self._pending_rng: dict | None = None
+        self._train = {"seconds": 0.0, "samples": 0}  # training since the last record
+        self._epoch_start: float | None = None
 
     # -- state (so a resumed fit knows which rounds are done) --------------------------------
     @property
@@ -56,7 +66,7 @@ class HeadPruning(Callback):
         return {"baseline": self.results.data["baseline"], "rounds": self.rounds, "stop_reason": self.stop_reason,
                 "sensitivity": self.sensitivity,
                 "last_good": None if self._last_good is None else self._last_good.tolist(),
-                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+                "train": dict(self._train), "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.results.data["baseline"] = state_dict["baseline"]
@@ -65,6 +75,7 @@ class HeadPruning(Callback):
         self.sensitivity = state_dict.get("sensitivity")
         last = state_dict.get("last_good")
         self._last_good = None if last is None else torch.tensor(last)
+        self._train = dict(state_dict.get("train", self._train))
         self._pending_rng = state_dict.get("rng")  # restored when training restarts, for exact resume
 
     # -- Lightning hooks ---------------------------------------------------------------------
@@ -74,16 +85,27 @@ class HeadPruning(Callback):
             torch.set_rng_state(self._pending_rng["torch"])
             random.setstate(self._pending_rng["python"])
             self._pending_rng = None
-        self._describe_model(pl_module)
+        self._describe_model(pl_module, trainer)
         self.step(pl_module, trainer.datamodule, completed_epochs=trainer.current_epoch, trainer=trainer)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._epoch_start = time.perf_counter()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._stop_clock()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
+        self._stop_clock()
+        if self.check_consistency:
+            self._check_ranks(pl_module, f"epoch {trainer.current_epoch + 1}")
         self.step(pl_module, trainer.datamodule, completed_epochs=trainer.current_epoch + 1, trainer=trainer)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
                            batch_idx: int) -> None:
+        self._train["samples"] += int(batch["input_ids"].shape[0])
         bad = getattr(pl_module, "nonfinite_loss", None)
         if bad is None or self.stop_reason is not None:
             return
@@ -99,7 +121,7 @@ class HeadPruning(Callback):
     # -- the schedule, usable without a Trainer ----------------------------------------------
     def run_without_training(self, pl_module: L.LightningModule, datamodule) -> dict:
         """Score and prune the model as given, every round back to back (no fine-tuning)."""
-        self._describe_model(pl_module)
+        self._describe_model(pl_module, None)
         self.step(pl_module, datamodule, completed_epochs=0)
         return self.finish(pl_module, datamodule)
 
@@ -112,7 +134,7 @@ class HeadPruning(Callback):
                 return
             data = self.results.data
             if not data["baseline"]:
-                data["baseline"] = {"val": self._evaluate(pl_module, datamodule, limit)}
+                data["baseline"] = {"val": self._evaluate(pl_module, datamodule, limit), **self._take_train_time()}
                 self.results.save()
             elif "val" not in self.rounds[-1]:
                 self._record_val(pl_module, datamodule, limit, trainer)
@@ -154,9 +176,36 @@ class HeadPruning(Callback):
     def _limit(trainer) -> int | None:
         return 1 if trainer is not None and trainer.fast_dev_run else None
 
-    def _describe_model(self, pl_module) -> None:
+    def _describe_model(self, pl_module, trainer) -> None:
         mask: HeadMask = pl_module.head_mask
         self.results.data["model"] = {"layers": mask.num_layers, "heads": mask.num_heads}
+        supported, why = shrink_supported(trainer)
+        if self.physical and not supported:
+            log.warning("pruning.physical=true, but %s: pruned heads stay in the model, masked, until the export "
+                        "(pruning.physical_effective=false)", why)
+        self._physical = self.physical and supported
+        self.results.data["pruning"] = {"physical": self.physical, "physical_effective": self._physical,
+                                        **({"why_not": why} if self.physical and not supported else {})}
+
+    def _stop_clock(self) -> None:
+        if self._epoch_start is not None:
+            self._train["seconds"] += time.perf_counter() - self._epoch_start
+            self._epoch_start = None
+
+    def _take_train_time(self) -> dict:
+        """Wall time and throughput of the training batches since the last record (none: {})."""
+        seconds, samples = self._train["seconds"], self._train["samples"]
+        self._train = {"seconds": 0.0, "samples": 0}
+        if not samples:
+            return {}
+        return {"train_seconds": round(seconds, 3), "train_samples_per_s": round(samples / max(seconds, 1e-9), 2)}
+
+    def _check_ranks(self, pl_module, when: str) -> None:
+        """Every rank holds the same mask and the same weights (a collective)."""
+        digest = torch.stack([t.detach().double().sum() for t in pl_module.model.parameters()]
+                             + [t.detach().double().pow(2).sum() for t in pl_module.model.parameters()])
+        if not all_equal(pl_module.head_mask.mask) or not all_equal(digest):
+            raise RuntimeError(f"{when}: the head masks or the weights differ between ranks")
 
     def _final_reason(self, mask: HeadMask) -> str:
         if self.stop_reason is not None:
@@ -176,6 +225,7 @@ class HeadPruning(Callback):
     def _record_val(self, pl_module, datamodule, limit, trainer) -> None:
         record = self.rounds[-1]
         record["val"] = self._evaluate(pl_module, datamodule, limit)
+        record.update(self._take_train_time())
         self.results.save()
         loggers.log_round(trainer, record)
 
@@ -197,6 +247,8 @@ class HeadPruning(Callback):
 
     def _prune_round(self, pl_module, datamodule, k: int, limit, trainer) -> None:
         mask: HeadMask = pl_module.head_mask
+        if self._physical and self.schedule.can_reject:  # the previous round was accepted: its heads go now
+            shrink(pl_module, mask.pruned(), trainer)
         self._last_good = mask.mask.detach().clone().cpu()
         world = trainer.world_size if trainer is not None else 1
         loader = (datamodule.score_dataloader(trainer.global_rank, world) if world > 1
@@ -208,10 +260,12 @@ class HeadPruning(Callback):
                              max_batches=limit)
         if result.sensitivity is not None:
             self._record_sensitivity(result.sensitivity)
-        if self.check_consistency and not all_equal(mask.mask):
-            raise RuntimeError(f"round {k + 1}: the head masks differ between ranks")
         if self.schedule.reset_optimizer_state and trainer is not None:
             reset_optimizer_state(trainer.optimizers, pl_module.model, result.pruned)
+        if self._physical and not self.schedule.can_reject:
+            shrink(pl_module, result.pruned, trainer)
+        if self.check_consistency:
+            self._check_ranks(pl_module, f"round {k + 1}")
         record = result.record()
         self.rounds.append(record)
         if self.schedule.epochs_per_round == 0:

@@ -93,9 +93,11 @@ def log_metrics(trainer, metrics: dict) -> None:
 
 
 def log_round(trainer, record: dict) -> None:
-    """A round's sparsity, validation metrics and heads per layer, once its `val` is known."""
+    """A round's sparsity, validation metrics, heads per layer and the wall time and throughput
+    of its fine-tuning, once its `val` is known."""
     log_metrics(trainer, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
                           **{f"prune/val_{name}": value for name, value in record["val"].items()},
+                          **{f"prune/{k}": record[k] for k in ("train_seconds", "train_samples_per_s") if k in record},
                           **{f"prune/heads_layer_{i}": n for i, n in enumerate(record["heads_per_layer"])}})
 
 

@@ -74,6 +74,12 @@ class Schedule:
         """Why to stop after a round whose fine-tuned validation metrics are `val`, or None."""
         return None
 
+    @property
+    def can_reject(self) -> bool:
+        """Whether a round may be rejected after its fine-tuning (and its heads restored), so that
+        they may leave the model physically only once the next round starts."""
+        return type(self).stop_reason is not Schedule.stop_reason
+
     def check_metrics(self, available: tuple[str, ...], task: str) -> None:
         """Fail before any training when the stopping rule reads a validation metric that a
         `task` run does not report (`available`)."""

@@ -1,0 +1,73 @@
+"""Training-step latency: forward + backward + AdamW step, what fine-tuning between rounds costs.
+
+For each (batch, seq) every variant (dense, masked, physically pruned) is timed in one
+interleaved run, in train mode (dropout on), on random token ids with random labels; each
+variant has its own AdamW optimizer (lr 1e-6, so many steps change nothing that matters for
+timing). The headline is pruned vs masked at the same sparsity: what `pruning.physical` buys
+each fine-tuning epoch of an iterative run over keeping the heads masked.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from headprune.bench.encoder import _dims, _flops
+from headprune.bench.flops import ratio
+from headprune.bench.timing import Clock, interleaved
+from headprune.bench.variants import Variant
+
+log = logging.getLogger(__name__)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> None:
+    """One optimizer step on `batch` (a model computing its own loss from `labels`)."""
+    with torch.enable_grad():
+        model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def bench_train_step(variants: list[Variant], batches: list[int], seqs: list[int], clock: Clock, warmup: int,
+                     repeats: int, seed: int = 0, model_name: str = "") -> list[dict]:
+    """One row per variant and (batch, seq): step latency, samples/s, ratios to dense and to the
+    masked variant of the same sparsity, and the theoretical (forward FLOPs) ratio."""
+    config = variants[0].model.config
+    max_len = getattr(config, "max_position_embeddings", None)
+    if max_len is not None and max(seqs) > max_len:
+        raise ValueError(f"bench.train_step.seqs contains {max(seqs)}; allowed: at most the model's "
+                         f"max_position_embeddings={max_len}")
+    device = next(variants[0].model.parameters()).device
+    dims = _dims(variants[0].model)
+    optimizers = [torch.optim.AdamW(v.model.parameters(), lr=1e-6) for v in variants]
+    for v in variants:
+        v.model.train()
+    rows = []
+    try:
+        for batch in batches:
+            for seq in seqs:
+                g = torch.Generator().manual_seed(seed)
+                inputs = {"input_ids": torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device),
+                          "labels": torch.randint(0, config.num_labels, (batch,), generator=g).to(device)}
+                cases = {f"{i}": lambda m=v.model, o=opt: train_step(m, o, inputs)
+                         for i, (v, opt) in enumerate(zip(variants, optimizers))}
+                log.info("train step batch=%d seq=%d: timing %d variants", batch, seq, len(variants))
+                stats = interleaved(cases, clock, warmup=warmup, repeats=repeats)
+                masked_at = {v.sparsity: stats[f"{i}"].median_ms for i, v in enumerate(variants) if v.kind == "masked"}
+                flops = [_flops(v, batch, seq, dims)[1] for v in variants]
+                for i, v in enumerate(variants):
+                    step = stats[f"{i}"]
+                    masked = masked_at.get(v.sparsity) if v.kind == "pruned" else None
+                    rows.append({
+                        "model": model_name, **v.row(), "batch": batch, "seq": seq,
+                        "step_ms": step.median_ms, "samples_per_s": batch * 1e3 / step.median_ms,
+                        "step_ratio": stats["0"].median_ms / step.median_ms,
+                        "vs_masked_ratio": masked / step.median_ms if masked else None,
+                        "theoretical_forward_ratio": ratio(flops[0], flops[i]),
+                        "step_spread_ms": step.spread(), "heads_kept": sum(v.heads), "repeats": step.n,
+                    })
+    finally:
+        for v in variants:
+            v.model.eval()
+    return rows
