@@ -124,16 +124,43 @@ def test_wandb_logger_offline(cfg_factory, tmp_path, monkeypatch):
     assert list(offline.glob("run-*.wandb")), "no offline run record file"
 
 
-@pytest.mark.parametrize("override,pattern", [
-    ("schedule.target_sparsity=1.2", r"schedule\.target_sparsity=1\.2"),
-    ("schedule.target_sparsity=-0.1", r"schedule\.target_sparsity=-0\.1"),
-    ("data.label_column=gold", r"data\.label_column='gold'"),
-    ("data.train_file=missing.tsv", r"data\.train_file.*missing\.tsv"),
+@pytest.mark.parametrize("override,error,pattern", [
+    ("schedule.target_sparsity=1.2", ValueError, r"schedule\.target_sparsity=1\.2 is outside \[0, 1\)"),
+    ("schedule.target_sparsity=-0.1", ValueError, r"schedule\.target_sparsity=-0\.1 is outside \[0, 1\)"),
+    ("data.label_column=gold", ValueError, r"data\.label_column='gold' is not a column of the file"),
+    ("data.train_file=missing.tsv", FileNotFoundError, r"data\.train_file: file .*missing\.tsv' does not exist"),
+    ("model.pretrained=/nonexistent/model", FileNotFoundError, r"model\.pretrained='/nonexistent/model': no such folder"),
 ])
-def test_bad_values_name_the_field(override, pattern, cfg_factory):
+def test_bad_values_name_the_field(override, error, pattern, cfg_factory, tmp_path):
     cfg = cfg_factory("model=tiny_bert", "debug=fast", override)
-    with pytest.raises((ValueError, FileNotFoundError, Exception), match=pattern):
+    with pytest.raises(error, match=pattern) as info:
         run(cfg)
+    assert type(info.value) is error
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_an_empty_model_folder_is_named(cfg_factory, tmp_path):
+    (tmp_path / "empty").mkdir()
+    cfg = cfg_factory("model=tiny_bert", "debug=fast", f"model.pretrained={tmp_path / 'empty'}")
+    with pytest.raises(FileNotFoundError, match=r"model\.pretrained=.*empty': the folder holds no tokenizer"):
+        run(cfg)
+
+
+def test_label_mapping_in_results_and_in_the_exported_config(cfg_factory, tmp_path, data_dir):
+    cfg = cfg_factory("model=tiny_bert", "debug=fast", "data.max_train_samples=32", "data.score_samples=16")
+    res = run(cfg)
+    assert res["labels"] == {"label2id": {"0": 0, "1": 1}, "id2label": {"0": "0", "1": "1"}}
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert exported["id2label"] == {"0": "0", "1": "1"} and exported["label2id"] == {"0": 0, "1": 1}
+
+
+def test_until_threshold_decides_on_a_held_out_selection_slice(cfg_factory, tmp_path):
+    cfg = cfg_factory(*TINY_RUN, "schedule=until_threshold", "schedule.threshold=1.5", "schedule.step=0.25",
+                      "schedule.select_samples=24")
+    res = run(cfg)
+    assert set(res["baseline"]["selection"]) == {"acc", "loss"} and "selection" in res["rounds"][0]
+    assert res["final"]["stop_reason"].startswith("threshold: selection-slice acc")
+    assert "24 training examples" in res["stop_rule_reads"]
 
 
 @pytest.mark.parametrize("override,group", [("metric=nope", "metric"), ("layer_policy=unifrom", "layer_policy")])
@@ -235,9 +262,12 @@ def test_typos_fail_at_compose(override, pattern, cfg_factory):
     ("schedule.target_sparsity=1.0", r"schedule\.target_sparsity=1\.0"),
 ])
 def test_bad_schedule_values_fail_at_start(override, pattern, cfg_factory):
+    from hydra.errors import InstantiationException
+
     cfg = cfg_factory(override)
-    with pytest.raises(Exception, match=pattern):
+    with pytest.raises(InstantiationException, match=pattern) as info:
         instantiate(cfg.schedule)
+    assert isinstance(info.value.__cause__, ValueError)
 
 
 @pytest.mark.parametrize("name", ["michel2019_bert_sst2", "michel2019_bert_mnli"])

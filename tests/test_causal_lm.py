@@ -120,9 +120,9 @@ def test_fast_dev_run_reports_perplexity(cfg_factory, tmp_path):
 def test_pruned_export_reloads_with_the_trained_models_logits(cfg_factory, tmp_path, monkeypatch):
     saved, save_pruned = {}, train_app.save_pruned
 
-    def keep_model(model, directory, tokenizer=None):  # the trained model, pruned in place
+    def keep_model(model, directory, **kwargs):  # the trained model, pruned in place
         saved["model"] = model
-        return save_pruned(model, directory, tokenizer=tokenizer)
+        return save_pruned(model, directory, **kwargs)
 
     monkeypatch.setattr(train_app, "save_pruned", keep_model)
     run(cfg_factory(*TINY_GPT2, "schedule=iterative", "schedule.target_sparsity=0.5", "schedule.step=0.25",

@@ -21,10 +21,7 @@ from headprune.selection.schedules import OneShot
 from headprune.apps.train import _diagnostics_options
 from tests.conftest import tiny_batch, tiny_bert
 
-try:
-    from headprune.heads.surgery import prune_heads
-except ImportError:
-    prune_heads = None
+from headprune.heads.surgery import prune_heads
 
 
 def _inputs(batch):
@@ -109,8 +106,6 @@ def test_special_token_share_matches_a_hand_computation(tokenizer):
 
 @pytest.mark.parametrize("physical", [False, True])
 def test_pruned_heads_are_left_out_and_json_is_strict(physical, tokenizer):
-    if physical and prune_heads is None:
-        pytest.skip("headprune.heads.surgery.prune_heads is not available (physical removal not merged)")
     model = _peaked_bert()
     pruned = [(0, 2), (2, 0), (2, 1), (2, 2)]
     mask = HeadMask.for_model(model)

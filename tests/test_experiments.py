@@ -41,3 +41,36 @@ def test_metric_curves_cover_every_metric_and_policy():
         assert metrics == sorted(["taylor", "entropy", "lrp", "fisher", "confidence", "magnitude"] + ["random"] * 3)
         for run in runs:
             assert [round(r["sparsity"], 1) for r in run["rounds"]] == [round(0.1 * i, 1) for i in range(1, 10)]
+
+
+def test_metric_curves_tables_match_results():
+    from headprune.apps.collect import curve_table, final_table
+
+    for policy in ("global", "uniform"):
+        folder = EXP / "metric_curves" / policy
+        runs = json.loads((folder / "runs.json").read_text())
+        keys = ["metric", "metric.seed"]
+        assert curve_table(runs, keys, mean_over=["metric.seed"]) == (folder / "curves.md").read_text()
+        assert final_table(runs, keys) == (folder / "results.md").read_text()
+
+
+def test_layer_sensitivity_tables_match_results():
+    from headprune.apps.collect import curve_table, final_table
+
+    folder = EXP / "layer_sensitivity"
+    runs = json.loads((folder / "runs.json").read_text())
+    assert curve_table(runs, ["layer_policy"]) == (folder / "curves.md").read_text()
+    assert final_table(runs, ["layer_policy"]) == (folder / "results.md").read_text()
+    (sensitivity,) = [r for r in runs if r["overrides"]["layer_policy"] == "sensitivity"]
+    quoted = ", ".join(f"{x:.4f}" for x in sensitivity["layer_sensitivity"]["loss_rise"])
+    assert quoted in (folder / "README.md").read_text()  # the profile the README quotes is in the raw results
+
+
+def test_decoder_kv_tables_match_results(tmp_path):
+    collect = _script(EXP / "decoder_kv" / "collect.py")
+    rows, curve = collect.table_rows(EXP / "decoder_kv" / "results"), collect.no_finetune_curve(EXP / "decoder_kv" / "results")
+    assert collect.markdown(rows, curve) == (EXP / "decoder_kv" / "results.md").read_text()
+    from headprune.apps.collect import to_csv
+
+    with open(EXP / "decoder_kv" / "decoder_kv.csv", newline="") as f:  # the csv module writes \r\n
+        assert to_csv(rows) == f.read()

@@ -73,12 +73,54 @@ def test_resume_after_crash_matches_uninterrupted_run(tmp_path, data_dir):
     assert b["final"]["pruned"] == a["final"]["pruned"] and b["final"]["val"] == a["final"]["val"]
 
 
-def test_nonfinite_loss_stops_with_reason(tmp_path, data_dir):
-    res = run(_cfg(tmp_path, data_dir, "optim.optimizer.lr=1e30", "optim.scheduler.warmup_ratio=0"))
+def _strict(path):
+    """results.json parsed as strict JSON: NaN or Infinity in it is a failure."""
+    def refuse(constant):
+        raise AssertionError(f"{path} holds {constant}")
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_nonfinite_loss_stops_rolls_back_and_writes_strict_json(tmp_path, data_dir):
+    """lr=1e30 blows the weights up in epoch 2 (the first after round 1): the run stops, the model
+    is rolled back to the state the last checkpoint holds (taken after epoch 1), results.json is
+    strict JSON with finite numbers, and last.ckpt is the epoch-1 checkpoint, not a blown-up one."""
+    blow_up = ["callbacks=default", "+callbacks.lr_bomb._target_=tests.test_faults.LrBomb", "+callbacks.lr_bomb.epoch=2"]
+    res = run(_cfg(tmp_path, data_dir, *blow_up))
     reason = res["final"]["stop_reason"]
-    assert reason.startswith("non-finite loss") and "round" in reason
-    assert _results(tmp_path)["final"]["stop_reason"] == reason
-    assert math.isfinite(res["final"]["val"]["loss"]) or res["final"]["val"]["loss"] != res["final"]["val"]["loss"]
+    assert reason.startswith("non-finite loss") and "after round 1" in reason and "rolled back" in reason
+    saved = _strict(tmp_path / "results.json")
+    assert saved["final"]["stop_reason"] == reason and math.isfinite(saved["final"]["val"]["loss"])
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["epoch"] == 0  # written at the end of epoch 1 (0-based 0), never after the blow-up
+    assert all(torch.isfinite(v).all() for v in ckpt["state_dict"].values() if v.is_floating_point())
+    before = saved["rounds"][0]["val_before_finetune"]  # the model the rollback restores, evaluated masked
+    assert saved["final"]["val"]["acc"] == before["acc"]
+    assert saved["final"]["val"]["loss"] == pytest.approx(before["loss"], abs=1e-5)
+
+
+class LrBomb(Callback):
+    """Sets the learning rate to 1e30 when epoch `epoch` (1-based) starts: the next steps blow up."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch + 1 == self.epoch:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = 1e30
+            trainer.lr_scheduler_configs.clear()  # keep it there
+
+
+class NaNOnRank(Callback):
+    """Poisons one embedding row on rank `rank` before step `step`: only that rank's loss is NaN."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.model.get_input_embeddings().weight[batch["input_ids"][0, 1]] = float("nan")
 
 
 def test_ddp_ranks_agree_and_match_single_process(tmp_path, data_dir):
@@ -107,6 +149,19 @@ def test_ddp_ranks_agree_and_match_single_process(tmp_path, data_dir):
     torch.testing.assert_close(torch.tensor(ddp["rounds"][0]["scores"]), torch.tensor(single["rounds"][0]["scores"]),
                                rtol=1e-4, atol=1e-6)
     assert len(ddp["rounds"]) == 2 and ddp["final"]["sparsity"] == 0.5
+
+
+def test_ddp_stops_on_every_rank_when_one_rank_sees_a_nonfinite_loss(tmp_path, data_dir):
+    """Rank 1 alone gets a NaN loss: both ranks skip the step together (no rank waits for a gradient
+    the other does not send), stop, roll back, and results.json is strict JSON."""
+    cmd = [sys.executable, "-m", "headprune.apps.train", *BASE, "logger=none", "callbacks=none", "trainer=ddp",
+           "+callbacks.nan._target_=tests.test_faults.NaNOnRank", "+callbacks.nan.rank=1", "+callbacks.nan.step=4",
+           f"data.data_dir={data_dir}", "diagnostics.enabled=false", f"hydra.run.dir={tmp_path}"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    saved = _strict(tmp_path / "results.json")
+    assert saved["final"]["stop_reason"].startswith("non-finite loss") and math.isfinite(saved["final"]["val"]["loss"])
 
 
 def test_failed_job_in_multirun_does_not_stop_the_others(tmp_path, data_dir):
@@ -193,3 +248,67 @@ def test_wandb_runs_of_a_sweep_share_group_and_tags(tmp_path):
     assert identities[1]["name"] == "layer_policy=uniform,metric=entropy"
     assert identities[0]["tags"] == ["model:minilm", "data:sst2", "metric:entropy", "schedule:iterative",
                                      "layer_policy:global", "mine"]
+
+
+def test_last_checkpoint_survives_a_kill_between_write_and_rename(tmp_path, data_dir, monkeypatch):
+    """A failure after the new checkpoint is written and before it replaces last.ckpt (where a kill
+    could strike) leaves the previous, complete last.ckpt, and the run resumes from it."""
+    from headprune.lightning.checkpoints import LastCheckpoint
+
+    commit, calls = LastCheckpoint._commit, []
+
+    def killed_on_second_save(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            assert src.is_file()  # the new checkpoint is written, only the rename is missing
+            raise Crash("killed between writing the new checkpoint and renaming it")
+        commit(src, dst)
+
+    monkeypatch.setattr(LastCheckpoint, "_commit", staticmethod(killed_on_second_save))
+    with pytest.raises(Crash):
+        run(_cfg(tmp_path, data_dir, "callbacks=default"))
+    monkeypatch.setattr(LastCheckpoint, "_commit", staticmethod(commit))
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert last.is_file() and not last.is_symlink()
+    assert torch.load(last, weights_only=False)["epoch"] == 0  # the first epoch's, complete
+    res = run(_cfg(tmp_path, data_dir, "callbacks=default", f"ckpt_path={last}"))
+    assert res["final"]["stop_reason"] == "target_reached"
+
+
+def test_a_refused_run_leaves_the_folder_as_it_was(tmp_path, data_dir):
+    """The second run lands on the first run's folder without overwrite=true: it is refused before
+    anything is written, so .hydra/ and train.log still describe the first run."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    first = [sys.executable, "-m", "headprune.apps.train", "model=tiny_bert", "debug=fast", "data.max_train_samples=32",
+             "data.score_samples=16", f"data.data_dir={data_dir}", f"hydra.run.dir={tmp_path}"]
+    assert subprocess.run(first, env=env, capture_output=True, timeout=300).returncode == 0
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert tmp_path / ".hydra" / "config.yaml" in before and tmp_path / "train.log" in before
+    proc = subprocess.run([*first, "seed=7"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "already holds a run's results.json" in proc.stderr + proc.stdout
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_an_unwritable_run_dir_is_named_before_training(tmp_path, data_dir, monkeypatch):
+    import headprune.apps.run_dir as run_dir
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(run_dir.tempfile, "TemporaryFile", refuse)
+    with pytest.raises(PermissionError, match=r"the run dir .* cannot be written: Permission denied"):
+        run(_cfg(tmp_path / "ro", data_dir))
+    assert not (tmp_path / "ro" / "results.json").exists()
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("data.score_samples=0", r"data\.score_samples=0 leaves no held-out examples"),
+    ("layer_policy.min_heads_per_layer=5", r"layer_policy\.min_heads_per_layer=5 exceeds the model's 4 heads"),
+    ("+trainer.max_epochs=3", r"trainer\.max_epochs=3 is not allowed: the schedule sets the number of epochs"),
+    ("schedule.target_sparsity=0.99", r"schedule\.target_sparsity=0\.99 removes all 12 heads.*at most 0\.9167"),
+])
+def test_settings_that_could_only_fail_later_fail_at_start(override, pattern, tmp_path, data_dir):
+    extra = ["layer_policy.min_heads_per_layer=0"] if "target_sparsity" in override else []
+    with pytest.raises(ValueError, match=pattern):
+        run(_cfg(tmp_path, data_dir, override, *extra))
+    assert not (tmp_path / "results.json").exists() and not (tmp_path / "checkpoints").exists()

@@ -72,3 +72,33 @@ def test_unsupported_architecture_lists_supported():
 
     with pytest.raises(NotImplementedError, match="bert.*gpt2.*llama"):
         get_adapter(Fake())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_masking_equals_zeroing_output_projection_columns_in_decoders(family, attn):
+    """GPT-2 (Conv1D c_proj, weight (in, out): a head owns D rows) and Llama with grouped-query
+    attention (4 query heads sharing 2 KV heads): masking a head = zeroing its O inputs."""
+    from tests.test_surgery import inputs, tiny
+
+    model = tiny(family, attn)
+    batch = inputs()
+    to_mask = [(0, 1), (1, 0), (1, 3), (2, 2)]
+    mask = HeadMask.for_model(model)
+    mask.prune(to_mask)
+    with torch.no_grad():
+        masked = model(**batch).logits
+    mask.detach()
+    adapter = get_adapter(model)
+    d = adapter.head_dim(model.config)
+    with torch.no_grad():
+        unmasked = model(**batch).logits
+        for layer, head in to_mask:
+            o = adapter.out_proj(adapter.blocks(model)[layer])
+            if family == "gpt2":  # Conv1D: weight (in, out), head h owns input rows h*D..(h+1)*D
+                o.weight[head * d:(head + 1) * d, :] = 0.0
+            else:  # Linear: weight (out, in)
+                o.weight[:, head * d:(head + 1) * d] = 0.0
+        zeroed = model(**batch).logits
+    torch.testing.assert_close(masked, zeroed, atol=1e-5, rtol=0)
+    assert not torch.allclose(masked, unmasked, atol=1e-3)

@@ -21,12 +21,9 @@ from headprune.scoring.lrp import conservative_backward, head_relevance, lrp_imp
 from headprune.scoring.magnitude import magnitude_importance
 from tests.conftest import tiny_batch, tiny_bert
 
-try:
-    from headprune.heads.surgery import prune_heads
-except ImportError:  # physical removal not merged yet
-    prune_heads = None
+from headprune.heads.surgery import prune_heads
 
-FAST = {"l0_gates": {"steps": 5}}  # keep the contract test quick
+FAST = {"l0_gates": {"steps": 5}, "confidence": {"eos_token_ids": [102]}}  # quick; [SEP] of the tiny BERT
 PRUNED = [(0, 1), (2, 0), (2, 3)]
 
 
@@ -91,8 +88,6 @@ def _model_state(model):
 def test_metric_contract(name, variant, tokenizer):
     """Shape, finite, deterministic, pruned heads 0 and alive heads not, model left as found; on a
     physically pruned model the scores equal those of the masked model."""
-    if variant == "physical" and prune_heads is None:
-        pytest.skip("headprune.heads.surgery.prune_heads is not available (physical removal not merged)")
     model = tiny_bert()
     batches = _two_batches(tokenizer)
     options = FAST.get(name, {})
@@ -151,24 +146,31 @@ def test_entropy_and_confidence_match_a_hand_computation_with_padding(tokenizer)
     reference = tiny_bert("eager")  # same seed, same weights
     entropy = torch.zeros(3, 4, dtype=torch.float64)
     confidence = torch.zeros(3, 4, dtype=torch.float64)
+    without_sep = torch.zeros(3, 4, dtype=torch.float64)  # Voita et al.: the end-of-sentence key excluded
     n = 0
     with torch.no_grad():
         for batch in batches:
             maps = reference(**_inputs(batch), output_attentions=True).attentions
             for b in range(batch["input_ids"].shape[0]):
                 length = int(batch["attention_mask"][b].sum())  # right padding
+                assert int(batch["input_ids"][b, length - 1]) == tokenizer.sep_token_id
                 for layer, a in enumerate(maps):
                     for head in range(4):
                         rows = a[b, head, :length, :length].double()  # real queries x real keys
                         entropy[layer, head] += -(rows * rows.log()).sum(-1).mean()
                         confidence[layer, head] += rows.max(-1).values.mean()
+                        without_sep[layer, head] += rows[:, :length - 1].max(-1).values.mean()
                 n += 1
 
     model = tiny_bert("sdpa")
     mask = HeadMask.for_model(model)
     torch.testing.assert_close(entropy_importance(model, mask, batches), (-entropy / n).float(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(confidence_importance(model, mask, batches), (confidence / n).float(),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(confidence_importance(model, mask, batches, exclude_eos=False),
+                               (confidence / n).float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(confidence_importance(model, mask, batches, eos_token_ids=[tokenizer.sep_token_id]),
+                               (without_sep / n).float(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"names none .*metric\.eos_token_ids"):
+        confidence_importance(model, mask, batches)  # MiniLM's config has no sep_token_id
     assert model.config._attn_implementation == "sdpa"
     assert all(m.config._attn_implementation == "sdpa" for m in model.modules() if hasattr(m, "config"))
 
@@ -229,8 +231,6 @@ def test_magnitude_matches_direct_slice_norms_and_survives_physical_pruning(arch
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     only_o = magnitude_importance(model, HeadMask.for_model(model, attach=False), parts=["o"])
     assert (only_o < got).all()
-    if prune_heads is None:
-        return
     pruned = [(0, 0), (0, 1), (1, 2)]  # llama: layer 0 loses a whole KV group, layer 1 half of one
     prune_heads(model, pruned)
     mask = HeadMask.for_model(model, attach=False)
@@ -331,7 +331,11 @@ def test_lrp_scores_are_per_layer_shares(tokenizer):
     scores = lrp_importance(model, mask, batches)
     torch.testing.assert_close(scores.sum(1), torch.ones(3), rtol=1e-5, atol=1e-6)
     signed = lrp_importance(model, mask, batches, signed=True)
-    assert (signed.abs() <= scores + 1e-6).all()
+    relevance = torch.cat([head_relevance(model, mask, b).double() for b in batches])  # (N, L, H)
+    share = relevance / relevance.abs().sum(-1, keepdim=True)  # R_h / sum |R|, sign kept
+    expected = torch.where(mask.alive(), share.mean(0), torch.zeros(())).float()
+    torch.testing.assert_close(signed, expected, rtol=1e-5, atol=1e-7)
+    assert (signed < 0).any() and not torch.equal(signed, scores)  # some heads argue against the logit
     gold = lrp_importance(model, mask, batches, target="gold")
     assert gold.shape == (3, 4) and not torch.equal(gold, scores)
 
@@ -381,7 +385,8 @@ def test_l0_penalty_in_the_lightning_module(tokenizer):
     with torch.no_grad():
         gates.log_alpha[0, 1] = -3.0
     scores = l0_gates_importance(module.model, module.head_mask, [batch], steps=1)
-    torch.testing.assert_close(scores, gates.open_probability().detach())
+    p_open = torch.sigmoid(gates.log_alpha.detach() - 2 / 3 * math.log(0.1 / 1.1))  # P(z != 0), Louizos et al.
+    torch.testing.assert_close(scores, p_open)
     assert scores[0, 1] < 0.2 < scores[0, 0]
 
 

@@ -101,3 +101,29 @@ def test_sensitivity_profile_masks_the_weakest_heads_of_one_layer(tokenizer):
     assert rises == pytest.approx([r["loss_change"] for r in rows[1::2]])
     with pytest.raises(ValueError, match=r"layer_policy\.share"):
         sensitivity_profile(model, mask, scores, batches, shares=[0.0])
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_depth_prior_keeps_more_of_a_heavier_layer_whatever_the_sign_of_the_scores(sign):
+    """Layer 1 has weight 2: with the same scores in both layers it must lose fewer heads, for
+    positive scores (Taylor, Fisher) and for negative ones (entropy's -H, signed LRP) alike."""
+    from headprune.selection.layer_policies import DepthPriorPolicy
+
+    base = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    scores = sign * torch.stack([base, base]) if sign > 0 else torch.stack([-base.flip(0), -base.flip(0)])
+    alive = torch.ones(2, 4, dtype=torch.bool)
+    policy = DepthPriorPolicy(protect_first=0, protect_last=0, weights=[1.0, 2.0], normalize=False,
+                              min_heads_per_layer=0)
+    chosen = policy(scores, alive, 3)
+    per_layer = [sum(1 for l, _ in chosen if l == i) for i in range(2)]
+    assert per_layer[0] > per_layer[1], (sign, chosen)
+
+
+def test_one_rule_for_the_last_head():
+    from headprune.selection.schedules import OneShot
+
+    OneShot(target_sparsity=0.99).check_model(total_heads=144)  # round(142.56) = 143: one head left
+    with pytest.raises(ValueError, match=r"removes all 12 heads of this model.*at most 0\.9167"):
+        OneShot(target_sparsity=0.99).check_model(total_heads=12)
+    with pytest.raises(ValueError, match=r"at least one head must remain"):
+        OneShot(target_sparsity=1.0)

@@ -1,13 +1,16 @@
 """Physical head removal: the pruned model computes what the masked model computes, for every
 supported family, with uneven heads per layer and a layer with no heads left."""
 import copy
+import os
+import stat
 
 import pytest
 import torch
 import transformers as tf
 from transformers.pytorch_utils import Conv1D
 
-from headprune import HeadMask, count_params, heads_of_kv_groups, kv_group_heads, prune_heads
+from headprune import HeadMask, count_params, heads_of_kv_groups, kv_group_heads, load_pruned, prune_heads, save_pruned
+from headprune.atomic import write_json_atomic
 from headprune.heads.adapters import get_adapter
 
 V, HIDDEN, HEADS, D = 100, 32, 4, 8
@@ -227,3 +230,61 @@ def test_gpt2_head_rows_are_its_fused_qkv_slices():
             assert r.module is attn.c_attn and (r.start, r.stop) == (offset + head * D, offset + (head + 1) * D)
             torch.testing.assert_close(full[..., r.start:r.stop], x @ r.weight().t() + attn.c_attn.bias[r.start:r.stop])
         assert rows[head]["o"].weight().shape == (D, HIDDEN)
+
+
+# -- bad requests are named ---------------------------------------------------------------------------
+@pytest.mark.parametrize("heads,pattern", [
+    ([1, 2], r"heads: 1 is not a \(layer, head\) pair"),
+    ({0: [1.5]}, r"head \(layer 0\) id 1\.5 is not an integer"),
+    ({0: 1}, r"heads\[0\]=1 is not a list of head ids"),
+    ([(0.5, 1)], r"layer id 0\.5 is not an integer"),
+])
+def test_malformed_head_requests_are_named(heads, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        prune_heads(tiny("bert"), heads)
+    assert prune_heads(tiny("bert"), {0: [1.0]}).headprune_layout[0] == [0, 2, 3]  # 1.0 from JSON is head 1
+
+
+def test_kv_groups_of_a_layer_that_does_not_exist_are_refused():
+    with pytest.raises(ValueError, match=r"layer 7 is out of range: the model has layers 0\.\.2"):
+        heads_of_kv_groups(tiny("llama"), {7: [0]})
+
+
+def test_save_pruned_refuses_a_folder_with_files_unless_told(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")  # an old tokenizer
+    model = prune_heads(tiny("bert"), PRUNE)
+    with pytest.raises(FileExistsError, match=r"is not empty.*overwrite=True"):
+        save_pruned(model, tmp_path)
+    save_pruned(model, tmp_path, overwrite=True)
+    assert not (tmp_path / "tokenizer.json").exists() and (tmp_path / "headprune_layout.json").is_file()
+
+
+def test_written_files_respect_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path / "m")
+        write_json_atomic(tmp_path / "results.json", {"a": 1})
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "m" / "headprune_layout.json", tmp_path / "results.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+@pytest.mark.parametrize("damage,pattern", [
+    ("missing", r"holds weights of a pruned model but no headprune_layout\.json"),
+    ("truncated", r"headprune_layout\.json is not valid JSON"),
+    ("no_key", r"headprune_layout\.json has no 'layout' entry"),
+])
+def test_load_pruned_names_a_damaged_layout_file(damage, pattern, tmp_path):
+    save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path)
+    layout = tmp_path / "headprune_layout.json"
+    if damage == "missing":
+        layout.unlink()
+    elif damage == "truncated":
+        layout.write_text(layout.read_text()[:20])
+    else:
+        layout.write_text('{"model_type": "bert"}')
+    with pytest.raises(ValueError, match=pattern):
+        load_pruned(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"holds no model \(no config\.json\)"):
+        load_pruned(tmp_path / "nowhere")

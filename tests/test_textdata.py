@@ -104,3 +104,61 @@ def test_empty_file_negative_labels_and_truncation_notice(tmp_path, tokenizer, c
     with caplog.at_level("WARNING"):
         big.setup()
     assert big.max_length == tokenizer.model_max_length
+
+
+# -- defects that would change the task without a word: named with file and line -------------------
+def test_an_empty_label_is_an_error_naming_file_and_line(tmp_path):
+    tsv = _write(tmp_path / "a.tsv", "sentence\tlabel\ngood\t1\nbad\t\nok\t0\n")
+    with pytest.raises(ValueError, match=r"a\.tsv:3: the label is empty"):
+        read_table(tsv, "sentence", "label")
+    jl = _write(tmp_path / "a.jsonl", '{"text": "a", "y": 1}\n{"text": "b", "y": null}\n')
+    with pytest.raises(ValueError, match=r"a\.jsonl:2: the label is empty"):
+        read_table(jl, "text", "y")
+
+
+def test_padded_labels_are_stripped_and_said(tmp_path, caplog):
+    tsv = _write(tmp_path / "a.tsv", "sentence\tlabel\ngood\t 1\nbad\t0\nfine\t1 \n")
+    table = read_table(tsv, "sentence", "label")
+    assert table.labels == ["1", "0", "1"] and label_vocabulary(table.labels) == {"0": 0, "1": 1}
+    assert any("2 label(s) had spaces" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("row", ['{"text": "", "y": 1}', '{"text": null, "y": 1}', '{"text": NaN, "y": 1}',
+                                 '{"text": "   ", "y": 1}'])
+def test_empty_or_null_texts_are_errors_naming_the_row(row, tmp_path):
+    jl = _write(tmp_path / "a.jsonl", '{"text": "fine", "y": 0}\n' + row + "\n")
+    with pytest.raises(ValueError, match=r"a\.jsonl:2: the text is empty"):
+        read_table(jl, "text", "y")
+
+
+def test_file_defects_name_file_and_line(tmp_path):
+    bad = tmp_path / "latin1.tsv"
+    bad.write_bytes("sentence\tlabel\ngood\t1\ncaf\u00e9\t0\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1\.tsv:3: byte 0xe9 at column 4 is not valid UTF-8"):
+        read_table(bad, "sentence", "label")
+    jl = _write(tmp_path / "broken.jsonl", '{"text": "a", "y": 1}\n{"text": "b", "y": 0\n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl:2: not valid JSON"):
+        read_table(jl, "text", "y")
+    (tmp_path / "folder.tsv").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"folder\.tsv' is a folder"):
+        read_table(tmp_path / "folder.tsv", "sentence", "label")
+    short = _write(tmp_path / "short.tsv", "sentence\tlabel\ngood\t1\nbad\n")
+    with pytest.raises(ValueError, match=r"short\.tsv:3: the row lacks column 'label'"):
+        read_table(short, "sentence", "label")
+
+
+def test_selection_slice_is_held_out_of_training_and_scoring(tmp_path, tokenizer):
+    rows = "\n".join(f"text {i}\t{i % 2}" for i in range(40))
+    _write(tmp_path / "train.tsv", "text\tlabel\n" + rows + "\n")
+    _write(tmp_path / "dev.tsv", "text\tlabel\nfine\t1\nawful\t0\n")
+    dm = TextClassificationDataModule(tokenizer, train_file="train.tsv", validation_file="dev.tsv",
+                                      data_dir=str(tmp_path), text_column="text", score_samples=8, select_samples=6)
+    dm.setup()
+    parts = [{tuple(x["input_ids"]) for x in part} for part in (dm.score_set, dm.select_set, dm.train_set)]
+    assert [len(p) for p in parts] == [8, 6, 26] and not (parts[0] & parts[1] or parts[1] & parts[2])
+    assert len(next(iter(dm.select_dataloader()))["input_ids"]) == 6
+    (tmp_path / "dir.tsv").mkdir()
+    folder = TextClassificationDataModule(tokenizer, train_file="dir.tsv", validation_file="dev.tsv",
+                                          data_dir=str(tmp_path))
+    with pytest.raises(IsADirectoryError, match=r"data\.train_file: .*dir\.tsv' is a folder"):
+        folder.setup()

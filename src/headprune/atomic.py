@@ -12,12 +12,20 @@ from typing import Any
 
 
 def write_json_atomic(path: str | Path, data: Any) -> None:
-    """Write JSON to a temporary file in the same folder, then rename it over `path`."""
-    write_text_atomic(path, json.dumps(data, indent=2))
+    """Write strict JSON (no NaN or Infinity: a ValueError names the problem instead) to a
+    temporary file in the same folder, then rename it over `path`."""
+    write_text_atomic(path, json.dumps(data, indent=2, allow_nan=False))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write text to a temporary file in the same folder, then rename it over `path`."""
+    """Write text to a temporary file in the same folder, then rename it over `path`. The file
+    gets the permissions a plain `open(path, "w")` would (0666 less the umask), not mkstemp's 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -26,6 +34,7 @@ def write_text_atomic(path: str | Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

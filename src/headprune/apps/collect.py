@@ -196,8 +196,10 @@ def collect(roots: list[Path], out: Path, keys: list[str] | None = None, before_
                        ("curves.md", curve_table(runs, keys, mean_over, before_finetune))):
         write_text_atomic(out / name, text)
     plot(runs, out / PLOT_FILES[_metric(runs)], keys, before_finetune, mean_over)
-    # scores only of the first round (the unpruned model's importance map), to keep the file small
+    # scores only of the first round (the unpruned model's importance map), to keep the file small;
+    # the layer-sensitivity profile when a run measured one
     write_json_atomic(out / "runs.json", [{k: r[k] for k in ("run_dir", "overrides", "baseline", "final", "model")}
+                                          | {k: r[k] for k in ("layer_sensitivity",) if k in r}
                                           | {"rounds": [{k: v for k, v in x.items() if k != "scores" or i == 0}
                                                         for i, x in enumerate(r["rounds"])]} for r in runs])
     return runs

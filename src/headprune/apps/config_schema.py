@@ -1,8 +1,8 @@
 """Typed Hydra schemas, derived from the code they configure.
 
-Every metric, schedule and layer policy gets a dataclass schema in Hydra's ConfigStore under
+Every metric, schedule, layer policy and recovery gets a dataclass schema in Hydra's ConfigStore under
 `schema/<group>/<name>`, built from the metric function's signature (options after the
-positional inputs) or the schedule's / layer policy's dataclass fields; the schema also sets
+positional inputs) or the schedule's / layer policy's / recovery's dataclass fields; the schema also sets
 `_target_` (and `_partial_` for metrics), so the yaml files only hold values. Each
 `conf/<group>/<name>.yaml` lists its schema first in its defaults, so a misspelt field
 (`schedule.stpe=0.2`) or a value of the wrong type fails at compose time, naming the key.
@@ -67,6 +67,7 @@ def schema_for_class(name: str, cls, kind: str):
 
 def register_schemas() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent)."""
+    from headprune.recovery import RECOVERIES
     from headprune.scoring import METRICS
     from headprune.selection.layer_policies import LAYER_POLICIES
     from headprune.selection.schedules import SCHEDULES
@@ -78,3 +79,5 @@ def register_schemas() -> None:
         cs.store(group="schema/layer_policy", name=name, node=schema_for_class(name, cls, "LayerPolicy"))
     for name, cls in SCHEDULES.items():
         cs.store(group="schema/schedule", name=name, node=schema_for_class(name, cls, "Schedule"))
+    for name, cls in RECOVERIES.items():
+        cs.store(group="schema/recovery", name=name, node=schema_for_class(name, cls, "Recovery"))

@@ -6,23 +6,28 @@ LM; lower is better) so Hydra sweepers can optimise it.
 from __future__ import annotations
 
 import logging
-import os
+from functools import partial
 from pathlib import Path
 
 import hydra
 import lightning as L
 from hydra.utils import get_class, instantiate
+from lightning.pytorch.callbacks import Checkpoint
 from omegaconf import DictConfig, OmegaConf
 
-from headprune.apps.components import instantiate_group
+from headprune.apps.components import build, instantiate_group
+from headprune.apps import run_dir
 from headprune.apps.config_paths import config_dir
 from headprune.apps.config_schema import register_schemas
+from headprune.apps.preflight import check_model, check_settings
 from headprune.heads.surgery import count_params, prune_heads, save_pruned, scale_heads
 from headprune.lightning.callbacks import HeadPruning
 from headprune.lightning.loggers import finish_wandb
 from headprune.lightning.module import HeadPruneModule
 from headprune.lightning.results import RunResults
 from headprune.models import load_tokenizer
+from headprune.recovery.distill import Distill
+from headprune.scoring.attention import end_of_sentence_ids
 from headprune.tasks import VAL_METRICS, check_task, headline
 
 log = logging.getLogger(__name__)
@@ -30,35 +35,54 @@ register_schemas()
 
 
 def run(cfg: DictConfig) -> dict:
-    """Run one training/pruning job described by `cfg`; returns the results document."""
-    L.seed_everything(cfg.seed, workers=True)
+    """Run one training/pruning job described by `cfg`; returns the results document. Every
+    setting is checked, and the run dir refused or checked, before anything is written."""
     output_dir = Path(cfg.paths.output_dir)
     ckpt_path = cfg.get("ckpt_path")
-    _refuse_to_overwrite(output_dir, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
-    output_dir.mkdir(parents=True, exist_ok=True)
-
-    schedule = instantiate(cfg.schedule)
-    metric = instantiate(cfg.metric)
-    layer_policy = instantiate(cfg.layer_policy)
+    schedule = build(cfg.schedule)
+    metric = build(cfg.metric)
+    layer_policy = build(cfg.layer_policy)
+    recovery = build(cfg.recovery)
+    distill = recovery if isinstance(recovery, Distill) else None
     task = _task(cfg)
     schedule.check_metrics(VAL_METRICS[task], task)
+    check_settings(cfg, schedule, distill)
+    log_file = run_dir.prepare(output_dir, cfg, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
+    try:
+        return _run(cfg, output_dir, schedule, metric, layer_policy, distill, task)
+    finally:
+        if log_file is not None:
+            logging.getLogger().removeHandler(log_file)
+            log_file.close()
 
+
+def _run(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, distill, task: str) -> dict:
+    L.seed_everything(cfg.seed, workers=True)
     tokenizer = load_tokenizer(cfg.model.pretrained)
-    datamodule = instantiate(cfg.data, tokenizer=tokenizer)
+    select = {"select_samples": schedule.selection_samples()} if schedule.selection_samples() else {}
+    datamodule = build(cfg.data, tokenizer=tokenizer, **select)
     datamodule.setup("fit")
     model = instantiate(cfg.model)(num_labels=datamodule.num_labels)
+    check_model(model, schedule, layer_policy)
+    metric = _with_eos_ids(metric, cfg.metric, model, tokenizer)
     _check_block_size(datamodule, model)
+    labels = _name_labels(model, datamodule)
+    teacher = _teacher(cfg, distill, datamodule.num_labels, model)
     baseline_params = count_params(model)
     module = HeadPruneModule(model, num_labels=datamodule.num_labels, task=task,
                              optimizer=instantiate(cfg.optim.optimizer),
                              scheduler=instantiate(cfg.optim.scheduler) if cfg.optim.get("scheduler") else None,
-                             **_gates_in_finetune(cfg.metric))
-
+                             distill=distill, **_gates_in_finetune(cfg.metric))
     results = RunResults(output_dir, config=OmegaConf.to_container(cfg, resolve=True))
+    if labels:
+        results.data["labels"] = labels
+    if select:
+        results.data["stop_rule_reads"] = (f"selection slice: {select['select_samples']} training examples held out "
+                                           "(never the validation set reported in val)")
     pruning = HeadPruning(metric=metric, schedule=schedule, layer_policy=layer_policy, results=results,
                           diagnostics=_diagnostics_options(cfg),
                           check_consistency=bool(cfg.get("check_consistency", False)),
-                          physical=bool(cfg.pruning.physical))
+                          physical=bool(cfg.pruning.physical), teacher=teacher)
     callbacks = [pruning, *instantiate_group(cfg.get("callbacks"))]
     loggers = instantiate_group(cfg.get("logger"))
     epochs = schedule.total_epochs()
@@ -66,20 +90,41 @@ def run(cfg: DictConfig) -> dict:
              schedule.baseline_epochs, schedule.sparsities(), schedule.epochs_per_round, epochs)
     try:
         trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
-                                         max_epochs=max(epochs, 1))
+                                         max_epochs=max(epochs, 1),
+                                         enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks))
         if epochs == 0 and not trainer.fast_dev_run:
             pruning.run_without_training(module, datamodule)
         else:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         if cfg.get("export", True) and trainer.is_global_zero:
             export_pruned(module, output_dir / "export", results, baseline_params, tokenizer=tokenizer)
     finally:
         finish_wandb(loggers)  # a failed job in a sweep still finishes its wandb run
     final = results.data["final"]
     name, base_value = headline(results.data["baseline"]["val"])
-    log.info("baseline val %s %.4f -> final val %s %.4f at sparsity %.2f (results: %s)",
-             name, base_value, *headline(final["val"]), final["sparsity"], results.path)
+    log.info("baseline val %s %s -> final val %s %s at sparsity %.2f (results: %s)", name, base_value,
+             *headline(final["val"]), final["sparsity"], results.path)
     return results.data
+
+
+def _with_eos_ids(metric, metric_cfg: DictConfig, model, tokenizer):
+    """metric=confidence excludes the end-of-sentence token: give it the tokenizer's id ([SEP] for
+    BERT, whose config names none) unless metric.eos_token_ids names it."""
+    if not metric_cfg.get("exclude_eos", False) or metric_cfg.get("eos_token_ids") is not None:
+        return metric
+    return partial(metric, eos_token_ids=end_of_sentence_ids(model, tokenizer))
+
+
+def _name_labels(model, datamodule) -> dict | None:
+    """The label mapping of a classification run, put into the model's config (id2label /
+    label2id travel with every checkpoint and export) and returned for results.json."""
+    label_ids = getattr(datamodule, "label_ids", None)
+    if not label_ids:
+        return None
+    id2label = {i: str(raw) for raw, i in sorted(label_ids.items(), key=lambda kv: kv[1])}
+    model.config.id2label = id2label
+    model.config.label2id = {raw: i for i, raw in id2label.items()}
+    return {"label2id": {raw: i for i, raw in id2label.items()}, "id2label": {str(i): raw for i, raw in id2label.items()}}
 
 
 def _task(cfg: DictConfig) -> str:
@@ -94,6 +139,23 @@ def _task(cfg: DictConfig) -> str:
     return task
 
 
+def _teacher(cfg: DictConfig, distill: Distill | None, num_labels: int | None, student):
+    """The model `recovery.teacher` names, loaded and checked against the student before any
+    training (None: the student's own copy is taken when round 1 prunes)."""
+    if distill is None or distill.teacher is None:
+        return None
+    folder = Path(distill.teacher).expanduser()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"recovery.teacher={distill.teacher!r}: {folder} holds no model (no config.json); "
+                                "allowed: a model folder, e.g. <run dir>/export")
+    teacher = instantiate(cfg.model, pretrained=str(folder), random_init=False)(num_labels=num_labels)
+    for name in ("vocab_size", "num_labels"):
+        if getattr(teacher.config, name, None) != getattr(student.config, name, None):
+            raise ValueError(f"recovery.teacher={distill.teacher!r} has {name}={getattr(teacher.config, name, None)}, "
+                             f"the model being pruned {getattr(student.config, name, None)}; they must match")
+    return teacher
+
+
 def _check_block_size(datamodule, model) -> None:
     """A causal-LM block must fit the model's position embeddings."""
     block = getattr(datamodule, "block_size", None)
@@ -101,17 +163,6 @@ def _check_block_size(datamodule, model) -> None:
     if block is not None and positions is not None and block > positions:
         raise ValueError(f"data.block_size={block} exceeds the model's {positions} positions; allowed: at most "
                          f"{positions} (or raise the model's n_positions / max_position_embeddings)")
-
-
-def _refuse_to_overwrite(output_dir: Path, resuming: bool, overwrite: bool) -> None:
-    """A finished or running run's folder is never written over by a new run, unless asked to
-    (`overwrite=true`) or resuming it (`ckpt_path=...`). Only rank 0 checks: other DDP ranks start
-    while rank 0 already owns the folder."""
-    if resuming or overwrite or os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
-        return
-    if (output_dir / "results.json").exists():
-        raise FileExistsError(f"{output_dir} already holds a run's results.json; choose another hydra.run.dir, "
-                              "resume it with ckpt_path=<its checkpoints/last.ckpt>, or pass overwrite=true")
 
 
 def export_pruned(module: HeadPruneModule, directory: Path, results: RunResults, baseline_params: dict,
@@ -132,7 +183,7 @@ def export_pruned(module: HeadPruneModule, directory: Path, results: RunResults,
         mask.stochastic = None
         results.data["final"]["l0_gates_folded"] = {"closed_heads": closed, "heads_per_layer": mask.heads_per_layer()}
     prune_heads(module.model, mask.pruned())
-    save_pruned(module.model, directory, tokenizer=tokenizer)
+    save_pruned(module.model, directory, tokenizer=tokenizer, overwrite=True)  # the run owns its export folder
     results.data["baseline"]["params"] = baseline_params
     results.data["final"].update(export_dir=str(directory), params=count_params(module.model))
     results.save()

@@ -1,8 +1,10 @@
 """Text-classification DataModule: local TSV/CSV/JSONL files or a `datasets` hub dataset.
 
 The training file is split once, with a seed, into a held-out *scoring slice*
-(`score_samples`, used only to rank heads) and the training pool (capped at
-`max_train_samples`). Results are reported on the validation file, which is never scored on.
+(`score_samples`, used only to rank heads), an optional held-out *selection slice*
+(`select_samples`, what a stopping rule such as `until_threshold` decides on) and the training
+pool (capped at `max_train_samples`). Results are reported on the validation file, which is
+never scored or decided on.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ class TextClassificationDataModule(L.LightningDataModule):
                  hub: dict | None = None, max_train_samples: int | None = None,
                  max_validation_samples: int | None = None, score_samples: int = 512,
                  max_length: int = 128, batch_size: int = 32, eval_batch_size: int = 64,
-                 num_workers: int = 0, seed: int = 0, name: str | None = None):
+                 num_workers: int = 0, seed: int = 0, name: str | None = None, select_samples: int = 0):
         super().__init__()
         self.tokenizer = tokenizer
         self.train_file, self.validation_file = train_file, validation_file
@@ -36,13 +38,13 @@ class TextClassificationDataModule(L.LightningDataModule):
         self.text_column, self.label_column, self.text_pair_column = text_column, label_column, text_pair_column
         self.header, self.delimiter, self.hub = header, delimiter, hub
         for field, value in (("max_train_samples", max_train_samples), ("score_samples", score_samples),
-                             ("max_validation_samples", max_validation_samples)):
+                             ("max_validation_samples", max_validation_samples), ("select_samples", select_samples)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"data.{field}={value!r} must be a non-negative integer or null")
         if not isinstance(max_length, int) or max_length < 2:
             raise ValueError(f"data.max_length={max_length!r} must be an integer >= 2")
         self.max_train_samples, self.max_validation_samples = max_train_samples, max_validation_samples
-        self.score_samples, self.max_length = score_samples, max_length
+        self.score_samples, self.select_samples, self.max_length = score_samples, select_samples, max_length
         self.batch_size, self.eval_batch_size, self.num_workers = batch_size, eval_batch_size, num_workers
         self.seed, self.name = seed, name
         self.collate = DataCollatorWithPadding(tokenizer)
@@ -55,6 +57,8 @@ class TextClassificationDataModule(L.LightningDataModule):
         path = Path(os.path.expanduser(value))
         if not path.is_absolute() and self.data_dir:
             path = Path(os.path.expanduser(self.data_dir)) / path
+        if path.is_dir():
+            raise IsADirectoryError(f"data.{field}: {str(path)!r} is a folder; allowed: a data file")
         if not path.is_file():
             hint = f" (data.data_dir={self.data_dir!r})" if self.data_dir else ""
             raise FileNotFoundError(f"data.{field}: file {str(path)!r} does not exist{hint}")
@@ -106,19 +110,23 @@ class TextClassificationDataModule(L.LightningDataModule):
 
         g = torch.Generator().manual_seed(self.seed)
         order = torch.randperm(len(train.texts), generator=g).tolist()
-        if self.score_samples >= len(order):
-            raise ValueError(f"data.score_samples={self.score_samples} leaves no training data "
-                             f"({len(order)} training rows)")
-        score_idx, train_idx = order[:self.score_samples], order[self.score_samples:]
+        held = self.score_samples + self.select_samples
+        if held >= len(order):
+            raise ValueError(f"data.score_samples={self.score_samples} (+ {self.select_samples} selection examples) "
+                             f"leaves no training data ({len(order)} training rows)")
+        score_idx, select_idx = order[:self.score_samples], order[self.score_samples:held]
+        train_idx = order[held:]
         if self.max_train_samples is not None:
             train_idx = train_idx[:self.max_train_samples]
         val_idx = list(range(len(val.texts)))[:self.max_validation_samples]
 
         self.train_set = self._encode(train, train_y, train_idx)
         self.score_set = self._encode(train, train_y, score_idx)
+        self.select_set = self._encode(train, train_y, select_idx)
         self.val_set = self._encode(val, val_y, val_idx)
         self._loaded = True
-        clipped = sum(len(x["input_ids"]) >= self.max_length for x in self.train_set + self.score_set + self.val_set)
+        clipped = sum(len(x["input_ids"]) >= self.max_length
+                      for x in self.train_set + self.score_set + self.select_set + self.val_set)
         if clipped:
             log.warning("%d examples reached data.max_length=%d tokens and were truncated to it", clipped,
                         self.max_length)
@@ -141,6 +149,12 @@ class TextClassificationDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, self.eval_batch_size, shuffle=False)
+
+    def select_dataloader(self) -> DataLoader:
+        """The held-out selection slice of the training file that stopping rules decide on."""
+        if not self.select_set:
+            raise ValueError("no selection slice: set select_samples > 0 (schedule=until_threshold sets it)")
+        return self._loader(self.select_set, self.eval_batch_size, shuffle=False)
 
     def score_dataloader(self, rank: int = 0, world_size: int = 1) -> DataLoader:
         """The held-out slice of the training file that heads are ranked on; under data

@@ -99,6 +99,8 @@ class TextLMDataModule(L.LightningDataModule):
         path = Path(os.path.expanduser(self.file))
         if not path.is_absolute() and self.data_dir:
             path = Path(os.path.expanduser(self.data_dir)) / path
+        if path.is_dir():
+            raise IsADirectoryError(f"data.file: {str(path)!r} is a folder; allowed: a text file")
         if not path.is_file():
             hint = f" (data.data_dir={self.data_dir!r})" if self.data_dir else ""
             raise FileNotFoundError(f"data.file: file {str(path)!r} does not exist{hint}")

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 FORMATS = {".tsv": "\t", ".csv": ","}
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -41,37 +44,94 @@ def _column_key(field: str, column, header: list[str] | None):
 
 def read_table(path: str | Path, text_column, label_column, text_pair_column=None,
                header: bool = True, delimiter: str | None = None) -> TextTable:
+    """Rows of a TSV / CSV / JSON-lines file. Every defect that would change the task without a
+    word is an error naming the file and line: bytes that are not UTF-8, a malformed JSON row, a
+    row without the column, an empty label, an empty or null text. Labels with padding spaces
+    (" 1") are stripped, with a warning that counts them."""
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"data file {str(path)!r} is a folder; allowed: a .tsv/.csv/.jsonl file")
     if not path.is_file():
         raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+    lines = _utf8_lines(path)
     if path.suffix in JSON_SUFFIXES:
-        with path.open(encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        header_names = list(rows[0].keys()) if rows else []
+        numbered = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: a JSON-lines row must be an object with named columns; got "
+                                 f"{type(row).__name__}")
+            numbered.append((number, row))
+        header_names = list(numbered[0][1].keys()) if numbered else []
     else:
         sep = delimiter or FORMATS.get(path.suffix)
         if sep is None:
             raise ValueError(f"cannot tell the format of {str(path)!r}: use a .tsv/.csv/.jsonl file or set "
                              "data.delimiter")
-        with path.open(encoding="utf-8", newline="") as f:
-            reader = csv.reader(f, delimiter=sep, quoting=csv.QUOTE_NONE if sep == "\t" else csv.QUOTE_MINIMAL)
-            raw = [r for r in reader if r]
-        if header:
-            header_names, body = raw[0], raw[1:]
-            rows = [dict(zip(header_names, r)) for r in body]
+        reader = csv.reader(lines, delimiter=sep, quoting=csv.QUOTE_NONE if sep == "\t" else csv.QUOTE_MINIMAL)
+        raw = [(reader.line_num, r) for r in reader if r]
+        if header and raw:
+            header_names, body = raw[0][1], raw[1:]
+            numbered = [(n, dict(zip(header_names, r))) for n, r in body]
         else:
-            header_names, rows = None, [dict(enumerate(r)) for r in raw]
+            header_names, numbered = None, [(n, dict(enumerate(r))) for n, r in raw]
     text_key = _column_key("text_column", text_column, header_names)
     label_key = _column_key("label_column", label_column, header_names)
     pair_key = (_column_key("text_pair_column", text_pair_column, header_names)
                 if text_pair_column is not None else None)
-    try:
-        texts = [str(r[text_key]) for r in rows]
-        labels = [r[label_key] for r in rows]
-        pairs = [str(r[pair_key]) for r in rows] if pair_key is not None else None
-    except (KeyError, IndexError) as err:
-        raise ValueError(f"a row of {str(path)!r} lacks column {err}") from None
+    texts, pairs, labels, padded = [], [] if pair_key is not None else None, [], 0
+    for number, row in numbered:
+        where = f"{path}:{number}"
+        for key in (text_key, label_key, pair_key):
+            if key is not None and key not in row:
+                raise ValueError(f"{where}: the row lacks column {key!r} (it has {len(row)} fields)")
+        texts.append(_text(row[text_key], where, "text"))
+        if pair_key is not None:
+            pairs.append(_text(row[pair_key], where, "text pair"))
+        label, stripped = _label(row[label_key], where)
+        labels.append(label)
+        padded += stripped
+    if padded:
+        log.warning("%s: %d label(s) had spaces around them and were stripped (e.g. ' 1' -> '1')", path, padded)
     return TextTable(texts, pairs, labels)
+
+
+def _utf8_lines(path: Path) -> list[str]:
+    """The file's lines (line ends kept), or an error naming the first line that is not UTF-8."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise ValueError(f"{path}:{line}: byte 0x{data[err.start]:02x} at column {column} is not valid UTF-8; "
+                         "allowed: UTF-8 text (re-encode the file, e.g. iconv -f latin1 -t utf-8)") from None
+    return text.splitlines(keepends=True)
+
+
+def _text(value, where: str, what: str) -> str:
+    """A row's text, or an error for an empty, null or NaN one (an empty string would train as if
+    it were a sentence)."""
+    if value is None or (isinstance(value, float) and value != value) or not str(value).strip():
+        raise ValueError(f"{where}: the {what} is empty ({value!r}); allowed: non-empty text (drop or fill the row)")
+    return str(value)
+
+
+def _label(value, where: str) -> tuple:
+    """(label, 1 if spaces were stripped from it else 0); an empty or null label is an error."""
+    if value is None or (isinstance(value, float) and value != value):
+        raise ValueError(f"{where}: the label is empty ({value!r}); allowed: a label in every row")
+    if isinstance(value, str):
+        if not value.strip():
+            raise ValueError(f"{where}: the label is empty ({value!r}); allowed: a label in every row")
+        if value != value.strip():
+            return value.strip(), 1
+    return value, 0
 
 
 def label_vocabulary(train_labels: list) -> dict:

@@ -22,6 +22,7 @@ state sliced, `heads.optimizer_state.carry_optimizer_state`), as the Lightning c
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -101,13 +102,18 @@ def kv_group_heads(model: nn.Module) -> list[list[int]]:
 def heads_of_kv_groups(model: nn.Module, groups: Mapping[int, Iterable[int]]) -> dict[int, list[int]]:
     """Expand layer -> KV group ids into layer -> query head ids, for `prune_heads`."""
     table = kv_group_heads(model)
+    n_layers = len(get_adapter(model).blocks(model))
     heads = {}
     for layer, ids in groups.items():
+        layer = _integer(layer, "layer")
+        if not 0 <= layer < n_layers:
+            raise ValueError(f"layer {layer} is out of range: the model has layers 0..{n_layers - 1}")
         heads[layer] = []
-        for g in ids:
-            if not 0 <= int(g) < len(table):
+        for g in _ids(ids, f"groups[{layer}]"):
+            g = _integer(g, f"KV group (layer {layer})")
+            if not 0 <= g < len(table):
                 raise ValueError(f"KV group {g} of layer {layer} is out of range: allowed 0..{len(table) - 1}")
-            heads[layer] += table[int(g)]
+            heads[layer] += table[g]
     return heads
 
 
@@ -122,9 +128,19 @@ def count_params(model: nn.Module) -> dict[str, int]:
     return {"attention": sum(attention.values()), "total": sum(p.numel() for p in model.parameters())}
 
 
-def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None) -> Path:
-    """`save_pretrained` folder plus `headprune_layout.json` (and the tokenizer, if given)."""
+def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
+    """`save_pretrained` folder plus `headprune_layout.json` (and the tokenizer, if given).
+
+    A folder that already holds files is refused (old tokenizers or weights would be left beside
+    the new model) unless `overwrite=True`, which empties it first."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"save_pruned: {directory} exists and is not a folder")
+    if directory.is_dir() and any(directory.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"save_pruned: {directory} is not empty ({sorted(p.name for p in directory.iterdir())[:5]}"
+                                  "...); pass overwrite=True to replace its contents, or choose an empty folder")
+        shutil.rmtree(directory)
     model.save_pretrained(directory)
     write_json_atomic(directory / LAYOUT_FILE, {
         "model_type": model.config.model_type,
@@ -146,21 +162,44 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
     then given the weights. A folder without a layout file loads as a plain HF model.
     """
     directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"load_pruned: {directory} holds no model (no config.json)")
     cls = _model_class(AutoConfig.from_pretrained(directory))
-    if (directory / LAYOUT_FILE).is_file():
-        layout = json.loads((directory / LAYOUT_FILE).read_text())["layout"]
+    if not (directory / LAYOUT_FILE).is_file():
+        try:
+            model = cls.from_pretrained(directory, **from_pretrained_kwargs)
+        except RuntimeError as err:
+            if "ignore_mismatched_sizes" not in str(err) and "size mismatch" not in str(err):
+                raise
+            raise ValueError(f"load_pruned: {directory} holds weights of a pruned model but no {LAYOUT_FILE} saying "
+                             "which heads each layer kept; save it with headprune.save_pruned") from err
+        return model.to(device) if device is not None else model
+    layout = read_layout(directory)
 
-        class Pruned(cls):
-            def __init__(self, config, *args, **kwargs):
-                super().__init__(config, *args, **kwargs)
-                apply_layout(self, layout)
+    class Pruned(cls):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            apply_layout(self, layout)
 
-        Pruned.__name__ = Pruned.__qualname__ = cls.__name__
-        model = Pruned.from_pretrained(directory, **from_pretrained_kwargs)
-        model.__class__ = cls
-    else:
-        model = cls.from_pretrained(directory, **from_pretrained_kwargs)
+    Pruned.__name__ = Pruned.__qualname__ = cls.__name__
+    model = Pruned.from_pretrained(directory, **from_pretrained_kwargs)
+    model.__class__ = cls
     return model.to(device) if device is not None else model
+
+
+def read_layout(directory: str | Path) -> list[list[int]]:
+    """The `layout` of a folder's headprune_layout.json, checked: a list of lists of head ids."""
+    path = Path(directory) / LAYOUT_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON (truncated or edited?): {err}") from None
+    if not isinstance(saved, dict) or "layout" not in saved:
+        raise ValueError(f"{path} has no 'layout' entry (the original ids of the heads each layer kept)")
+    layout = saved["layout"]
+    if not isinstance(layout, list) or not all(isinstance(kept, list) for kept in layout):
+        raise ValueError(f"{path}: 'layout' must be a list with one list of kept head ids per layer; got {layout!r}")
+    return [[_integer(h, f"{LAYOUT_FILE} layer {i} head") for h in kept] for i, kept in enumerate(layout)]
 
 
 @torch.no_grad()
@@ -189,16 +228,43 @@ def scale_heads(model: nn.Module, factors: torch.Tensor) -> nn.Module:
 
 # -- internals --------------------------------------------------------------------------------
 def _validated(heads: HeadSpec, n_layers: int, n_heads: int) -> dict[int, set[int]]:
-    pairs = ([(layer, h) for layer, ids in heads.items() for h in ids] if isinstance(heads, Mapping)
-             else list(heads))
+    if isinstance(heads, Mapping):
+        pairs = [(layer, h) for layer, ids in heads.items() for h in _ids(ids, f"heads[{layer!r}]")]
+    else:
+        pairs = []
+        for item in heads:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise ValueError(f"heads: {item!r} is not a (layer, head) pair; allowed: a mapping layer -> head ids "
+                                 "({0: [1, 5]}) or (layer, head) pairs ([(0, 1), (0, 5)])")
+            pairs.append(tuple(item))
     request: dict[int, set[int]] = {}
     for layer, head in pairs:
-        if not 0 <= int(layer) < n_layers:
+        layer, head = _integer(layer, "layer"), _integer(head, f"head (layer {layer})")
+        if not 0 <= layer < n_layers:
             raise ValueError(f"layer {layer} is out of range: the model has layers 0..{n_layers - 1}")
-        if not 0 <= int(head) < n_heads:
+        if not 0 <= head < n_heads:
             raise ValueError(f"head {head} (layer {layer}) is out of range: allowed head ids 0..{n_heads - 1}")
-        request.setdefault(int(layer), set()).add(int(head))
+        request.setdefault(layer, set()).add(head)
     return request
+
+
+def _ids(ids, what: str) -> list:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise ValueError(f"{what}={ids!r} is not a list of head ids")
+    return list(ids)
+
+
+def _integer(value, what: str) -> int:
+    """`value` as an int if it is one (1, 1.0 from JSON, a 0-d integer tensor), else a ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} id {value!r} is not an integer")
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) and not (hasattr(value, "__index__") and not isinstance(value, float)):
+        raise ValueError(f"{what} id {value!r} is not an integer")
+    return int(value)
 
 
 def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list[int],

@@ -8,6 +8,9 @@ round in results.json and the loggers, with the wall time and throughput of the 
 followed it. With `physical` the pruned heads then leave the model (`lightning/shrink.py`), so
 each round's fine-tuning is cheaper than the last; a schedule that may reject a round
 (`until_threshold`) keeps the newest round's heads masked until the next round accepts it.
+Under `recovery=distill` the first round installs the teacher: a frozen copy of the model as the
+baseline epochs left it (saved once to `<run dir>/teacher/`, where a resumed run reloads it), or
+the model given as `recovery.teacher`.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from headprune.distributed import all_equal
 from headprune.heads.mask import HeadMask
 from headprune.heads.optimizer_state import reset_optimizer_state
+from headprune.heads.surgery import load_pruned, save_pruned
 from headprune.lightning import loggers
 from headprune.lightning.results import RunResults
 from headprune.lightning.shrink import shrink, shrink_supported
@@ -37,11 +41,15 @@ class HeadPruning(Callback):
     """`diagnostics`: head_diagnostics options, run on the final model (None = off).
     `check_consistency`: assert identical masks (and weights) on every rank after each epoch.
     `physical`: remove pruned heads from the model after each round (where the strategy allows;
-    results.json `pruning.physical_effective` says what happened)."""
+    results.json `pruning.physical_effective` says what happened).
+    `teacher`: the distillation teacher given as a model (`recovery.teacher`); None with a
+    module that distils = a frozen copy of the model when the first round prunes."""
+
+    TEACHER_DIR = "teacher"
 
     def __init__(self, metric: Callable, schedule: Schedule, layer_policy: Callable,
                  results: RunResults | None = None, diagnostics: dict | None = None,
-                 check_consistency: bool = False, physical: bool = True):
+                 check_consistency: bool = False, physical: bool = True, teacher=None):
         self.metric = metric
         self.schedule = schedule
         self.layer_policy = layer_policy
@@ -49,6 +57,7 @@ class HeadPruning(Callback):
         self.diagnostics = diagnostics
         self.check_consistency = check_consistency
         self.physical = self._physical = physical
+        self.teacher = teacher
         self.sparsities = schedule.sparsities()
         self.stop_reason: str | None = None
         self.sensitivity: list[float] | None = None
@@ -56,6 +65,8 @@ class HeadPruning(Callback):
         self._pending_rng: dict | None = None
         self._train = {"seconds": 0.0, "samples": 0}  # training since the last record
         self._epoch_start: float | None = None
+        self._rollback: dict | None = None
+        self._rollback_epoch = 0
 
     # -- state (so a resumed fit knows which rounds are done) --------------------------------
     @property
@@ -85,10 +96,17 @@ class HeadPruning(Callback):
             torch.set_rng_state(self._pending_rng["torch"])
             random.setstate(self._pending_rng["python"])
             self._pending_rng = None
+        if self.rounds:  # resumed after the first round: distil from the same teacher again
+            self._install_teacher(pl_module, resumed=True)
         self._describe_model(pl_module, trainer)
         self.step(pl_module, trainer.datamodule, completed_epochs=trainer.current_epoch, trainer=trainer)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # what a non-finite loss rolls back to: the state the epoch starts from, which is also what
+        # the last checkpoint holds (pruning and checkpointing happen at epoch ends); one copy of
+        # the weights in host memory
+        self._rollback = {k: v.detach().to("cpu", copy=True) for k, v in pl_module.state_dict().items()}
+        self._rollback_epoch = trainer.current_epoch
         self._epoch_start = time.perf_counter()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -111,7 +129,8 @@ class HeadPruning(Callback):
             return
         after = f"after round {len(self.rounds)}" if self.rounds else "before the first round"
         self.stop_reason = (f"non-finite loss ({bad}) while fine-tuning {after} (epoch {trainer.current_epoch}, "
-                            f"step {trainer.global_step}); the step was skipped and training stopped")
+                            f"step {trainer.global_step}); the step was skipped, training stopped and the model "
+                            f"rolled back to the start of epoch {self._rollback_epoch}")
         log.error("%s. The last checkpoint and results.json hold the last good state.", self.stop_reason)
         trainer.should_stop = True
 
@@ -134,7 +153,8 @@ class HeadPruning(Callback):
                 return
             data = self.results.data
             if not data["baseline"]:
-                data["baseline"] = {"val": self._evaluate(pl_module, datamodule, limit), **self._take_train_time()}
+                data["baseline"] = {"val": self._evaluate(pl_module, datamodule, limit),
+                                    **self._selection(pl_module, datamodule, limit), **self._take_train_time(pl_module)}
                 self.results.save()
             elif "val" not in self.rounds[-1]:
                 self._record_val(pl_module, datamodule, limit, trainer)
@@ -148,8 +168,11 @@ class HeadPruning(Callback):
         """Fill in anything not yet evaluated (e.g. a fit stopped early) and write `final`."""
         limit = self._limit(trainer)
         data = self.results.data
+        if getattr(pl_module, "nonfinite_loss", None) is not None and self._rollback is not None:
+            pl_module.load_state_dict(self._rollback)  # the weights the last checkpoint holds, not blown-up ones
         if not data["baseline"]:
-            data["baseline"] = {"val": self._evaluate(pl_module, datamodule, limit)}
+            data["baseline"] = {"val": self._evaluate(pl_module, datamodule, limit),
+                                **self._selection(pl_module, datamodule, limit)}
         if self.rounds and "val" not in self.rounds[-1]:
             self._record_val(pl_module, datamodule, limit, trainer)
             self._check_stop(pl_module, trainer)
@@ -192,13 +215,38 @@ class HeadPruning(Callback):
             self._train["seconds"] += time.perf_counter() - self._epoch_start
             self._epoch_start = None
 
-    def _take_train_time(self) -> dict:
-        """Wall time and throughput of the training batches since the last record (none: {})."""
+    def _take_train_time(self, pl_module) -> dict:
+        """Wall time and throughput of the training batches since the last record, and the part of
+        it the distillation teacher's forwards took (none: {})."""
         seconds, samples = self._train["seconds"], self._train["samples"]
+        teacher = getattr(pl_module, "teacher_seconds", 0.0)
         self._train = {"seconds": 0.0, "samples": 0}
+        pl_module.teacher_seconds = 0.0
         if not samples:
             return {}
-        return {"train_seconds": round(seconds, 3), "train_samples_per_s": round(samples / max(seconds, 1e-9), 2)}
+        out = {"train_seconds": round(seconds, 3), "train_samples_per_s": round(samples / max(seconds, 1e-9), 2)}
+        return out | ({"teacher_seconds": round(teacher, 3)} if teacher else {})
+
+    def _install_teacher(self, pl_module, resumed: bool = False) -> None:
+        """Give a distilling module its teacher (see the class docstring); nothing otherwise."""
+        if getattr(pl_module, "distill", None) is None or pl_module.teacher is not None:
+            return
+        if self.teacher is not None:
+            pl_module.install_teacher(self.teacher)
+            return
+        folder = self.results.output_dir / self.TEACHER_DIR if self.results.output_dir is not None else None
+        if resumed:
+            if folder is None or not folder.is_dir():
+                raise FileNotFoundError(f"resuming a recovery=distill run needs its teacher, saved when round 1 pruned, "
+                                        f"at {folder}; it is missing")
+            pl_module.install_teacher(load_pruned(folder))
+            return
+        teacher = pl_module.frozen_copy()
+        if folder is not None and self.results.writer:
+            save_pruned(teacher, folder, overwrite=True)
+        pl_module.install_teacher(teacher)
+        log.info("distillation teacher: the model after %d baseline epoch(s)%s", self.schedule.baseline_epochs,
+                 f", saved to {folder}" if folder is not None else "")
 
     def _check_ranks(self, pl_module, when: str) -> None:
         """Every rank holds the same mask and the same weights (a collective)."""
@@ -222,16 +270,25 @@ class HeadPruning(Callback):
     def _evaluate(self, pl_module, datamodule, limit) -> dict:
         return evaluate(pl_module.model, datamodule.val_dataloader(), pl_module.device, max_batches=limit)
 
+    def _selection(self, pl_module, datamodule, limit) -> dict:
+        """{"selection": metrics on the held-out selection slice} when the stopping rule reads it."""
+        if not self.schedule.selection_samples():
+            return {}
+        return {"selection": evaluate(pl_module.model, datamodule.select_dataloader(), pl_module.device,
+                                      max_batches=limit)}
+
     def _record_val(self, pl_module, datamodule, limit, trainer) -> None:
         record = self.rounds[-1]
         record["val"] = self._evaluate(pl_module, datamodule, limit)
-        record.update(self._take_train_time())
+        record.update(self._selection(pl_module, datamodule, limit), **self._take_train_time(pl_module))
         self.results.save()
         loggers.log_round(trainer, record)
 
     def _check_stop(self, pl_module, trainer) -> bool:
-        """Apply the schedule's stopping rule to the last recorded round."""
-        reason = self.schedule.stop_reason(self.results.data["baseline"]["val"], self.rounds[-1]["val"])
+        """Apply the schedule's stopping rule to the last recorded round (on the selection slice)."""
+        if not self.schedule.can_reject:
+            return False
+        reason = self.schedule.stop_reason(self.results.data["baseline"]["selection"], self.rounds[-1]["selection"])
         if reason is None:
             return False
         self.stop_reason = reason
@@ -247,6 +304,8 @@ class HeadPruning(Callback):
 
     def _prune_round(self, pl_module, datamodule, k: int, limit, trainer) -> None:
         mask: HeadMask = pl_module.head_mask
+        if k == 0:
+            self._install_teacher(pl_module)
         if self._physical and self.schedule.can_reject:  # the previous round was accepted: its heads go now
             shrink(pl_module, mask.pruned(), trainer)
         self._last_good = mask.mask.detach().clone().cpu()
@@ -270,6 +329,7 @@ class HeadPruning(Callback):
         self.rounds.append(record)
         if self.schedule.epochs_per_round == 0:
             record["val"] = record["val_before_finetune"]
+            record.update(self._selection(pl_module, datamodule, limit))
             loggers.log_round(trainer, record)
             self._check_stop(pl_module, trainer)
         self.results.save()

@@ -97,7 +97,8 @@ def log_round(trainer, record: dict) -> None:
     of its fine-tuning, once its `val` is known."""
     log_metrics(trainer, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
                           **{f"prune/val_{name}": value for name, value in record["val"].items()},
-                          **{f"prune/{k}": record[k] for k in ("train_seconds", "train_samples_per_s") if k in record},
+                          **{f"prune/{k}": record[k] for k in ("train_seconds", "train_samples_per_s", "teacher_seconds")
+                             if k in record},
                           **{f"prune/heads_layer_{i}": n for i, n in enumerate(record["heads_per_layer"])}})
 
 

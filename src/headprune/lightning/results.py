@@ -1,10 +1,14 @@
-"""results.json: one file per run, rewritten atomically after every change."""
+"""results.json: one file per run, rewritten atomically after every change, strict JSON."""
 from __future__ import annotations
 
+import logging
+import math
 from pathlib import Path
 from typing import Any
 
 from headprune.atomic import write_json_atomic
+
+log = logging.getLogger(__name__)
 
 
 class RunResults:
@@ -21,5 +25,25 @@ class RunResults:
         return self.output_dir / "results.json" if self.output_dir is not None else None
 
     def save(self) -> None:
-        if self.path is not None and self.writer:
-            write_json_atomic(self.path, self.data)
+        """Write results.json. A number that is not finite (a loss that blew up) is written as
+        null and its place listed under `nonfinite`, so the file stays strict JSON."""
+        if self.path is None or not self.writer:
+            return
+        places: list[str] = []
+        data = _finite(self.data, "", places)
+        if places:
+            data["nonfinite"] = sorted(set(self.data.get("nonfinite", [])) | set(places))
+            log.warning("results.json: non-finite values written as null at %s", ", ".join(places[:5]))
+        write_json_atomic(self.path, data)
+
+
+def _finite(value, where: str, places: list[str]):
+    """`value` with every non-finite float replaced by None (its path appended to `places`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        places.append(where or "/")
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v, f"{where}/{k}", places) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v, f"{where}/{i}", places) for i, v in enumerate(value)]
+    return value

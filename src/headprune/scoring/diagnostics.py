@@ -29,7 +29,7 @@ from torch import nn
 from headprune.heads.adapters import head_layout
 from headprune.heads.mask import HeadMask
 from headprune.scoring import METRICS
-from headprune.scoring.attention import attention_maps, query_mean, real_tokens
+from headprune.scoring.attention import attention_maps, end_of_sentence_ids, query_mean, real_tokens
 from headprune.scoring.reduce import mean_over_ranks
 
 SPECIAL_ID_NAMES = ("cls_token_id", "sep_token_id", "bos_token_id", "eos_token_id")
@@ -153,8 +153,10 @@ def head_diagnostics(model: nn.Module, mask: HeadMask, dataloader, tokenizer=Non
     nan = torch.tensor(float("nan"), dtype=torch.float64)
     js = torch.where(alive[:, :, None] & alive[:, None, :], js, nan)
     share = torch.where(alive, share, nan)
-    importance = {name: torch.where(alive, METRICS[name](model, mask, dataloader, max_batches=max_batches).double(),
-                                    nan) for name in metrics}
+    eos_ids = end_of_sentence_ids(model, tokenizer)  # none known: confidence over every key
+    eos = {"confidence": {"eos_token_ids": eos_ids} if eos_ids else {"exclude_eos": False}}
+    importance = {name: torch.where(alive, METRICS[name](model, mask, dataloader, max_batches=max_batches,
+                                                         **eos.get(name, {})).double(), nan) for name in metrics}
     return HeadDiagnostics(js, share, importance, duplicate_threshold, special_threshold, ids, count)
 
 

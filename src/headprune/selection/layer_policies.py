@@ -199,7 +199,9 @@ def depth_weights(num_layers: int, protect_first: int = 0, protect_last: int = 0
 class DepthPriorPolicy(LayerPolicy):
     """Global ranking of (layer-normalised) scores multiplied by a prior over depth: protected
     first/last layers are never pruned, and a layer with weight 2 needs half the score of one
-    with weight 1 to survive."""
+    with weight 1 to survive. Scores are shifted to be non-negative first (metrics such as
+    entropy's -H or signed LRP score below 0, and a larger weight must always mean keep more):
+    non-negative scores are used as they are."""
 
     protect_first: int = 1
     protect_last: int = 1
@@ -222,6 +224,8 @@ class DepthPriorPolicy(LayerPolicy):
 
     def select(self, scores, alive, n_prune, caps, sensitivity=None):
         s = layer_normalized(scores, alive) if self.normalize else scores
+        lowest = float(s[alive].min()) if bool(alive.any()) else 0.0
+        s = s - min(lowest, 0.0)  # >= 0 on alive heads
         finite = torch.tensor([w if w != float("inf") else 1.0 for w in self.prior(alive.shape[0])], dtype=s.dtype)
         return _lowest_first(s * finite[:, None], alive, caps, n_prune)
 

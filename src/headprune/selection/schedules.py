@@ -71,7 +71,8 @@ class Schedule:
         return self.baseline_epochs + round_index * self.epochs_per_round
 
     def stop_reason(self, baseline: dict, val: dict) -> str | None:
-        """Why to stop after a round whose fine-tuned validation metrics are `val`, or None."""
+        """Why to stop after a round whose fine-tuned metrics on the selection slice are `val`
+        (`baseline`: the unpruned model's, on the same slice), or None."""
         return None
 
     @property
@@ -83,6 +84,18 @@ class Schedule:
     def check_metrics(self, available: tuple[str, ...], task: str) -> None:
         """Fail before any training when the stopping rule reads a validation metric that a
         `task` run does not report (`available`)."""
+
+    def selection_samples(self) -> int:
+        """Training examples to hold out for the stopping rule to decide on (0: it reads nothing)."""
+        return 0
+
+    def check_model(self, total_heads: int) -> None:
+        """One rule for every schedule: at least one head of the model must remain."""
+        last = self.sparsities()[-1] if self.sparsities() else 0.0
+        if round(last * total_heads) >= total_heads:
+            raise ValueError(f"schedule.target_sparsity={self.target_sparsity} removes all {total_heads} heads of this "
+                             f"model (round({last} x {total_heads}) = {round(last * total_heads)}); allowed: at most "
+                             f"{(total_heads - 1) / total_heads:.4f}, so that at least one head remains")
 
 
 @dataclass
@@ -132,17 +145,21 @@ class Cubic(Schedule):
         if self.target_sparsity == 0:
             return []
         s_i, s_f, n = self.initial_sparsity, self.target_sparsity, self.rounds
-        return [min(round(s_f + (s_i - s_f) * (1 - t / n) ** 3, 10), s_f) for t in range(1, n)] + [s_f]
+        ramp = [s_f + (s_i - s_f) * (1 - t / n) ** 3 for t in range(1, n)]
+        # rounded to 10 places against float noise, unless that would round a tiny target's step to 0
+        return [min(round(x, 10) if round(x, 10) > 0 else x, s_f) for x in ramp] + [s_f]
 
 
 @dataclass
 class UntilThreshold(Iterative):
     """Iterative pruning by `step` up to `target_sparsity` (the most it may reach) that stops as
     soon as a fine-tuned round's validation `metric` falls below `threshold` x the unpruned
-    baseline; the callback then restores the last good mask."""
+    baseline; the callback then restores the last good mask. The rule reads `select_samples`
+    training examples held out for it (never the validation set that results report)."""
 
     threshold: float = 0.99
     metric: str = "acc"
+    select_samples: int = 512
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -151,6 +168,10 @@ class UntilThreshold(Iterative):
                              "baseline metric")
         if self.metric != "acc":
             raise ValueError(f"schedule.metric={self.metric!r} is not allowed; allowed: acc")
+        _check_count("select_samples", self.select_samples, minimum=1)
+
+    def selection_samples(self) -> int:
+        return self.select_samples
 
     def check_metrics(self, available: tuple[str, ...], task: str) -> None:
         if self.metric not in available:
@@ -161,7 +182,7 @@ class UntilThreshold(Iterative):
     def stop_reason(self, baseline: dict, val: dict) -> str | None:
         floor = self.threshold * baseline[self.metric]
         if val[self.metric] < floor:
-            return (f"threshold: val {self.metric} {val[self.metric]:.4f} < {self.threshold} x baseline "
+            return (f"threshold: selection-slice {self.metric} {val[self.metric]:.4f} < {self.threshold} x baseline "
                     f"{baseline[self.metric]:.4f} = {floor:.4f}")
         return None
 

@@ -1,0 +1,72 @@
+"""A run's folder: refused or checked before anything is written into it, then given its config
+record (`.hydra/`) and its log file.
+
+Hydra itself is told not to write there (`hydra.output_subdir: null`, console-only job logging in
+conf/train.yaml), because it would do so before the task starts: a run refused for landing on a
+finished run's folder would already have replaced that folder's `.hydra/config.yaml`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+RECORD_DIR = ".hydra"
+LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 of a data-parallel launch (other ranks start while rank 0 already owns the folder)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
+def prepare(output_dir: Path, cfg: DictConfig, resuming: bool, overwrite: bool) -> logging.Handler | None:
+    """Refuse a folder holding another run (unless resuming or `overwrite=true`), check it can be
+    written, then write the config record and open the log file (returned: close it at the end)."""
+    if is_rank_zero():
+        refuse_to_overwrite(output_dir, resuming, overwrite)
+    check_writable(output_dir)
+    hydra = _hydra_config()
+    if hydra is None:  # called as a function (tests, notebooks): no Hydra record, no log file
+        return None
+    if is_rank_zero():
+        record = output_dir / RECORD_DIR
+        record.mkdir(exist_ok=True)
+        OmegaConf.save(cfg, record / "config.yaml")
+        OmegaConf.save(OmegaConf.create({"hydra": hydra}), record / "hydra.yaml")
+        OmegaConf.save(hydra.overrides.task, record / "overrides.yaml")
+    handler = logging.FileHandler(output_dir / f"{hydra.job.name}.log")
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def refuse_to_overwrite(output_dir: Path, resuming: bool, overwrite: bool) -> None:
+    """A finished or running run's folder is never written over by a new run, unless asked to
+    (`overwrite=true`) or resuming it (`ckpt_path=...`)."""
+    if not (resuming or overwrite) and (output_dir / "results.json").exists():
+        raise FileExistsError(f"{output_dir} already holds a run's results.json; choose another hydra.run.dir, "
+                              "resume it with ckpt_path=<its checkpoints/last.ckpt>, or pass overwrite=true")
+
+
+def check_writable(output_dir: Path) -> None:
+    """The folder exists (created if needed) and a file can be created in it."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as err:
+        raise PermissionError(f"the run dir {output_dir} (hydra.run.dir / paths.output_dir) cannot be written: "
+                              f"{err.strerror}; allowed: a folder you can create files in") from None
+
+
+def _hydra_config():
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get()
+    except ValueError:
+        return None
