@@ -5,7 +5,9 @@ from headprune.heads.surgery import (count_params, heads_of_kv_groups, kv_group_
                                       save_pruned, scale_heads)
 from headprune.scoring import score_heads
 from headprune.selection.rounds import Round, prune_round
+from headprune.retraining_free import export_scaled, prune_to_budget
 
 __all__ = ["HeadMask", "Round", "count_params", "get_adapter", "head_layout", "heads_of_kv_groups", "kv_group_heads",
-           "load_pruned", "prune_heads", "prune_round", "save_pruned", "scale_heads", "score_heads"]
+           "export_scaled", "load_pruned", "prune_heads", "prune_round", "prune_to_budget", "save_pruned",
+           "scale_heads", "score_heads"]
 __version__ = "0.1.0"

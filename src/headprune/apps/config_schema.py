@@ -39,7 +39,9 @@ def _omegaconf_type(annotation: Any) -> Any:
     return Any
 
 
-def _field(default: Any):
+def _field(default: Any, factory=None):
+    if factory is not None and factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=factory)
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda d=default: type(d)(d))
     return dataclasses.field(default=default)
@@ -61,13 +63,14 @@ def schema_for_class(name: str, cls, kind: str):
     hints = typing.get_type_hints(cls)
     fields = [("_target_", str, dataclasses.field(default=f"{cls.__module__}.{cls.__name__}"))]
     for f in dataclasses.fields(cls):
-        fields.append((f.name, _omegaconf_type(hints[f.name]), _field(f.default)))
+        fields.append((f.name, _omegaconf_type(hints[f.name]), _field(f.default, f.default_factory)))
     return dataclasses.make_dataclass(f"{name.title().replace('_', '')}{kind}Schema", fields)
 
 
 def register_schemas() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent)."""
     from headprune.recovery import RECOVERIES
+    from headprune.selection.budgets import Budget
     from headprune.scoring import METRICS
     from headprune.selection.layer_policies import LAYER_POLICIES
     from headprune.selection.schedules import SCHEDULES
@@ -81,3 +84,4 @@ def register_schemas() -> None:
         cs.store(group="schema/schedule", name=name, node=schema_for_class(name, cls, "Schedule"))
     for name, cls in RECOVERIES.items():
         cs.store(group="schema/recovery", name=name, node=schema_for_class(name, cls, "Recovery"))
+    cs.store(group="schema/budget", name="budget", node=schema_for_class("budget", Budget, ""))

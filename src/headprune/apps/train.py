@@ -27,6 +27,8 @@ from headprune.lightning.module import HeadPruneModule
 from headprune.lightning.results import RunResults
 from headprune.models import load_tokenizer
 from headprune.recovery.distill import Distill
+from headprune.recovery.least_squares import LeastSquares
+from headprune.retraining_free import measured_latency
 from headprune.scoring.attention import end_of_sentence_ids
 from headprune.tasks import VAL_METRICS, check_task, headline
 
@@ -43,27 +45,29 @@ def run(cfg: DictConfig) -> dict:
     metric = build(cfg.metric)
     layer_policy = build(cfg.layer_policy)
     recovery = build(cfg.recovery)
+    budget = build(cfg.budget)
     distill = recovery if isinstance(recovery, Distill) else None
     task = _task(cfg)
     schedule.check_metrics(VAL_METRICS[task], task)
-    check_settings(cfg, schedule, distill)
+    check_settings(cfg, schedule, recovery, budget)
     log_file = run_dir.prepare(output_dir, cfg, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
     try:
-        return _run(cfg, output_dir, schedule, metric, layer_policy, distill, task)
+        return _run(cfg, output_dir, schedule, metric, layer_policy, recovery, budget, task)
     finally:
         if log_file is not None:
             logging.getLogger().removeHandler(log_file)
             log_file.close()
 
 
-def _run(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, distill, task: str) -> dict:
+def _run(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, recovery, budget, task: str) -> dict:
+    distill = recovery if isinstance(recovery, Distill) else None
     L.seed_everything(cfg.seed, workers=True)
     tokenizer = load_tokenizer(cfg.model.pretrained)
     select = {"select_samples": schedule.selection_samples()} if schedule.selection_samples() else {}
     datamodule = build(cfg.data, tokenizer=tokenizer, **select)
     datamodule.setup("fit")
     model = instantiate(cfg.model)(num_labels=datamodule.num_labels)
-    check_model(model, schedule, layer_policy)
+    check_model(model, schedule, layer_policy, budget)
     metric = _with_eos_ids(metric, cfg.metric, model, tokenizer)
     _check_block_size(datamodule, model)
     labels = _name_labels(model, datamodule)
@@ -82,7 +86,9 @@ def _run(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, dist
     pruning = HeadPruning(metric=metric, schedule=schedule, layer_policy=layer_policy, results=results,
                           diagnostics=_diagnostics_options(cfg),
                           check_consistency=bool(cfg.get("check_consistency", False)),
-                          physical=bool(cfg.pruning.physical), teacher=teacher)
+                          physical=bool(cfg.pruning.physical), teacher=teacher, budget=budget,
+                          least_squares=recovery if isinstance(recovery, LeastSquares) else None,
+                          rearrange=bool(cfg.pruning.rearrange))
     callbacks = [pruning, *instantiate_group(cfg.get("callbacks"))]
     loggers = instantiate_group(cfg.get("logger"))
     epochs = schedule.total_epochs()
@@ -98,6 +104,10 @@ def _run(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, dist
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         if cfg.get("export", True) and trainer.is_global_zero:
             export_pruned(module, output_dir / "export", results, baseline_params, tokenizer=tokenizer)
+            if budget.kind == "latency" and pruning.dense is not None:
+                results.data["final"]["latency"] = measured_latency(pruning.dense, module.model, budget,
+                                                                    results.data.get("rounds", []))
+                results.save()
     finally:
         finish_wandb(loggers)  # a failed job in a sweep still finishes its wandb run
     final = results.data["final"]
@@ -170,18 +180,23 @@ def export_pruned(module: HeadPruneModule, directory: Path, results: RunResults,
     """Physically remove every head the mask pruned from the trained model (in place) and save it
     with `save_pruned`; record the export folder and parameter counts in results.json.
 
-    Learned L0 gates are folded in first, so the export computes what the evaluated model did:
-    heads whose test-time gate is 0 are removed too, the others' outputs are scaled by their gate."""
+    Gate values other than 0 and 1 are folded in first, so the export computes what the evaluated
+    model did: learned L0 gates (heads whose test-time gate is 0 are removed too) and
+    least-squares scales (`recovery=least_squares`) scale their heads' output-projection columns."""
     mask = module.head_mask
+    gates = mask.mask.detach().clone()
     if mask.stochastic is not None:
-        gates = mask.stochastic.deterministic() * mask.mask  # (L, H)
+        gates = mask.stochastic.deterministic() * gates  # (L, H)
         closed = int(((gates == 0) & mask.alive()).sum())
         if closed:
             log.info("export: %d heads whose learned gate is closed are removed as well", closed)
-        scale_heads(module.model, gates)
-        mask.mask.copy_((gates > 0).to(mask.mask))
+        results.data["final"]["l0_gates_folded"] = {"closed_heads": closed,
+                                                    "heads_per_layer": [int(n) for n in (gates > 0).sum(1)]}
         mask.stochastic = None
-        results.data["final"]["l0_gates_folded"] = {"closed_heads": closed, "heads_per_layer": mask.heads_per_layer()}
+    if bool(((gates != 0) & (gates != 1)).any()):
+        scale_heads(module.model, gates)
+        results.data["final"]["gates_folded"] = "gate values other than 0 and 1 scaled into the output projection"
+    mask.mask.copy_((gates > 0).to(mask.mask))
     prune_heads(module.model, mask.pruned())
     save_pruned(module.model, directory, tokenizer=tokenizer, overwrite=True)  # the run owns its export folder
     results.data["baseline"]["params"] = baseline_params

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from headprune import get_adapter
 from headprune.bench.flops import model_attention_flops, ratio
 from headprune.bench.timing import Case, Clock, ModuleTimer, interleaved
 from headprune.bench.variants import Variant
+from headprune.heads.adapters import get_adapter
 
 log = logging.getLogger(__name__)
 

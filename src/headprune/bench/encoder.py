@@ -16,10 +16,10 @@ import logging
 import torch
 from torch import nn
 
-from headprune import get_adapter
 from headprune.bench.flops import ffn_flops, model_attention_flops, ratio
 from headprune.bench.timing import Clock, interleaved
 from headprune.bench.variants import Variant
+from headprune.heads.adapters import get_adapter
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from headprune import HeadMask, get_adapter, head_layout, heads_of_kv_groups, kv_group_heads, prune_heads
+from headprune.heads.adapters import get_adapter, head_layout
+from headprune.heads.mask import HeadMask
+from headprune.heads.surgery import heads_of_kv_groups, kv_group_heads, prune_heads
 
 KINDS = ("dense", "masked", "pruned", "unstructured_dense", "unstructured_sparse")
 LAYOUTS = ("uniform", "skewed")

@@ -11,6 +11,7 @@ has from the model's head layout.
 """
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -70,6 +71,16 @@ class HeadMask(nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def unmasked_copy(self, model: nn.Module) -> nn.Module:
+        """A deep copy of `model` (attached to this mask) without the mask's hooks: it computes
+        every head it physically has, e.g. the dense model a teacher or a least-squares target
+        comes from."""
+        self.detach()
+        try:
+            return copy.deepcopy(model)
+        finally:
+            self.attach(model)
 
     def _make_hook(self, model: nn.Module, layer: int):
         def hook(module, args):

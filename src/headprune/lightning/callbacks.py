@@ -31,6 +31,8 @@ from headprune.lightning import loggers
 from headprune.lightning.results import RunResults
 from headprune.lightning.shrink import shrink, shrink_supported
 from headprune.selection.rounds import prune_round
+from headprune.recovery.least_squares import LeastSquares
+from headprune.selection.budgets import Budget
 from headprune.selection.schedules import Schedule
 from headprune.tasks import evaluate
 
@@ -43,13 +45,18 @@ class HeadPruning(Callback):
     `physical`: remove pruned heads from the model after each round (where the strategy allows;
     results.json `pruning.physical_effective` says what happened).
     `teacher`: the distillation teacher given as a model (`recovery.teacher`); None with a
-    module that distils = a frozen copy of the model when the first round prunes."""
+    module that distils = a frozen copy of the model when the first round prunes.
+    `budget`: a cost budget (flops, latency, kv) replaces the head count: round k keeps at most
+    1 - (1 - budget.target) x s_k / s_last of the dense cost, s the schedule's sparsities.
+    `least_squares`: tune the surviving heads' scales after each round (`recovery.least_squares`).
+    `rearrange`: Kwon et al.'s mask rearrangement by the block Fisher."""
 
     TEACHER_DIR = "teacher"
 
     def __init__(self, metric: Callable, schedule: Schedule, layer_policy: Callable,
                  results: RunResults | None = None, diagnostics: dict | None = None,
-                 check_consistency: bool = False, physical: bool = True, teacher=None):
+                 check_consistency: bool = False, physical: bool = True, teacher=None,
+                 budget: Budget | None = None, least_squares: LeastSquares | None = None, rearrange: bool = False):
         self.metric = metric
         self.schedule = schedule
         self.layer_policy = layer_policy
@@ -58,6 +65,11 @@ class HeadPruning(Callback):
         self.check_consistency = check_consistency
         self.physical = self._physical = physical
         self.teacher = teacher
+        self.budget = budget if budget is not None and not budget.counts_heads else None
+        self.least_squares = least_squares
+        self.rearrange = rearrange
+        self.dense = None  # the model before the first round, without hooks (costs, mask tuning)
+        self._costs = None
         self.sparsities = schedule.sparsities()
         self.stop_reason: str | None = None
         self.sensitivity: list[float] | None = None
@@ -98,6 +110,12 @@ class HeadPruning(Callback):
             self._pending_rng = None
         if self.rounds:  # resumed after the first round: distil from the same teacher again
             self._install_teacher(pl_module, resumed=True)
+            if self.least_squares is not None:
+                raise ValueError("recovery=least_squares tunes each round against the unpruned model's outputs, which "
+                                 "a resumed run no longer has; start the run again (it trains nothing, so it is short)")
+            if self.budget is not None:  # costs depend on the config only; a latency table comes from its cache
+                self.dense = pl_module.model
+                self._measure_costs()
         self._describe_model(pl_module, trainer)
         self.step(pl_module, trainer.datamodule, completed_epochs=trainer.current_epoch, trainer=trainer)
 
@@ -306,6 +324,10 @@ class HeadPruning(Callback):
         mask: HeadMask = pl_module.head_mask
         if k == 0:
             self._install_teacher(pl_module)
+            if self.budget is not None or self.least_squares is not None:
+                self.dense = pl_module.frozen_copy()
+            if self.budget is not None:
+                self._measure_costs()
         if self._physical and self.schedule.can_reject:  # the previous round was accepted: its heads go now
             shrink(pl_module, mask.pruned(), trainer)
         self._last_good = mask.mask.detach().clone().cpu()
@@ -316,24 +338,55 @@ class HeadPruning(Callback):
         result = prune_round(pl_module.model, mask, self.metric, self.layer_policy,
                              self.schedule.heads_to_prune(k, mask.alive()), loader, round_no=k + 1,
                              eval_loader=datamodule.val_dataloader(), sensitivity=self.sensitivity, sync=sync,
-                             max_batches=limit)
+                             max_batches=limit, cost_budget=self._cost_budget(k), rearrange=self.rearrange)
         if result.sensitivity is not None:
             self._record_sensitivity(result.sensitivity)
         if self.schedule.reset_optimizer_state and trainer is not None:
             reset_optimizer_state(trainer.optimizers, pl_module.model, result.pruned)
         if self._physical and not self.schedule.can_reject:
             shrink(pl_module, result.pruned, trainer)
+        record = result.record()
+        if self.least_squares is not None:
+            self._tune(pl_module, loader, record, datamodule, limit)
         if self.check_consistency:
             self._check_ranks(pl_module, f"round {k + 1}")
-        record = result.record()
         self.rounds.append(record)
         if self.schedule.epochs_per_round == 0:
-            record["val"] = record["val_before_finetune"]
+            record["val"] = record.get("val_after_mask_tuning", record["val_before_finetune"])
             record.update(self._selection(pl_module, datamodule, limit))
             loggers.log_round(trainer, record)
             self._check_stop(pl_module, trainer)
         self.results.save()
         loggers.log_head_mask(trainer, mask, record["round"])
+
+    def _measure_costs(self) -> None:
+        """The cost budget's per-layer costs, on the dense copy (a latency budget times its table)."""
+        from headprune.retraining_free import budget_costs
+
+        start = time.perf_counter()
+        self._costs, info = budget_costs(self.dense, self.budget)
+        self.results.data["budget"] = {"kind": self.budget.kind, "target": self.budget.target,
+                                       "batch": self.budget.batch, "seq": self.budget.seq, "unit": self._costs.unit,
+                                       "dense_cost": self._costs.dense, **info,
+                                       "seconds": round(time.perf_counter() - start, 3)}
+
+    def _cost_budget(self, k: int):
+        """(costs, share of the dense cost round k may keep), or None when heads are counted."""
+        if self.budget is None:
+            return None
+        s = self.sparsities
+        return self._costs, 1.0 - (1.0 - self.budget.target) * s[k] / s[-1]
+
+    def _tune(self, pl_module, loader, record: dict, datamodule, limit) -> None:
+        """Least-squares scales of the surviving heads, then the tuned model's validation metrics."""
+        from headprune.recovery.least_squares import tune_scales
+
+        start = time.perf_counter()
+        report = tune_scales(pl_module.model, pl_module.head_mask, self.dense, loader, self.least_squares, limit)
+        record["mask_tuning"] = {**report, "seconds": round(time.perf_counter() - start, 3)}
+        record["val_after_mask_tuning"] = self._evaluate(pl_module, datamodule, limit)
+        log.info("round %d: least-squares mask tuning in %.1f s -> val %s", record["round"],
+                 record["mask_tuning"]["seconds"], record["val_after_mask_tuning"])
 
     def _record_sensitivity(self, sensitivity: list[float]) -> None:
         share = self.layer_policy.share

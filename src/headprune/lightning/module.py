@@ -5,7 +5,6 @@ perplexity (its exponential), the same numbers `headprune.tasks.evaluate` report
 """
 from __future__ import annotations
 
-import copy
 import time
 from typing import Callable
 
@@ -82,12 +81,7 @@ class HeadPruneModule(L.LightningModule):
     # -- distillation --------------------------------------------------------------------------
     def frozen_copy(self) -> nn.Module:
         """A copy of the model as it is now, without the HeadMask hooks, frozen in eval mode."""
-        self.head_mask.detach()
-        try:
-            twin = copy.deepcopy(self.model)
-        finally:
-            self.head_mask.attach(self.model)
-        return twin.eval().requires_grad_(False)
+        return self.head_mask.unmasked_copy(self.model).eval().requires_grad_(False)
 
     def install_teacher(self, teacher: nn.Module) -> None:
         object.__setattr__(self, "teacher", teacher.to(self.device).eval().requires_grad_(False))

@@ -26,3 +26,19 @@ def fisher_importance(model: nn.Module, mask: HeadMask, dataloader,
         total += grad.pow(2).sum(0)
         count += grad.shape[0]
     return finish_scores(mean_over_ranks(total, count), mask)
+
+
+def fisher_blocks(model: nn.Module, mask: HeadMask, dataloader, max_batches: int | None = None) -> torch.Tensor:
+    """(layers, heads, heads) the block-diagonal empirical Fisher of the head mask: per layer,
+    E_x g g^T with g the per-example gradient of the loss w.r.t. that layer's head gates (Kwon et
+    al.'s per-layer Fisher, which lets mask rearrangement see how heads of a layer interact). Its
+    diagonal is `fisher_importance`. Rows and columns of pruned heads are 0."""
+    total = torch.zeros(mask.num_layers, mask.num_heads, mask.num_heads, dtype=torch.float64,
+                        device=mask.mask.device)
+    count = 0
+    for grad in per_example_gate_grads(model, mask, dataloader, max_batches):  # (B, L, H)
+        total += torch.einsum("blh,blg->lhg", grad, grad)
+        count += grad.shape[0]
+    blocks = mean_over_ranks(total, count)
+    alive = mask.alive().to(blocks.device).double()  # (L, H)
+    return (blocks * alive[:, :, None] * alive[:, None, :]).cpu()

@@ -22,7 +22,13 @@ import torch
 from torch import nn
 
 from headprune.heads.mask import HeadMask
+from headprune.heads.surgery import kv_group_heads
+from headprune.scoring import metric_name
+from headprune.scoring.fisher import fisher_blocks
+from headprune.scoring.reduce import finish_scores
+from headprune.selection.budgets import LayerCosts, allocate
 from headprune.selection.layer_policies import BudgetError
+from headprune.selection.rearrange import rearrange as rearrange_heads
 from headprune.selection.sensitivity import layer_sensitivity
 from headprune.tasks import evaluate, headline
 
@@ -44,13 +50,16 @@ class Round:
     shortfall: str | None = None  # why fewer heads went than requested (the policy's limits)
     sensitivity: list[float] | None = None  # the layer profile, when this round measured it
     val_before_finetune: dict | None = None
+    budget: dict | None = None  # a cost budget's allocation: kept units per layer, predicted cost and share
+    rearranged: dict | None = None  # mask rearrangement: heads moved, removal cost before/after, seconds
 
     def record(self) -> dict:
         out = {"round": self.round, "sparsity": self.sparsity, "n_pruned": self.n_pruned,
                "n_requested": self.n_requested, "heads_per_layer": self.heads_per_layer, "pruned": self.pruned,
                "score_seconds": round(self.score_seconds, 3), "scores": self.scores.tolist()}
-        if self.val_before_finetune is not None:
-            out["val_before_finetune"] = self.val_before_finetune
+        for name in ("budget", "rearranged", "val_before_finetune"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         if self.shortfall:
             out["shortfall"] = self.shortfall
         return out
@@ -58,7 +67,8 @@ class Round:
 
 def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, policy: Callable, n_prune: int,
                 loader, *, round_no: int = 1, eval_loader=None, sensitivity: list[float] | None = None,
-                sync: Callable[[Any], Any] | None = None, max_batches: int | None = None) -> Round:
+                sync: Callable[[Any], Any] | None = None, max_batches: int | None = None,
+                cost_budget: tuple[LayerCosts, float] | None = None, rearrange: bool = False) -> Round:
     """Score the heads of `model` on `loader` with `metric`, let `policy` pick `n_prune` of the
     alive ones and zero them in `mask`.
 
@@ -68,30 +78,62 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, policy: Call
     rounds). `sync(value)` makes a value identical on every data-parallel rank (rank 0's):
     applied to the measured profile and to the chosen heads. `eval_loader`: evaluate the
     pruned model before any fine-tuning (`val_before_finetune`).
+
+    `cost_budget=(costs, share)`: instead of `n_prune` heads, keep the units (KV groups; heads
+    without GQA) worth most under `share` of the dense cost (`selection.budgets.allocate`; the
+    cheapest layout the policy allows, with a shortfall, when none fits). `rearrange`: then
+    re-choose, within each layer, which units go by the block-diagonal Fisher
+    (`selection.rearrange`, Kwon et al.); with `metric=fisher` the scores are that Fisher's diagonal.
     """
     start = time.perf_counter()
     limit = {"max_batches": max_batches} if max_batches else {}
-    scores = metric(model, mask, loader, **limit)
+    blocks = fisher_blocks(model, mask, loader, max_batches) if rearrange else None
+    if blocks is not None and metric_name(metric) == "fisher":  # one pass: the diagonal is the metric
+        scores = finish_scores(torch.diagonal(blocks, dim1=1, dim2=2), mask)
+    else:
+        scores = metric(model, mask, loader, **limit)
     score_seconds = time.perf_counter() - start
     measured = None
     if getattr(policy, "needs_sensitivity", False) and sensitivity is None:
         sensitivity = layer_sensitivity(model, mask, scores, loader, share=policy.share, max_batches=max_batches)
         sensitivity = measured = sync(sensitivity) if sync is not None else sensitivity
     options = {"sensitivity": sensitivity} if sensitivity is not None else {}
-    shortfall = None
-    try:
-        heads = policy(scores, mask.alive(), n_prune, **options)
-    except BudgetError as err:
-        shortfall = str(err)
-        log.warning("round %d: %s; pruning %d heads instead", round_no, err, err.available)
-        heads = policy(scores, mask.alive(), err.available, **options)
+    shortfall, allocation, moved = None, None, None
+    model_units = kv_group_heads(model) if cost_budget is not None else [[h] for h in range(mask.num_heads)]
+    if cost_budget is not None:
+        heads, allocation, shortfall = _allocate(scores, mask.alive(), *cost_budget, policy, model_units, round_no)
+    else:
+        try:
+            heads = policy(scores, mask.alive(), n_prune, **options)
+        except BudgetError as err:
+            shortfall = str(err)
+            log.warning("round %d: %s; pruning %d heads instead", round_no, err, err.available)
+            heads = policy(scores, mask.alive(), err.available, **options)
+    if blocks is not None:
+        began = time.perf_counter()
+        searched = sorted(tuple(h) for h in heads)
+        heads = rearrange_heads(blocks, searched, mask.alive(), model_units)
+        moved = {"heads_moved": len(set(heads) - set(searched)), "seconds": round(time.perf_counter() - began, 3)}
     if sync is not None:  # one decision, rank 0's, everywhere
         heads = [tuple(h) for h in sync(list(heads))]
     mask.prune(heads)
     val = evaluate(model, eval_loader, mask.mask.device, max_batches=max_batches) if eval_loader is not None else None
-    result = Round(round_no, mask.sparsity(), len(heads), n_prune, mask.heads_per_layer(),
-                   sorted([list(h) for h in heads]), score_seconds, scores, shortfall, measured, val)
+    result = Round(round_no, mask.sparsity(), len(heads), len(heads) if cost_budget is not None else n_prune,
+                   mask.heads_per_layer(), sorted([list(h) for h in heads]), score_seconds, scores, shortfall, measured,
+                   val, allocation, moved)
     if val is not None:
         log.info("round %d: pruned %d heads -> sparsity %.3f, heads per layer %s, val %s before fine-tuning %.4f",
                  round_no, len(heads), result.sparsity, result.heads_per_layer, *headline(val))
     return result
+
+
+def _allocate(scores, alive, costs: LayerCosts, share: float, policy, model_units, round_no: int):
+    """(heads, allocation report, shortfall) for a cost budget, falling back to the cheapest layout
+    the policy allows when no layout fits `share`."""
+    try:
+        heads, report = allocate(scores, alive, costs, share, policy, model_units)
+        return heads, report, None
+    except ValueError as err:
+        log.warning("round %d: %s; taking the cheapest layout the layer policy allows", round_no, err)
+        heads, report = allocate(scores, alive, costs, 1.0, policy, model_units, cheapest=True)
+        return heads, report, f"the {costs.unit} budget {share:.4f} of dense cannot be met: {err}"

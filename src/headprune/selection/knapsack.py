@@ -1,0 +1,47 @@
+"""How many heads each layer keeps under a cost budget: a multiple-choice knapsack, solved exactly.
+
+Every layer l picks one option k in `choices[l]` (how many units it keeps), worth `value[l][k]`
+(the retained importance: the sum of its k most important units) and costing `cost[l][k]` (its
+attention FLOPs, measured latency, KV bytes, ...). Maximise the total value with total cost <=
+budget. Per-layer cost is not linear in k (a layer's latency has a fixed part, and a layer with
+no heads left saves it), so a greedy sort is not enough; the dynamic programme below keeps, after
+each layer, the Pareto frontier of (cost, value) pairs of the layers so far: no pair on it is both
+dearer and worth less than another, and the optimum extends a frontier pair. Exact, and small for
+transformer shapes (tens of layers, tens of choices each).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def best_allocation(choices: Sequence[Sequence[int]], value: Sequence[dict], cost: Sequence[dict],
+                    budget: float) -> tuple[list[int], float, float]:
+    """(k per layer, total value, total cost) of the most valuable allocation costing <= `budget`
+    (ties: the cheaper one). Raises ValueError when even the cheapest allocation is too dear."""
+    frontier: list[tuple[float, float, tuple[int, ...]]] = [(0.0, 0.0, ())]  # (cost, value, picks)
+    for layer, options in enumerate(choices):
+        if not options:
+            raise ValueError(f"layer {layer} has no allowed number of heads")
+        grown = [(c + cost[layer][k], v + value[layer][k], picks + (k,))
+                 for c, v, picks in frontier for k in options]
+        frontier = _pareto(grown, budget)
+        if not frontier:
+            cheapest = sum(min(cost[l][k] for k in choices[l]) for l in range(len(choices)))
+            raise ValueError(f"no allocation meets the budget {budget:.6g}: the cheapest one the constraints allow "
+                             f"costs {cheapest:.6g}")
+    total_cost, total_value, picks = max(frontier, key=lambda t: (t[1], -t[0]))
+    return list(picks), total_value, total_cost
+
+
+def _pareto(points: list[tuple[float, float, tuple[int, ...]]], budget: float) -> list:
+    """The pairs within budget that no other pair beats in both cost and value (ascending cost)."""
+    eps = 1e-12 * max(1.0, abs(budget))
+    out = []
+    best_value = float("-inf")
+    for point in sorted(points, key=lambda t: (t[0], -t[1])):
+        if point[0] > budget + eps:
+            break
+        if point[1] > best_value:
+            out.append(point)
+            best_value = point[1]
+    return out

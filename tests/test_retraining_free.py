@@ -1,0 +1,161 @@
+"""Retraining-free pruning to a budget (Kwon et al. 2022): budget arithmetic, the latency table,
+mask rearrangement, least-squares mask tuning and the export that folds it in."""
+import copy
+
+import pytest
+import torch
+
+from headprune import HeadMask, export_scaled, prune_to_budget
+from headprune.recovery.least_squares import LeastSquares, solve_scales, tune_scales
+from headprune.selection.budgets import Budget, layer_costs
+from headprune.selection.latency import latency_table
+from headprune.selection.layer_policies import GlobalPolicy
+from headprune.selection.rearrange import rearrange_layer, removal_cost
+from tests.conftest import tiny_batch, tiny_bert
+from tests.test_surgery import inputs, tiny
+
+
+# -- least squares -----------------------------------------------------------------------------------
+def test_solver_recovers_planted_scales():
+    """A linear layer whose best scales are known: y = A m*, so with no damping and a wide range
+    the solver returns m* exactly and the reconstruction error is 0."""
+    g = torch.Generator().manual_seed(0)
+    contributions = torch.randn(500, 4, generator=g, dtype=torch.float64)  # (tokens x units, heads)
+    planted = torch.tensor([0.7, 1.3, 1.0, 0.9], dtype=torch.float64)
+    y = contributions @ planted
+    gram, cross = contributions.T @ contributions, contributions.T @ y
+    m, info = solve_scales(gram, cross, float(y @ y), scale_range=(0.1, 10.0), damp=0.0)
+    torch.testing.assert_close(m, planted)
+    assert info["error_tuned"] < 1e-20 < info["error_ones"] and not info["kept_ones"]
+    clamped, _ = solve_scales(gram, cross, float(y @ y), scale_range=(0.8, 1.2), damp=0.0)
+    assert float(clamped.min()) == 0.8 and float(clamped.max()) == 1.2
+    damped, _ = solve_scales(gram, cross, float(y @ y), scale_range=(0.1, 10.0), damp=1e6)
+    assert float((damped - 1).abs().max()) < 1e-3  # heavy damping stays at 1
+
+
+def test_clamped_scales_that_reconstruct_worse_keep_one():
+    contributions = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    y = torch.tensor([3.0, 1.0], dtype=torch.float64)  # best: m = (3, 1); clamped to 0.5..0.6 is worse than 1
+    m, info = solve_scales(contributions.T @ contributions, contributions.T @ y, float(y @ y), (0.5, 0.6), 0.0)
+    assert info["kept_ones"] and torch.equal(m, torch.ones(2, dtype=torch.float64))
+
+
+def test_mask_tuning_reconstructs_better_and_the_export_computes_the_same(tokenizer):
+    model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    dense = copy.deepcopy(model)
+    batches = [tiny_batch(tokenizer, 8, seed=s) for s in range(3)]
+    mask = HeadMask.for_model(model)
+    mask.prune([(0, 1), (1, 0), (1, 3), (2, 2), (2, 3)])
+    report = tune_scales(model, mask, dense, batches, LeastSquares(scale_range=[0.1, 5.0], damp=0.0))
+    for layer in report["layers"]:
+        assert layer["error_tuned"] <= layer["error_ones"] + 1e-12
+    assert any(not layer["kept_ones"] for layer in report["layers"])
+    scaled = mask.mask.clone()
+    assert ((scaled != 0) & (scaled != 1)).any()  # real-valued gates
+    batch = {k: v for k, v in tiny_batch(tokenizer).items() if k != "labels"}
+    with torch.no_grad():
+        masked_logits = model(**batch).logits
+    export_scaled(model, mask)
+    assert sum(len(kept) for kept in model.headprune_layout) == 7
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, masked_logits, atol=1e-5, rtol=0)
+
+
+# -- rearrangement -----------------------------------------------------------------------------------
+def test_rearrangement_sees_that_two_heads_do_one_job():
+    """Heads 0 and 1 have the smallest diagonal but strongly correlated gradients: removing both
+    costs 1.9, removing 0 and 2 costs 1.1. The diagonal ranking takes 0 and 1; rearrangement swaps."""
+    block = torch.tensor([[1.0, 0.9, 0.0], [0.9, 1.0, 0.0], [0.0, 0.0, 1.2]], dtype=torch.float64)
+    assert removal_cost(block, [0, 1]) == pytest.approx(1.9)
+    moved = rearrange_layer(block, [0, 1, 2], [0, 1])
+    assert removal_cost(block, moved) == pytest.approx(1.1) and len(moved) == 2
+
+
+# -- budgets -----------------------------------------------------------------------------------------
+def test_flops_and_kv_costs():
+    model = tiny("llama")  # 3 layers, 4 query heads in 2 KV groups, head_dim 8, hidden 32
+    flops = layer_costs(model, Budget(kind="flops", target=0.5, batch=2, seq=5))
+    # one KV group (2 query heads, 1 KV head): Q/K/V/O products + scores and weighted sum (2 x 2BhTSD)
+    per_group = 2 * 2 * 5 * 32 * 8 * (2 * 2 + 2 * 1) + 2 * (2 * 2 * 2 * 5 * 5 * 8)
+    assert flops.cost[0][1] == pytest.approx(per_group) and flops.cost[0][0] == 0
+    assert flops.dense == pytest.approx(3 * 2 * per_group)
+    kv = layer_costs(model, Budget(kind="kv", target=0.5, batch=2, seq=5))
+    assert kv.cost[1] == {0: 0, 1: 2 * 8 * 5 * 2 * 4, 2: 2 * 2 * 8 * 5 * 2 * 4} and kv.unit == "bytes"
+
+
+def test_kv_budget_prunes_whole_groups_to_the_share():
+    model = tiny("llama")
+    batch = [dict(inputs(), labels=None)]
+    loader = [{"input_ids": batch[0]["input_ids"], "attention_mask": batch[0]["attention_mask"]}]
+    report = prune_to_budget(model, loader, {"kind": "kv", "target": 0.5, "batch": 1, "seq": 8}, metric="magnitude",
+                             recovery="none", rearrange=False, policy=GlobalPolicy(min_heads_per_layer=0))
+    kept = report["round"]["budget"]["kept_units_per_layer"]
+    assert sum(kept) == 3 and report["round"]["budget"]["predicted_share"] == 0.5
+    pruned = report["round"]["pruned"]
+    assert all(sorted(h for l, h in pruned if l == layer) in ([], [0, 1], [2, 3], [0, 1, 2, 3]) for layer in range(3))
+
+
+def test_latency_table_is_measured_once_and_cached(tmp_path):
+    model = tiny_bert()
+    first = latency_table(model, batch=2, seq=8, cache_dir=tmp_path, warmup=0, repeats=2)
+    assert not first["cached"] and set(first["layer_ms"]) == {0, 1, 2, 3, 4} and first["forward_ms"] > 0
+    again = latency_table(model, batch=2, seq=8, cache_dir=tmp_path, warmup=0, repeats=2)
+    assert again["cached"] and again["layer_ms"] == first["layer_ms"]
+    other = latency_table(model, batch=2, seq=16, cache_dir=tmp_path, warmup=0, repeats=2)
+    assert not other["cached"] and other["path"] != first["path"]  # another shape is another table
+    costs = layer_costs(model, Budget(kind="latency", target=0.8), first["layer_ms"], first["forward_ms"])
+    assert costs.total([4, 4, 4]) == pytest.approx(first["forward_ms"])  # the dense layout predicts the dense forward
+
+
+def test_prune_to_budget_meets_a_flops_budget_and_reports_every_stage(tokenizer):
+    model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    calib = [tiny_batch(tokenizer, 8, seed=s) for s in range(2)]
+    report = prune_to_budget(model, calib, {"kind": "flops", "target": 0.6, "batch": 4, "seq": 16},
+                             eval_loader=[tiny_batch(tokenizer, 8, seed=5)])
+    budget = report["round"]["budget"]
+    assert budget["predicted_share"] <= 0.6 + 1e-9 and budget["unit"] == "FLOPs"
+    assert min(report["round"]["heads_per_layer"]) >= 1  # the default policy keeps a head per layer
+    assert {"copy", "costs", "search", "rearrange", "mask_tuning", "evaluate", "total"} <= set(report["seconds"])
+    assert set(report["val_after_tuning"]) == {"acc", "loss"} and "rearranged" in report["round"]
+
+
+def test_the_app_prunes_to_a_flops_budget_tunes_and_exports_what_it_evaluated(tmp_path, data_dir, monkeypatch):
+    """experiment=retraining_free with a FLOPs budget: no training, the allocation meets the budget,
+    the least-squares scales are tuned, and the export (scales folded into O, pruned heads removed)
+    computes what the masked and scaled model computed."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    import headprune.apps.train as train_app
+    from headprune import load_pruned
+    from headprune.apps.config_paths import config_dir
+    from headprune.models import load_tokenizer
+
+    seen = {}
+    export = train_app.export_pruned
+    batch = {k: v for k, v in tiny_batch(load_tokenizer("minilm")).items() if k != "labels"}
+
+    def spy(module, *args, **kwargs):  # the evaluated model: masked, scaled by its gates
+        seen["mask"] = module.head_mask.mask.clone()
+        with torch.no_grad():
+            seen["logits"] = module.model.eval()(**batch).logits
+        export(module, *args, **kwargs)
+
+    monkeypatch.setattr(train_app, "export_pruned", spy)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=[f"paths.output_dir={tmp_path}", f"data.data_dir={data_dir}",
+                                          "experiment=retraining_free", "model=tiny_bert",
+                                          "model.pretrained=sentence-transformers/all-MiniLM-L6-v2",
+                                          "data.score_samples=64", "data.max_validation_samples=64", "budget=flops",
+                                          "budget.target=0.6", "budget.batch=4", "budget.seq=16",
+                                          "recovery.scale_range=[0.1,5.0]"])
+    GlobalHydra.instance().clear()
+    res = train_app.run(cfg)
+    (round1,) = res["rounds"]
+    assert round1["budget"]["predicted_share"] <= 0.6 and res["budget"]["unit"] == "FLOPs"
+    assert "mask_tuning" in round1 and round1["val"] == round1["val_after_mask_tuning"]
+    assert "gates_folded" in res["final"] and ((seen["mask"] != 0) & (seen["mask"] != 1)).any()
+    with torch.no_grad():
+        torch.testing.assert_close(load_pruned(tmp_path / "export").eval()(**batch).logits, seen["logits"],
+                                   atol=1e-5, rtol=0)
