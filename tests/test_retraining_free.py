@@ -159,3 +159,24 @@ def test_the_app_prunes_to_a_flops_budget_tunes_and_exports_what_it_evaluated(tm
     with torch.no_grad():
         torch.testing.assert_close(load_pruned(tmp_path / "export").eval()(**batch).logits, seen["logits"],
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_causal_lms_prune_to_a_kv_budget_and_tune(family):
+    """Decoders: Fisher of the next-token loss, whole KV groups under budget=kv (Llama-GQA), the
+    least-squares scales reconstruct each layer at least as well as ones, and the export of the
+    scaled model gives the masked model's logits."""
+    model = tiny(family)
+    mask = HeadMask.for_model(model)
+    loader = [inputs(batch=4, tokens=12, seed=s) for s in range(2)]
+    report = prune_to_budget(model, loader, {"kind": "kv", "target": 0.5, "batch": 1, "seq": 16}, mask=mask,
+                             policy=GlobalPolicy(min_heads_per_layer=0))
+    assert report["round"]["budget"]["predicted_share"] <= 0.5
+    assert all(r["error_tuned"] <= r["error_ones"] + 1e-12 for r in report["mask_tuning"]["layers"] if r["heads"])
+    batch = inputs(seed=9)
+    with torch.no_grad():
+        masked = model(**batch).logits
+        export_scaled(model, mask)
+        torch.testing.assert_close(model(**batch).logits, masked, atol=1e-5, rtol=0)
+    if family == "llama":  # 2 of each layer's 4 query heads share a KV head: groups go whole
+        assert all(len(kept) % 2 == 0 for kept in model.headprune_layout)
