@@ -310,3 +310,34 @@ def test_l0_gates_learned_in_finetune_from_the_metric_config(cfg_factory, tmp_pa
     cfg = cfg_factory(*TINY_RUN, "metric=l0_gates", "schedule=one_shot", "schedule.target_sparsity=0.25",
                       "overwrite=true")
     assert "l0_gates_folded" not in run(cfg)["final"]  # frozen-model gates: trained and removed at scoring time
+
+
+@pytest.mark.parametrize("sweeper,extra,values", [
+    ("headprune_optuna", [], 1),
+    ("headprune_optuna_pareto", ["objectives=[val_acc,kept_share]"], 2),
+])
+def test_optuna_sweep_of_three_trials_is_collected(sweeper, extra, values, tmp_path, data_dir):
+    """The ready Optuna configs run offline on the tiny model (one objective, then accuracy against
+    the share of heads kept), and headprune-collect gathers the trials like any sweep."""
+    import yaml
+
+    from headprune.apps.collect import load_runs
+
+    env = dict(os.environ, HEADPRUNE_DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "headprune.apps.train", "-m", f"hydra/sweeper={sweeper}", "hydra.sweeper.n_trials=3",
+           *extra, "model=tiny_bert", "debug=fast", "logger=none", "data.max_train_samples=32", "data.score_samples=16",
+           "data.max_validation_samples=32", f"hydra.sweep.dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    best = summary.get("best_value", None) if values == 1 else [s["values"] for s in summary["solutions"]]
+    assert best is not None and (values == 1 or all(len(v) == 2 for v in best))
+    runs = load_runs([tmp_path])
+    assert len(runs) == 3 and all(r["overrides"]["metric"] in ("taylor", "fisher", "lrp", "magnitude") for r in runs)
+
+
+def test_objectives_are_checked_at_start(cfg_factory):
+    with pytest.raises(ValueError, match=r"objectives: 'speed' is not allowed; allowed: headline"):
+        run(cfg_factory("model=tiny_bert", "debug=fast", "objectives=[speed]"))
+    with pytest.raises(ValueError, match=r"latency_share is measured under budget=latency only"):
+        run(cfg_factory("model=tiny_bert", "debug=fast", "objectives=[val_acc,latency_share]"))

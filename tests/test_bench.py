@@ -80,6 +80,17 @@ def test_train_step_rows_compare_pruned_with_masked_at_each_sparsity(quick_run):
     assert "## Training step" in (quick_run[0] / "bench.md").read_text()
 
 
+def test_onnxruntime_rows_time_exported_dense_and_pruned_models(quick_run):
+    results = quick_run[1]
+    rows = results["onnxruntime"]
+    assert {(r["variant"], r["sparsity"]) for r in rows} == {("dense", 0.0)} | {("pruned_uniform", s) for s in SPARSITIES}
+    for r in rows:
+        assert r["ort_ms"] > 0 and r["max_abs_diff_vs_torch"] < 1e-4 and r["threads"] == 1
+    summary = results["summary"]["onnxruntime"]
+    assert summary["ort_ratio_50"] == next(r["ort_ratio"] for r in rows if r["sparsity"] == 0.5)
+    assert summary["torch_forward_ratio_50"] > 0 and "## ONNX Runtime forward" in (quick_run[0] / "bench.md").read_text()
+
+
 def test_encoder_rows_cover_every_variant_with_every_field(quick_run):
     rows = quick_run[1]["encoder"]
     assert {(r["batch"], r["seq"]) for r in rows} == {(2, 8)}

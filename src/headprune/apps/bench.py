@@ -23,6 +23,7 @@ from headprune.bench.config import apply_quick, check, register_bench_schema
 from headprune.bench.decoder import bench_decoder, build_decoder
 from headprune.bench.encoder import bench_encoder
 from headprune.bench.report import summary, write_reports
+from headprune.bench.runtime import bench_onnxruntime
 from headprune.bench.timing import Clock
 from headprune.bench.train_step import bench_train_step
 from headprune.bench.variants import build_variants, exported_variants
@@ -47,7 +48,7 @@ def run(cfg: DictConfig) -> dict:
     clock, rounds = Clock(device), {"warmup": bench.warmup, "repeats": bench.repeats}
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    results = {"meta": _meta(cfg, device), "encoder": [], "train_step": [], "decoder": []}
+    results = {"meta": _meta(cfg, device), "encoder": [], "train_step": [], "onnxruntime": [], "decoder": []}
 
     exported = load_pruned(bench.pruned_dir) if bench.pruned_dir else None
     exported_is_lm = exported is not None and _is_causal_lm(exported)
@@ -64,6 +65,16 @@ def run(cfg: DictConfig) -> dict:
             name = _model_name(cfg.model)
         results[section] = bench_fn(variants, list(settings.batches), list(settings.seqs), clock, seed=cfg.seed,
                                     model_name=name, **rounds)
+        del variants
+    if bench.onnxruntime.enabled and device.type == "cpu" and not exported_is_lm:
+        ort = bench.onnxruntime
+        if exported is not None:
+            variants, name = _exported(exported, {}, device, dtype, cfg.seed), f"exported:{bench.pruned_dir}"
+        else:
+            dense = instantiate(cfg.model)(num_labels=2).eval().to(device, dtype)
+            variants, name = build_variants(dense, {"pruned": list(ort.sparsities)}, ["uniform"]), _model_name(cfg.model)
+        results["onnxruntime"] = bench_onnxruntime(variants, list(ort.batches), list(ort.seqs), clock, seed=cfg.seed,
+                                                   model_name=name, threads=bench.threads, **rounds)
         del variants
     if bench.decoder.enabled:
         d = bench.decoder
@@ -134,7 +145,7 @@ def _log(cfg: DictConfig, results: dict, paths: dict) -> None:
                for key, value in _flat(block).items() if isinstance(value, (int, float, bool))}
     for logger in loggers:
         logger.log_metrics(metrics)
-        for section in ("encoder", "train_step", "decoder"):
+        for section in ("encoder", "train_step", "onnxruntime", "decoder"):
             rows = results[section]
             if rows and hasattr(logger, "log_table"):
                 columns = [k for k, v in rows[0].items() if not isinstance(v, dict)]

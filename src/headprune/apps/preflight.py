@@ -26,6 +26,18 @@ def check_settings(cfg: DictConfig, schedule, recovery, budget) -> None:
         raise ValueError(f"recovery=none trains nothing after pruning, but schedule.epochs_per_round="
                          f"{schedule.epochs_per_round} and schedule.recover_epochs={schedule.recover_epochs}; allowed: "
                          "both 0, or recovery=finetune")
+    names = list(cfg.get("objectives") or ["headline"])
+    allowed = ("headline", "val_acc", "val_loss", "val_ppl", "sparsity", "kept_share", "latency_share")
+    for name in names:
+        if name not in allowed:
+            raise ValueError(f"objectives: {name!r} is not allowed; allowed: {', '.join(allowed)}")
+    if "latency_share" in names and budget.kind != "latency":
+        raise ValueError("objectives: latency_share is measured under budget=latency only; allowed: kept_share, or "
+                         "budget=latency")
+    task = cfg.model.get("task", "classification")
+    for name, needs in (("val_acc", "classification"), ("val_ppl", "causal_lm")):
+        if name in names and task != needs:
+            raise ValueError(f"objectives: {name} is not reported by a model.task={task} run")
     if not budget.counts_heads and schedule.can_reject:
         raise ValueError(f"budget={budget.kind} with schedule=until_threshold is not supported: the threshold stops "
                          "by accuracy, the budget by cost; allowed: schedule=one_shot, iterative or cubic")

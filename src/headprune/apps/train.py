@@ -221,9 +221,21 @@ def _diagnostics_options(cfg: DictConfig) -> dict | None:
     return {k: v for k, v in OmegaConf.to_container(block, resolve=True).items() if k != "enabled"}
 
 
+def objectives(results: dict, names) -> float | list[float]:
+    """The values a sweeper optimises (`objectives` in train.yaml, checked at start): one float,
+    or a list."""
+    final = results["final"]
+    values = {"headline": lambda: headline(final["val"])[1], "sparsity": lambda: final["sparsity"],
+              "kept_share": lambda: 1.0 - final["sparsity"],
+              "latency_share": lambda: final["latency"]["measured_share"],
+              **{f"val_{k}": (lambda k=k: final["val"][k]) for k in ("acc", "loss", "ppl")}}
+    out = [float(values[name]()) for name in names]
+    return out[0] if len(out) == 1 else out
+
+
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
-def main(cfg: DictConfig) -> float:
-    return float(headline(run(cfg)["final"]["val"])[1])
+def main(cfg: DictConfig) -> float | list[float]:
+    return objectives(run(cfg), cfg.get("objectives") or ["headline"])
 
 
 if __name__ == "__main__":

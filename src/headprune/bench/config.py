@@ -40,6 +40,14 @@ class TrainStepSettings:
 
 
 @dataclass
+class RuntimeSettings:
+    enabled: bool = MISSING
+    batches: List[int] = MISSING
+    seqs: List[int] = MISSING
+    sparsities: List[float] = MISSING
+
+
+@dataclass
 class DecoderSettings:
     enabled: bool = MISSING
     models: List[str] = MISSING
@@ -63,6 +71,7 @@ class BenchSettings:
     repeats: int = MISSING
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
     train_step: TrainStepSettings = field(default_factory=TrainStepSettings)
+    onnxruntime: RuntimeSettings = field(default_factory=RuntimeSettings)
     decoder: DecoderSettings = field(default_factory=DecoderSettings)
     decoder_configs: Dict[str, Any] = MISSING
 
@@ -108,11 +117,14 @@ def check(bench: DictConfig) -> None:
             for s in sparsities:
                 if not 0 < s < 1:
                     raise ValueError(f"bench.{section}.variants.{kind} contains {s}; allowed: 0 < sparsity < 1")
-    for section in ("encoder", "train_step"):
+    for section in ("encoder", "train_step", "onnxruntime"):
         for name in ("batches", "seqs"):
             if not bench[section][name] or min(bench[section][name]) < 1:
                 raise ValueError(f"bench.{section}.{name}={list(bench[section][name])} is not allowed; "
                                  "allowed: a non-empty list of positive integers")
+    for s in bench.onnxruntime.sparsities:
+        if not 0 < s < 1:
+            raise ValueError(f"bench.onnxruntime.sparsities contains {s}; allowed: 0 < sparsity < 1")
     unknown = set(bench.train_step.variants) - {"masked", "pruned"}
     if unknown:
         raise ValueError(f"bench.train_step.variants: {sorted(unknown)} are not allowed; allowed: masked, pruned")

@@ -8,6 +8,7 @@ from headprune.plots import plt
 
 ATTENTION_TARGET = 1.85  # attention sub-layer speed-up wanted at 50% of the heads removed
 TRAIN_STEP_TARGET = 1.25  # training step at 50% of the heads, pruned vs masked
+RUNTIME_TOLERANCE = 0.10  # ONNX Runtime's forward ratio at 50% heads within 10% of PyTorch's
 
 
 def summary(results: dict) -> dict:
@@ -41,6 +42,21 @@ def summary(results: dict) -> dict:
             out["train_step"].update(vs_masked_ratio_50=half["vs_masked_ratio"], step_ratio_50=half["step_ratio"],
                                      theoretical_forward_ratio_50=half["theoretical_forward_ratio"],
                                      target=TRAIN_STEP_TARGET, meets_target=half["vs_masked_ratio"] >= TRAIN_STEP_TARGET)
+    ort = results.get("onnxruntime") or []
+    if ort:
+        batch, seq = max(((r["batch"], r["seq"]) for r in ort), key=lambda bs: (bs[0] * bs[1], bs))
+        half = next((r for r in ort if (r["batch"], r["seq"]) == (batch, seq) and r["kind"] == "pruned"
+                     and r["sparsity"] == 0.5), None)
+        out["onnxruntime"] = {"batch": batch, "seq": seq,
+                              "max_abs_diff_vs_torch": max(r["max_abs_diff_vs_torch"] for r in ort)}
+        torch_half = next((r for r in enc if (r["batch"], r["seq"]) == (batch, seq) and r["kind"] == "pruned"
+                           and r["layout"] in ("uniform", "exported") and r["sparsity"] == 0.5), None)
+        if half:
+            out["onnxruntime"]["ort_ratio_50"] = half["ort_ratio"]
+        if half and torch_half:
+            rel = half["ort_ratio"] / torch_half["forward_ratio"] - 1
+            out["onnxruntime"].update(torch_forward_ratio_50=torch_half["forward_ratio"], relative_difference=rel,
+                                      tolerance=RUNTIME_TOLERANCE, meets_target=abs(rel) <= RUNTIME_TOLERANCE)
     dec = results.get("decoder") or []
     for model in dict.fromkeys(r["model"] for r in dec):
         rows = [r for r in dec if r["model"] == model]
@@ -100,6 +116,16 @@ def markdown(results: dict) -> str:
             lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
                          f"| {_ms(r['step_ms'], r['step_spread_ms'])} | {r['samples_per_s']:.1f} "
                          f"| {r['step_ratio']:.2f} | {vs_masked} | {r['theoretical_forward_ratio']:.2f} |")
+        lines.append("")
+    ort = results.get("onnxruntime") or []
+    if ort:
+        lines += ["## ONNX Runtime forward (CPU)" + (f" ({ort[0]['model']})" if ort[0].get("model") else ""), "",
+                  "| variant | sparsity | batch | seq | ORT ms | ORT x dense | max abs diff vs PyTorch |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in ort:
+            lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
+                         f"| {_ms(r['ort_ms'], r['ort_spread_ms'])} | {r['ort_ratio']:.2f} "
+                         f"| {r['max_abs_diff_vs_torch']:.1e} |")
         lines.append("")
     dec = results.get("decoder") or []
     if dec:
@@ -183,6 +209,11 @@ def _summary_lines(s: dict) -> list[str]:
         lines.append(f"- training step, 50% heads removed (batch {step['batch']}, seq {step['seq']}): "
                      f"{step['vs_masked_ratio_50']:.2f}x the masked model's (target >= {step['target']}x), "
                      f"{step['step_ratio_50']:.2f}x dense (forward FLOPs {step['theoretical_forward_ratio_50']:.2f}x)")
+    ort = s.get("onnxruntime", {})
+    if "relative_difference" in ort:
+        lines.append(f"- ONNX Runtime forward, 50% heads removed (batch {ort['batch']}, seq {ort['seq']}): "
+                     f"{ort['ort_ratio_50']:.2f}x dense, PyTorch {ort['torch_forward_ratio_50']:.2f}x "
+                     f"({100 * ort['relative_difference']:+.1f}%, target within {100 * ort['tolerance']:.0f}%)")
     for model, d in s.get("decoder", {}).items():
         line = f"- {model}: KV bytes exactly the kept KV-head share: {d['kv_exact']}"
         if "per_token_ratio_50" in d:

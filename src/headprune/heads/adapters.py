@@ -68,6 +68,10 @@ class ArchAdapter:
 
     Only Linear and GPT-2's Conv1D projections are supported.
 
+    `config_head_dim`: the family's config carries `head_dim` apart from the hidden size, so a
+    model that keeps the same numbers of query and KV heads in every layer is a plain model of
+    a config with those numbers (`save_pruned` then writes a folder plain `from_pretrained` loads).
+
     For physical removal (`surgery.py`): `core` leads from the attention module to the module
     that computes the heads' context (and owns the attributes its forward reads); "" means the
     attention module itself. `size_attrs` lists those attributes as (name, quantity) with
@@ -87,6 +91,7 @@ class ArchAdapter:
     kv_heads_attr: str | None = None
     core: str = ""
     size_attrs: tuple[tuple[str, str], ...] = ()
+    config_head_dim: bool = False  # the config's head_dim is its own field, so fewer heads fit a plain config
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(_get(model.base_model, self.layers_path))
@@ -189,7 +194,7 @@ register_adapter(ArchAdapter(
 register_adapter(ArchAdapter(
     name="llama", model_types=("llama", "mistral", "qwen2"), layers_path="layers",
     attn_path="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
-    kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),),
+    kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),), config_head_dim=True,
 ))
 
 

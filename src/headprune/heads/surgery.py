@@ -22,8 +22,10 @@ state sliced, `heads.optimizer_state.carry_optimizer_state`), as the Lightning c
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -36,6 +38,8 @@ from transformers.pytorch_utils import Conv1D
 from headprune.heads.adapters import LAYOUT_ATTR, ArchAdapter, _get, get_adapter, head_layout
 from headprune.heads.headless import HeadlessAttention
 from headprune.atomic import write_json_atomic
+
+log = logging.getLogger(__name__)
 
 LAYOUT_FILE = "headprune_layout.json"
 HeadSpec = Mapping[int, Iterable[int]] | Iterable[tuple[int, int]]
@@ -128,8 +132,31 @@ def count_params(model: nn.Module) -> dict[str, int]:
     return {"attention": sum(attention.values()), "total": sum(p.numel() for p in model.parameters())}
 
 
-def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwrite: bool = False) -> Path:
-    """`save_pretrained` folder plus `headprune_layout.json` (and the tokenizer, if given).
+@dataclass(frozen=True)
+class Saved:
+    """Where `save_pruned` wrote the model and whether plain `from_pretrained` loads it (`plain_hf`)
+    or `load_pruned` is needed; `why` says which. Usable as the folder's path."""
+
+    path: Path
+    plain_hf: bool
+    why: str
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwrite: bool = False) -> Saved:
+    """`save_pretrained` folder the model loads from, with its tokenizer if given.
+
+    When every layer keeps the same numbers of query heads and KV heads (whole KV groups, none
+    left empty) and the family's config carries `head_dim` (Llama, Mistral, Qwen2), the folder is a
+    standard checkpoint whose config says those numbers: plain `AutoModel*.from_pretrained` loads
+    it with no headprune code (`headprune_export.json` beside it records the original ids of the
+    heads kept). Otherwise the folder holds the original config plus `headprune_layout.json`, and
+    `load_pruned` rebuilds the uneven shapes. The return value and the log say which.
 
     A folder that already holds files is refused (old tokenizers or weights would be left beside
     the new model) unless `overwrite=True`, which empties it first."""
@@ -141,15 +168,55 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwri
             raise FileExistsError(f"save_pruned: {directory} is not empty ({sorted(p.name for p in directory.iterdir())[:5]}"
                                   "...); pass overwrite=True to replace its contents, or choose an empty folder")
         shutil.rmtree(directory)
-    model.save_pretrained(directory)
-    write_json_atomic(directory / LAYOUT_FILE, {
-        "model_type": model.config.model_type,
-        "num_heads": get_adapter(model).num_heads(model.config),
-        "layout": head_layout(model),
-    })
+    adapter, layout = get_adapter(model), head_layout(model)
+    counts, why = plain_counts(model)
+    if counts is None:
+        model.save_pretrained(directory)
+        write_json_atomic(directory / LAYOUT_FILE, {"model_type": model.config.model_type,
+                                                    "num_heads": adapter.num_heads(model.config), "layout": layout})
+    else:
+        config, head_dim = model.config, adapter.head_dim(model.config)
+        names = (adapter.heads_attr, adapter.kv_heads_attr, "head_dim")
+        saved = {k: config.__dict__[k] for k in names if k in config.__dict__}  # absent ones are removed again
+        try:
+            setattr(config, adapter.heads_attr, counts[0])
+            setattr(config, adapter.kv_heads_attr, counts[1])
+            config.head_dim = head_dim
+            model.save_pretrained(directory)
+        finally:
+            for k in names:
+                if k in saved:
+                    setattr(config, k, saved[k])
+                elif k in config.__dict__:
+                    delattr(config, k)
+        write_json_atomic(directory / "headprune_export.json", {
+            "plain_hf": True, "model_type": config.model_type, "original": saved,
+            "kept_heads": layout})
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    return directory
+    result = Saved(directory, counts is not None, why)
+    log.info("save_pruned: %s is %s (%s)", directory,
+             "a plain transformers checkpoint" if result.plain_hf else "loadable with headprune.load_pruned", why)
+    return result
+
+
+def plain_counts(model: nn.Module) -> tuple[tuple[int, int] | None, str]:
+    """((query heads, KV heads) per layer, why) when the pruned model is a plain model of a config
+    with those numbers; (None, why not) otherwise."""
+    adapter, layout = get_adapter(model), head_layout(model)
+    if not adapter.config_head_dim:
+        return None, f"the {adapter.name} family's config has no head_dim of its own"
+    group = adapter.group_size(model.config)
+    per_layer = set()
+    for kept in layout:
+        groups = {h // group for h in kept}
+        sizes = {sum(1 for h in kept if h // group == g) for g in groups}
+        if not kept or len(sizes) != 1:
+            return None, "a layer has no heads or a KV group partly kept"
+        per_layer.add((len(kept), len(groups)))
+    if len(per_layer) != 1:
+        return None, f"layers keep different numbers of heads ({sorted(per_layer)})"
+    return per_layer.pop(), "the same query and KV heads in every layer"
 
 
 def load_pruned(directory: str | Path, device: str | torch.device | None = None,

@@ -1,0 +1,54 @@
+"""`headprune-export`: a pruned model as ONNX, checked against PyTorch with ONNX Runtime.
+
+    headprune-export outputs/<run dir> --onnx model.onnx        # the run's export/ folder
+    headprune-export <a save_pruned folder> --onnx model.onnx
+
+Writes the .onnx file and prints (and writes beside it as <name>.check.json) the largest
+difference between ONNX Runtime's and PyTorch's logits on a batch of another shape than the
+export's; exits 1 when it exceeds --tolerance.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from headprune.atomic import write_json_atomic
+
+
+def model_folder(path: Path) -> Path:
+    """A run dir's export/ folder, or the folder itself."""
+    if (path / "results.json").is_file():
+        export = path / "export"
+        if not (export / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a run dir without an exported model ({export}): run it with export=true")
+        return export
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is neither a run dir (results.json) nor a model folder (config.json)")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", type=Path, help="a headprune-train run dir or a save_pruned folder")
+    parser.add_argument("--onnx", type=Path, required=True, help="the .onnx file to write")
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed |ONNX Runtime - PyTorch|")
+    args = parser.parse_args(argv)
+    try:
+        from headprune.onnx_export import check_onnx, export_onnx
+    except ImportError as err:  # pragma: no cover - the message is the point
+        raise SystemExit(f"headprune-export needs the onnx extra: pip install \"headprune[onnx]\" ({err})") from None
+    from headprune.heads.surgery import load_pruned
+
+    folder = model_folder(args.source)
+    model = load_pruned(folder).eval()
+    export_onnx(model, args.onnx)
+    check = {"source": str(folder), "onnx": str(args.onnx), **check_onnx(model, args.onnx), "tolerance": args.tolerance}
+    write_json_atomic(args.onnx.with_suffix(".check.json"), check)
+    print(json.dumps(check, indent=2))
+    return 0 if check["max_abs_diff"] <= args.tolerance else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
