@@ -74,3 +74,14 @@ def test_decoder_kv_tables_match_results(tmp_path):
 
     with open(EXP / "decoder_kv" / "decoder_kv.csv", newline="") as f:  # the csv module writes \r\n
         assert to_csv(rows) == f.read()
+
+
+def test_quickstart_rounds_table_matches_results():
+    table = _script(EXP / "quickstart" / "table.py")
+    res = json.loads((EXP / "quickstart" / "results.json").read_text())
+    assert table.table(res) == (EXP / "quickstart" / "rounds.md").read_text()
+    assert table.table(res) in (EXP / "quickstart" / "README.md").read_text()
+    physical = _script(EXP / "quickstart" / "physical_timing.py")
+    data = json.loads((EXP / "quickstart" / "physical_timing.json").read_text())
+    assert physical.table(data) == (EXP / "quickstart" / "physical_timing.md").read_text()
+    assert physical.table(data) in (EXP / "quickstart" / "README.md").read_text()
