@@ -13,65 +13,84 @@ RUNTIME_TOLERANCE = 0.10  # ONNX Runtime's forward ratio at 50% heads within 10%
 
 def summary(results: dict) -> dict:
     """Headline numbers: attention speed-up at 50% heads (largest grid point), masked vs dense,
-    KV-cache exactness and per-token decode speed-up of each decoder."""
+    the training step and ONNX Runtime at 50% heads, KV-cache exactness and per-token decode
+    speed-up of each decoder."""
     out: dict = {}
     enc = results.get("encoder") or []
-    if enc:
-        batch, seq = max(((r["batch"], r["seq"]) for r in enc), key=lambda bs: (bs[0] * bs[1], bs))
-        at = {(r["variant"], r["sparsity"]): r for r in enc if (r["batch"], r["seq"]) == (batch, seq)}
-        dense = at[("dense", 0.0)]
-        spread = dense["attention_spread_ms"]
-        out["encoder"] = {"batch": batch, "seq": seq,
-                          "dense_attention_iqr_rel": (spread["q3"] - spread["q1"]) / dense["attention_ms"]}
-        pruned = at.get(("pruned_uniform", 0.5))
-        if pruned:
-            out["encoder"].update(attention_ratio_50=pruned["attention_ratio"], target=ATTENTION_TARGET,
-                                  meets_target=pruned["attention_ratio"] >= ATTENTION_TARGET,
-                                  theoretical_attention_ratio_50=pruned["theoretical_attention_ratio"])
-        masked = at.get(("masked", 0.5))
-        if masked:
-            out["encoder"].update(masked_forward_ratio_50=masked["forward_ratio"],
-                                  masked_attention_ratio_50=masked["attention_ratio"])
-    steps = results.get("train_step") or []
-    if steps:
-        batch, seq = max(((r["batch"], r["seq"]) for r in steps), key=lambda bs: (bs[0] * bs[1], bs))
-        half = next((r for r in steps if (r["batch"], r["seq"]) == (batch, seq) and r["kind"] == "pruned"
-                     and r["layout"] in ("uniform", "exported") and r["sparsity"] == 0.5), None)
-        out["train_step"] = {"batch": batch, "seq": seq}
-        if half and half["vs_masked_ratio"] is not None:
-            out["train_step"].update(vs_masked_ratio_50=half["vs_masked_ratio"], step_ratio_50=half["step_ratio"],
-                                     theoretical_forward_ratio_50=half["theoretical_forward_ratio"],
-                                     target=TRAIN_STEP_TARGET, meets_target=half["vs_masked_ratio"] >= TRAIN_STEP_TARGET)
-    ort = results.get("onnxruntime") or []
-    if ort:
-        batch, seq = max(((r["batch"], r["seq"]) for r in ort), key=lambda bs: (bs[0] * bs[1], bs))
-        half = next((r for r in ort if (r["batch"], r["seq"]) == (batch, seq) and r["kind"] == "pruned"
-                     and r["sparsity"] == 0.5), None)
-        out["onnxruntime"] = {"batch": batch, "seq": seq,
-                              "max_abs_diff_vs_torch": max(r["max_abs_diff_vs_torch"] for r in ort)}
-        torch_half = next((r for r in enc if (r["batch"], r["seq"]) == (batch, seq) and r["kind"] == "pruned"
-                           and r["layout"] in ("uniform", "exported") and r["sparsity"] == 0.5), None)
-        if half:
-            out["onnxruntime"]["ort_ratio_50"] = half["ort_ratio"]
-        if half and torch_half:
-            rel = half["ort_ratio"] / torch_half["forward_ratio"] - 1
-            out["onnxruntime"].update(torch_forward_ratio_50=torch_half["forward_ratio"], relative_difference=rel,
-                                      tolerance=RUNTIME_TOLERANCE, meets_target=abs(rel) <= RUNTIME_TOLERANCE)
+    for section, fn in (("encoder", _encoder_summary), ("train_step", _train_step_summary)):
+        if results.get(section):
+            out[section] = fn(results[section])
+    if results.get("onnxruntime"):
+        out["onnxruntime"] = _runtime_summary(results["onnxruntime"], enc)
     dec = results.get("decoder") or []
     for model in dict.fromkeys(r["model"] for r in dec):
-        rows = [r for r in dec if r["model"] == model]
-        dense = next(r for r in rows if r["variant"] == "dense")
-        pruned = [r for r in rows if r["kind"] == "pruned"]
-        entry = {"kv_exact": all(r["kv_ratio"] == r["kv_heads_kept"] / dense["kv_heads_kept"] for r in pruned),
-                 "dense_attention_share": dense["per_token_attention_share"]}
-        half = next((r for r in pruned if r["layout"] == "uniform" and r["sparsity"] == 0.5), None)
-        if half:  # bound: only the dense step's attention share shrinks, by the FLOP ratio (Amdahl)
-            share, theory = dense["per_token_attention_share"], half["theoretical_attention_ratio"]
-            entry.update(per_token_ratio_50=half["per_token_ratio"], kv_ratio_50=half["kv_ratio"],
-                         attention_share_50=half["per_token_attention_share"],
-                         per_token_bound_50=1 / (1 - share * (1 - 1 / theory)))
-        out.setdefault("decoder", {})[model] = entry
+        out.setdefault("decoder", {})[model] = _decoder_summary([r for r in dec if r["model"] == model])
     return out
+
+
+def _largest(rows: list[dict]) -> tuple[int, int]:
+    """The (batch, seq) with the most tokens."""
+    return max(((r["batch"], r["seq"]) for r in rows), key=lambda bs: (bs[0] * bs[1], bs))
+
+
+def _pruned_half(rows: list[dict], shape: tuple[int, int]) -> dict | None:
+    return next((r for r in rows if (r["batch"], r["seq"]) == shape and r["kind"] == "pruned"
+                 and r["layout"] in ("uniform", "exported") and r["sparsity"] == 0.5), None)
+
+
+def _encoder_summary(enc: list[dict]) -> dict:
+    batch, seq = _largest(enc)
+    at = {(r["variant"], r["sparsity"]): r for r in enc if (r["batch"], r["seq"]) == (batch, seq)}
+    dense = at[("dense", 0.0)]
+    spread = dense["attention_spread_ms"]
+    out = {"batch": batch, "seq": seq, "dense_attention_iqr_rel": (spread["q3"] - spread["q1"]) / dense["attention_ms"]}
+    pruned = at.get(("pruned_uniform", 0.5))
+    if pruned:
+        out.update(attention_ratio_50=pruned["attention_ratio"], target=ATTENTION_TARGET,
+                   meets_target=pruned["attention_ratio"] >= ATTENTION_TARGET,
+                   theoretical_attention_ratio_50=pruned["theoretical_attention_ratio"])
+    masked = at.get(("masked", 0.5))
+    if masked:
+        out.update(masked_forward_ratio_50=masked["forward_ratio"], masked_attention_ratio_50=masked["attention_ratio"])
+    return out
+
+
+def _train_step_summary(steps: list[dict]) -> dict:
+    batch, seq = _largest(steps)
+    half = _pruned_half(steps, (batch, seq))
+    out = {"batch": batch, "seq": seq}
+    if half and half["vs_masked_ratio"] is not None:
+        out.update(vs_masked_ratio_50=half["vs_masked_ratio"], step_ratio_50=half["step_ratio"],
+                   theoretical_forward_ratio_50=half["theoretical_forward_ratio"], target=TRAIN_STEP_TARGET,
+                   meets_target=half["vs_masked_ratio"] >= TRAIN_STEP_TARGET)
+    return out
+
+
+def _runtime_summary(ort: list[dict], enc: list[dict]) -> dict:
+    batch, seq = _largest(ort)
+    half, torch_half = _pruned_half(ort, (batch, seq)), _pruned_half(enc, (batch, seq))
+    out = {"batch": batch, "seq": seq, "max_abs_diff_vs_torch": max(r["max_abs_diff_vs_torch"] for r in ort)}
+    if half:
+        out["ort_ratio_50"] = half["ort_ratio"]
+    if half and torch_half:
+        rel = half["ort_ratio"] / torch_half["forward_ratio"] - 1
+        out.update(torch_forward_ratio_50=torch_half["forward_ratio"], relative_difference=rel,
+                   tolerance=RUNTIME_TOLERANCE, meets_target=abs(rel) <= RUNTIME_TOLERANCE)
+    return out
+
+
+def _decoder_summary(rows: list[dict]) -> dict:
+    dense = next(r for r in rows if r["variant"] == "dense")
+    pruned = [r for r in rows if r["kind"] == "pruned"]
+    entry = {"kv_exact": all(r["kv_ratio"] == r["kv_heads_kept"] / dense["kv_heads_kept"] for r in pruned),
+             "dense_attention_share": dense["per_token_attention_share"]}
+    half = next((r for r in pruned if r["layout"] == "uniform" and r["sparsity"] == 0.5), None)
+    if half:  # bound: only the dense step's attention share shrinks, by the FLOP ratio (Amdahl)
+        share, theory = dense["per_token_attention_share"], half["theoretical_attention_ratio"]
+        entry.update(per_token_ratio_50=half["per_token_ratio"], kv_ratio_50=half["kv_ratio"],
+                     attention_share_50=half["per_token_attention_share"],
+                     per_token_bound_50=1 / (1 - share * (1 - 1 / theory)))
+    return entry
 
 
 def write_reports(results: dict, output_dir: str | Path) -> dict[str, Path]:
@@ -93,60 +112,70 @@ def markdown(results: dict) -> str:
                   f"transformers {meta.get('transformers')}, load average before/after: "
                   f"{meta.get('load_before')} / {meta.get('load_after')}", ""]
     lines += _summary_lines(results.get("summary", {}))
-    enc = results.get("encoder") or []
-    if enc:
-        lines += ["## Encoder" + (f" ({enc[0]['model']})" if enc[0].get("model") else ""), "",
-                  "| variant | sparsity | batch | seq | forward ms | attention ms | forward x | attention x "
-                  "| theoretical attention x |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in enc:
-            lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
-                         f"| {_ms(r['forward_ms'], r['forward_spread_ms'])} "
-                         f"| {_ms(r['attention_ms'], r['attention_spread_ms'])} | {r['forward_ratio']:.2f} "
-                         f"| {r['attention_ratio']:.2f} | {r['theoretical_attention_ratio']:.2f} |")
-        lines.append("")
-    steps = results.get("train_step") or []
-    if steps:
-        lines += ["## Training step: forward + backward + AdamW" + (f" ({steps[0]['model']})" if steps[0].get("model")
-                                                                     else ""), "",
-                  "| variant | sparsity | batch | seq | step ms | samples/s | x dense | x masked | theoretical x |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in steps:
-            vs_masked = f"{r['vs_masked_ratio']:.2f}" if r["vs_masked_ratio"] is not None else ""
-            lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
-                         f"| {_ms(r['step_ms'], r['step_spread_ms'])} | {r['samples_per_s']:.1f} "
-                         f"| {r['step_ratio']:.2f} | {vs_masked} | {r['theoretical_forward_ratio']:.2f} |")
-        lines.append("")
-    ort = results.get("onnxruntime") or []
-    if ort:
-        lines += ["## ONNX Runtime forward (CPU)" + (f" ({ort[0]['model']})" if ort[0].get("model") else ""), "",
-                  "| variant | sparsity | batch | seq | ORT ms | ORT x dense | max abs diff vs PyTorch |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
-        for r in ort:
-            lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
-                         f"| {_ms(r['ort_ms'], r['ort_spread_ms'])} | {r['ort_ratio']:.2f} "
-                         f"| {r['max_abs_diff_vs_torch']:.1e} |")
-        lines.append("")
-    dec = results.get("decoder") or []
-    if dec:
-        r0 = dec[0]
-        lines += [f"## Decoders (batch {r0['batch']}, prompt {r0['prompt_len']}, {r0['new_tokens']} new tokens)", "",
-                  "| model | variant | sparsity | prefill ms | per-token ms | prefill x | per-token x "
-                  "| attention share | KV bytes | KV ratio | theoretical attention x |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in dec:
-            lines.append(f"| {r['model']} | {r['variant']} | {r['sparsity']:.2f} "
-                         f"| {_ms(r['prefill_ms'], r['prefill_spread_ms'])} "
-                         f"| {_ms(r['per_token_ms'], r['per_token_spread_ms'])} | {r['prefill_ratio']:.2f} "
-                         f"| {r['per_token_ratio']:.2f} | {r['per_token_attention_share']:.0%} "
-                         f"| {r['kv_cache_bytes']:,} | {r['kv_ratio']:.3f} | {r['theoretical_attention_ratio']:.2f} |")
-        lines.append("")
+    for section, table in (("encoder", _encoder_table), ("train_step", _train_step_table),
+                           ("onnxruntime", _runtime_table), ("decoder", _decoder_table)):
+        if results.get(section):
+            lines += table(results[section]) + [""]
     lines += ["ms: median [first quartile - third quartile] over the timed rounds. x: dense time / variant time "
               "(2.00 = twice as fast); x masked: the masked variant's time at the same sparsity / this one's; "
               "theoretical: dense / variant attention FLOPs (training step: forward FLOPs; matrix products only, zero "
               "weights skipped). KV ratio: variant cache bytes / dense. Attention share: time inside the attention "
               "modules / decode time (separate hooked pass).", ""]
     return "\n".join(lines)
+
+
+def _title(name: str, rows: list[dict]) -> list[str]:
+    return [name + (f" ({rows[0]['model']})" if rows[0].get("model") else ""), ""]
+
+
+def _encoder_table(enc: list[dict]) -> list[str]:
+    lines = _title("## Encoder", enc) + [
+        "| variant | sparsity | batch | seq | forward ms | attention ms | forward x | attention x | theoretical attention x |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in enc:
+        lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
+                     f"| {_ms(r['forward_ms'], r['forward_spread_ms'])} "
+                     f"| {_ms(r['attention_ms'], r['attention_spread_ms'])} | {r['forward_ratio']:.2f} "
+                     f"| {r['attention_ratio']:.2f} | {r['theoretical_attention_ratio']:.2f} |")
+    return lines
+
+
+def _train_step_table(steps: list[dict]) -> list[str]:
+    lines = _title("## Training step: forward + backward + AdamW", steps) + [
+        "| variant | sparsity | batch | seq | step ms | samples/s | x dense | x masked | theoretical x |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in steps:
+        vs_masked = f"{r['vs_masked_ratio']:.2f}" if r["vs_masked_ratio"] is not None else ""
+        lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
+                     f"| {_ms(r['step_ms'], r['step_spread_ms'])} | {r['samples_per_s']:.1f} "
+                     f"| {r['step_ratio']:.2f} | {vs_masked} | {r['theoretical_forward_ratio']:.2f} |")
+    return lines
+
+
+def _runtime_table(ort: list[dict]) -> list[str]:
+    lines = _title("## ONNX Runtime forward (CPU)", ort) + [
+        "| variant | sparsity | batch | seq | ORT ms | ORT x dense | max abs diff vs PyTorch |",
+        "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in ort:
+        lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
+                     f"| {_ms(r['ort_ms'], r['ort_spread_ms'])} | {r['ort_ratio']:.2f} "
+                     f"| {r['max_abs_diff_vs_torch']:.1e} |")
+    return lines
+
+
+def _decoder_table(dec: list[dict]) -> list[str]:
+    r0 = dec[0]
+    lines = [f"## Decoders (batch {r0['batch']}, prompt {r0['prompt_len']}, {r0['new_tokens']} new tokens)", "",
+             "| model | variant | sparsity | prefill ms | per-token ms | prefill x | per-token x "
+             "| attention share | KV bytes | KV ratio | theoretical attention x |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in dec:
+        lines.append(f"| {r['model']} | {r['variant']} | {r['sparsity']:.2f} "
+                     f"| {_ms(r['prefill_ms'], r['prefill_spread_ms'])} "
+                     f"| {_ms(r['per_token_ms'], r['per_token_spread_ms'])} | {r['prefill_ratio']:.2f} "
+                     f"| {r['per_token_ratio']:.2f} | {r['per_token_attention_share']:.0%} "
+                     f"| {r['kv_cache_bytes']:,} | {r['kv_ratio']:.3f} | {r['theoretical_attention_ratio']:.2f} |")
+    return lines
 
 
 def plot(results: dict, path: str | Path) -> None:
