@@ -24,15 +24,9 @@ ATTN = ("eager", "sdpa")
 
 
 @dataclass
-class EncoderSettings:
-    enabled: bool = MISSING
-    batches: List[int] = MISSING
-    seqs: List[int] = MISSING
-    variants: Dict[str, List[float]] = MISSING
+class GridSettings:
+    """A section timed over batches x seqs, with the variant kinds it runs (encoder, train_step)."""
 
-
-@dataclass
-class TrainStepSettings:
     enabled: bool = MISSING
     batches: List[int] = MISSING
     seqs: List[int] = MISSING
@@ -69,8 +63,8 @@ class BenchSettings:
     layouts: List[str] = MISSING
     warmup: int = MISSING
     repeats: int = MISSING
-    encoder: EncoderSettings = field(default_factory=EncoderSettings)
-    train_step: TrainStepSettings = field(default_factory=TrainStepSettings)
+    encoder: GridSettings = field(default_factory=GridSettings)
+    train_step: GridSettings = field(default_factory=GridSettings)
     onnxruntime: RuntimeSettings = field(default_factory=RuntimeSettings)
     decoder: DecoderSettings = field(default_factory=DecoderSettings)
     decoder_configs: Dict[str, Any] = MISSING

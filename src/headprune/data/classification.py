@@ -9,7 +9,6 @@ never scored or decided on.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import lightning as L
@@ -18,7 +17,7 @@ from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding
 
 from headprune.data.loaders import seeded_loader
-from headprune.data.textdata import TextTable, encode_labels, label_vocabulary, read_table
+from headprune.data.textdata import TextTable, encode_labels, label_vocabulary, read_table, resolve_data_file
 
 log = logging.getLogger(__name__)
 
@@ -51,24 +50,11 @@ class TextClassificationDataModule(L.LightningDataModule):
         self._loaded = False
 
     # -- reading -----------------------------------------------------------------------------
-    def _resolve(self, field: str, value: str | None) -> Path:
-        if value is None:
-            raise ValueError(f"data.{field} is not set: give a file path (or set data.hub for a hub dataset)")
-        path = Path(os.path.expanduser(value))
-        if not path.is_absolute() and self.data_dir:
-            path = Path(os.path.expanduser(self.data_dir)) / path
-        if path.is_dir():
-            raise IsADirectoryError(f"data.{field}: {str(path)!r} is a folder; allowed: a data file")
-        if not path.is_file():
-            hint = f" (data.data_dir={self.data_dir!r})" if self.data_dir else ""
-            raise FileNotFoundError(f"data.{field}: file {str(path)!r} does not exist{hint}")
-        return path
-
     def _read_local(self) -> tuple[TextTable, TextTable]:
         kwargs = dict(text_column=self.text_column, label_column=self.label_column,
                       text_pair_column=self.text_pair_column, header=self.header, delimiter=self.delimiter)
-        return (read_table(self._resolve("train_file", self.train_file), **kwargs),
-                read_table(self._resolve("validation_file", self.validation_file), **kwargs))
+        return (read_table(resolve_data_file("train_file", self.train_file, self.data_dir), **kwargs),
+                read_table(resolve_data_file("validation_file", self.validation_file, self.data_dir), **kwargs))
 
     def _read_hub(self) -> tuple[TextTable, TextTable]:
         from datasets import load_dataset

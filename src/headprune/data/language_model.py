@@ -12,7 +12,6 @@ real, and the model learns to predict each next token of a block from the ones b
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import lightning as L
@@ -20,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from headprune.data.loaders import seeded_loader
+from headprune.data.textdata import resolve_data_file
 
 log = logging.getLogger(__name__)
 
@@ -94,17 +94,11 @@ class TextLMDataModule(L.LightningDataModule):
         return bool(self.data_dir) or not self.hub or Path(str(self.file or "")).is_absolute()
 
     def _read_local(self) -> str:
-        if self.file is None:
-            raise ValueError("data.file is not set: give a text file path (or set data.hub for a hub dataset)")
-        path = Path(os.path.expanduser(self.file))
-        if not path.is_absolute() and self.data_dir:
-            path = Path(os.path.expanduser(self.data_dir)) / path
-        if path.is_dir():
-            raise IsADirectoryError(f"data.file: {str(path)!r} is a folder; allowed: a text file")
-        if not path.is_file():
-            hint = f" (data.data_dir={self.data_dir!r})" if self.data_dir else ""
-            raise FileNotFoundError(f"data.file: file {str(path)!r} does not exist{hint}")
-        return path.read_text(encoding="utf-8")
+        path = resolve_data_file("file", self.file, self.data_dir)
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"data.file: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
 
     def _read_hub(self) -> str:
         """The hub dataset's `splits` joined in order (e.g. a corpus the hub split 90/5/5 by position)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,22 @@ def _column_key(field: str, column, header: list[str] | None):
     if column not in header:
         raise ValueError(f"data.{field}={column!r} is not a column of the file; columns: {header}")
     return column
+
+
+def resolve_data_file(field: str, value: str | None, data_dir: str | None) -> Path:
+    """The file `data.<field>` names (relative to `data_dir` when set), or an error naming the
+    field: not set, a folder, or missing."""
+    if value is None:
+        raise ValueError(f"data.{field} is not set: give a file path (or set data.hub for a hub dataset)")
+    path = Path(os.path.expanduser(value))
+    if not path.is_absolute() and data_dir:
+        path = Path(os.path.expanduser(data_dir)) / path
+    if path.is_dir():
+        raise IsADirectoryError(f"data.{field}: {str(path)!r} is a folder; allowed: a data file")
+    if not path.is_file():
+        hint = f" (data.data_dir={data_dir!r})" if data_dir else ""
+        raise FileNotFoundError(f"data.{field}: file {str(path)!r} does not exist{hint}")
+    return path
 
 
 def read_table(path: str | Path, text_column, label_column, text_pair_column=None,
