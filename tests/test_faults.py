@@ -164,6 +164,22 @@ def test_ddp_stops_on_every_rank_when_one_rank_sees_a_nonfinite_loss(tmp_path, d
     assert saved["final"]["stop_reason"].startswith("non-finite loss") and math.isfinite(saved["final"]["val"]["loss"])
 
 
+def test_ddp_budget_and_least_squares_agree_across_ranks(tmp_path, data_dir):
+    """A FLOPs budget and least-squares mask tuning under DDP: each rank tunes on its shard, the
+    normal equations are summed across ranks, so both hold the same scales (check_consistency
+    compares masks and weights)."""
+    base = [o for o in BASE if not o.startswith("schedule")]
+    cmd = [sys.executable, "-m", "headprune.apps.train", *base, "logger=none", "callbacks=none", "trainer=ddp",
+           "check_consistency=true", "schedule=one_shot", "schedule.baseline_epochs=1", "schedule.epochs_per_round=0",
+           "recovery=least_squares", "budget=flops", "budget.target=0.6", "budget.batch=4", "budget.seq=16",
+           f"data.data_dir={data_dir}", "diagnostics.enabled=false", f"hydra.run.dir={tmp_path}"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    (round1,) = _strict(tmp_path / "results.json")["rounds"]
+    assert round1["budget"]["predicted_share"] <= 0.6 and "mask_tuning" in round1
+
+
 def test_failed_job_in_multirun_does_not_stop_the_others(tmp_path, data_dir):
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
     cmd = [sys.executable, "-m", "headprune.apps.train", "-m", "model=tiny_bert", "debug=fast", "logger=wandb",

@@ -24,6 +24,7 @@ from typing import List
 import torch
 from torch import nn
 
+from headprune.distributed import all_reduce_sum
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.mask import HeadMask
 from headprune.tasks import MODEL_INPUTS, to_device
@@ -166,7 +167,10 @@ def _normal_equations(model, adapter, layer: int, kept: list[int], alive: list[i
             target_sq += float(y.pow(2).sum())
     finally:
         handle.remove()
-    return gram, cross, target_sq
+    # data parallel: every rank tuned on its shard of the calibration slice; sum the normal
+    # equations so every rank solves the same system (no-op in one process)
+    total = all_reduce_sum(torch.cat([gram.flatten(), cross, torch.tensor([target_sq], dtype=torch.float64)]))
+    return total[:h * h].view(h, h), total[h * h:h * h + h], float(total[-1])
 
 
 def _real(batch: dict) -> torch.Tensor:
