@@ -46,7 +46,6 @@ def run(cfg: DictConfig) -> dict:
     layer_policy = build(cfg.layer_policy)
     recovery = build(cfg.recovery)
     budget = build(cfg.budget)
-    distill = recovery if isinstance(recovery, Distill) else None
     task = _task(cfg)
     schedule.check_metrics(VAL_METRICS[task], task)
     check_settings(cfg, schedule, recovery, budget)
