@@ -6,7 +6,8 @@
 # at 50/60/70/80% of the heads removed (budget=heads) and at latency budgets of 0.9/0.8/0.7 of the
 # dense forward (batch 32; seq 64 and 128), 2,048 calibration sentences from the training file.
 # Run from the repository root on an otherwise idle machine (latency is measured), default threads:
-#   FT=<the sst2_finetune export> bash experiments/retraining_free/run.sh
+#   FT=<the sst2_finetune export> bash experiments/retraining_free/run.sh [heads|latency|collect]
+# (no argument: everything, then the tables).
 set -euo pipefail
 OUT=${OUT:-experiments/retraining_free/runs}
 FT=${FT:-experiments/metric_curves/runs/finetune/export}
@@ -25,15 +26,27 @@ one() {  # one <name> <overrides...>
     end=$(date +%s.%N)
     python -c "import json,sys; json.dump({'wall_seconds': round($end - $start, 1)}, open('$dir/wall.json', 'w'))"
 }
-for arm in taylor fisher fisher_ls; do
-    for s in 0.5 0.6 0.7 0.8; do
-        one "${arm}_heads_${s}" ${ARM[$arm]} budget=heads schedule.target_sparsity=$s
-    done
-    for seq in 64 128; do
-        for t in 0.9 0.8 0.7; do
-            one "${arm}_latency_${t}_seq${seq}" ${ARM[$arm]} budget=latency budget.target=$t budget.seq=$seq \
-                budget.cache_dir=$CACHE
+heads() {
+    for arm in taylor fisher fisher_ls; do
+        for s in 0.5 0.6 0.7 0.8; do
+            one "${arm}_heads_${s}" ${ARM[$arm]} budget=heads schedule.target_sparsity=$s
         done
     done
-done
-python experiments/retraining_free/collect.py --runs $OUT --out experiments/retraining_free
+}
+latency() {
+    for seq in 64 128; do
+        for t in 0.9 0.8 0.7; do
+            for arm in taylor fisher fisher_ls; do
+                one "${arm}_latency_${t}_seq${seq}" ${ARM[$arm]} budget=latency budget.target=$t budget.seq=$seq \
+                    budget.cache_dir=$CACHE
+            done
+        done
+    done
+}
+collect() { python experiments/retraining_free/collect.py --runs $OUT --out experiments/retraining_free; }
+case ${1:-all} in
+    heads) heads ;;
+    latency) latency ;;
+    collect) collect ;;
+    all) heads; latency; collect ;;
+esac
