@@ -85,3 +85,18 @@ def test_quickstart_rounds_table_matches_results():
     data = json.loads((EXP / "quickstart" / "physical_timing.json").read_text())
     assert physical.table(data) == (EXP / "quickstart" / "physical_timing.md").read_text()
     assert physical.table(data) in (EXP / "quickstart" / "README.md").read_text()
+
+
+def test_recovery_tables_match_results(tmp_path):
+    collect = _script(EXP / "recovery" / "collect.py")
+    shutil.copytree(EXP / "recovery" / "results", tmp_path / "results")
+    collect.main(["--out", str(tmp_path)])
+    for name in ("results.md", "curves.md"):
+        assert (tmp_path / name).read_text() == (EXP / "recovery" / name).read_text(), name
+    readme = (EXP / "recovery" / "README.md").read_text()
+    assert (tmp_path / "results.md").read_text() in readme
+    runs = {(r["arm"], r["target"], r["seed"]) for r in collect.load(tmp_path / "results")}
+    expected = {(arm, t, 0) for arm in collect.ARMS for t in (0.7, 0.9)}
+    expected |= {(arm, 0.9, s) for arm in ("iterative", "distill", "dense") for s in (1, 2)}
+    assert runs == expected  # every arm the issue asks for, seeds 1 and 2 for (c), (d), (e) at 90%
+
