@@ -18,6 +18,7 @@ from headprune import HeadMask, prune_heads, save_pruned
 from headprune.bench.decoder import build_decoder, decode, kv_cache_bytes, prefill
 from headprune.bench.encoder import record_attention_calls, replay
 from headprune.bench.flops import attention_flops, ffn_flops, model_attention_flops
+from headprune.bench.report import headline_table, markdown, summary_lines
 from headprune.bench.timing import Case, Clock, Stats, interleaved
 from headprune.bench.variants import (SparseLinear, build_variants, qkvo_modules, qkvo_weight_count,
                                       removal_counts)
@@ -50,6 +51,23 @@ def quick_run(tmp_path_factory):
     finally:
         mp.undo()
     return out, results
+
+
+# -- the committed measurement ------------------------------------------------------------------
+REPO = config_dir().parent
+COMMITTED = REPO / "docs" / "bench"
+
+
+def test_committed_bench_tables_are_rendered_from_its_json():
+    """docs/bench/bench.md, the summary lines quoted in docs/bench.md and the README's headline
+    table are what the report code makes of the committed bench.json (a full, not quick, run)."""
+    results = json.loads((COMMITTED / "bench.json").read_text())
+    assert results["meta"]["quick"] is False
+    assert markdown(results) == (COMMITTED / "bench.md").read_text()
+    docs = (REPO / "docs" / "bench.md").read_text()
+    for line in summary_lines(results["summary"]):
+        assert line in docs, line
+    assert headline_table(results) in (REPO / "README.md").read_text()
 
 
 # -- the app's outputs ------------------------------------------------------------------------

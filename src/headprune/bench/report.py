@@ -111,7 +111,7 @@ def markdown(results: dict) -> str:
         lines += [f"device: {meta.get('device')}, threads: {meta.get('threads')}, torch {meta.get('torch')}, "
                   f"transformers {meta.get('transformers')}, load average before/after: "
                   f"{meta.get('load_before')} / {meta.get('load_after')}", ""]
-    lines += _summary_lines(results.get("summary", {}))
+    lines += summary_lines(results.get("summary", {}))
     for section, table in (("encoder", _encoder_table), ("train_step", _train_step_table),
                            ("onnxruntime", _runtime_table), ("decoder", _decoder_table)):
         if results.get(section):
@@ -122,6 +122,40 @@ def markdown(results: dict) -> str:
               "weights skipped). KV ratio: variant cache bytes / dense. Attention share: time inside the attention "
               "modules / decode time (separate hooked pass).", ""]
     return "\n".join(lines)
+
+
+HEADLINE = (("masked", 0.5, "masked"), ("pruned_uniform", 0.25, "pruned (uniform)"),
+            ("pruned_uniform", 0.5, "pruned (uniform)"), ("pruned_uniform", 0.75, "pruned (uniform)"),
+            ("unstructured_dense", 0.5, "unstructured, dense kernels"),
+            ("unstructured_sparse", 0.5, "unstructured, CSR kernels"))
+
+
+def headline_table(results: dict) -> str:
+    """The README's table: at the encoder's largest shape, per variant, the attention sub-layer
+    and whole-forward speed-ups with the FLOP limit, ONNX Runtime's forward speed-up and the
+    training step against the masked model at the same sparsity (where those sections ran)."""
+    enc = results["encoder"]
+    shape = _largest(enc)
+
+    def at(section: str, variant: str, sparsity: float) -> dict | None:
+        return next((r for r in results.get(section) or [] if (r["batch"], r["seq"]) == shape
+                     and r["variant"] == variant and r["sparsity"] == sparsity), None)
+
+    def x(value: float | None, bold: bool = False) -> str:
+        return "–" if value is None else (f"**{value:.2f}x**" if bold else f"{value:.2f}x")
+
+    lines = ["| variant | removed | attention sub-layer | theoretical | whole forward | ONNX Runtime forward "
+             "| training step vs masked |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for variant, sparsity, name in HEADLINE:
+        row = at("encoder", variant, sparsity)
+        if row is None:
+            continue
+        removed = f"{sparsity:.0%} of the " + ("weights" if variant.startswith("unstructured") else "heads")
+        ort, step = at("onnxruntime", variant, sparsity), at("train_step", variant, sparsity)
+        lines.append(f"| {name} | {removed} | {x(row['attention_ratio'], bold=sparsity == 0.5 and variant == 'pruned_uniform')} "
+                     f"| {x(row['theoretical_attention_ratio'])} | {x(row['forward_ratio'])} "
+                     f"| {x(ort and ort['ort_ratio'])} | {x(step and step['vs_masked_ratio'])} |")
+    return "\n".join(lines) + "\n"
 
 
 def _title(name: str, rows: list[dict]) -> list[str]:
@@ -222,12 +256,13 @@ def _curves(ax, rows: list[dict], key: str, label: str = "", theory: bool = True
             ax.plot(*zip(*pts), color="black", ls=style, label=f"theoretical attention (FLOPs, {what})")
 
 
-def _summary_lines(s: dict) -> list[str]:
+def summary_lines(s: dict) -> list[str]:
+    """The headline numbers of `summary(results)` as markdown bullets, each against its target."""
     lines = []
     enc = s.get("encoder", {})
     if "attention_ratio_50" in enc:
         lines.append(f"- attention sub-layer, 50% heads removed (batch {enc['batch']}, seq {enc['seq']}): "
-                     f"{enc['attention_ratio_50']:.2f}x dense (target >= {enc['target']}x, theoretical "
+                     f"{enc['attention_ratio_50']:.2f}x dense (target >= {enc['target']}x: {_met(enc)}, theoretical "
                      f"{enc['theoretical_attention_ratio_50']:.2f}x)")
     if "masked_forward_ratio_50" in enc:
         lines.append(f"- masked, 50% heads: forward {enc['masked_forward_ratio_50']:.2f}x, attention "
@@ -236,13 +271,13 @@ def _summary_lines(s: dict) -> list[str]:
     step = s.get("train_step", {})
     if "vs_masked_ratio_50" in step:
         lines.append(f"- training step, 50% heads removed (batch {step['batch']}, seq {step['seq']}): "
-                     f"{step['vs_masked_ratio_50']:.2f}x the masked model's (target >= {step['target']}x), "
+                     f"{step['vs_masked_ratio_50']:.2f}x the masked model's (target >= {step['target']}x: {_met(step)}), "
                      f"{step['step_ratio_50']:.2f}x dense (forward FLOPs {step['theoretical_forward_ratio_50']:.2f}x)")
     ort = s.get("onnxruntime", {})
     if "relative_difference" in ort:
         lines.append(f"- ONNX Runtime forward, 50% heads removed (batch {ort['batch']}, seq {ort['seq']}): "
                      f"{ort['ort_ratio_50']:.2f}x dense, PyTorch {ort['torch_forward_ratio_50']:.2f}x "
-                     f"({100 * ort['relative_difference']:+.1f}%, target within {100 * ort['tolerance']:.0f}%)")
+                     f"({100 * ort['relative_difference']:+.2f}%, target within {100 * ort['tolerance']:.0f}%: {_met(ort)})")
     for model, d in s.get("decoder", {}).items():
         line = f"- {model}: KV bytes exactly the kept KV-head share: {d['kv_exact']}"
         if "per_token_ratio_50" in d:
@@ -251,6 +286,10 @@ def _summary_lines(s: dict) -> list[str]:
                      f"of a dense step, {d['attention_share_50']:.0%} of a pruned one)")
         lines.append(line)
     return lines + ([""] if lines else [])
+
+
+def _met(block: dict) -> str:
+    return "met" if block["meets_target"] else "missed"
 
 
 def _ms(median: float, spread: dict) -> str:
