@@ -95,6 +95,17 @@ def test_kv_budget_prunes_whole_groups_to_the_share():
     assert all(sorted(h for l, h in pruned if l == layer) in ([], [0, 1], [2, 3], [0, 1, 2, 3]) for layer in range(3))
 
 
+def test_a_budget_no_layout_meets_takes_the_cheapest_and_records_the_real_target():
+    model = tiny("llama")
+    loader = [{"input_ids": inputs()["input_ids"], "attention_mask": inputs()["attention_mask"]}]
+    report = prune_to_budget(model, loader, {"kind": "kv", "target": 0.2, "batch": 1, "seq": 8}, metric="magnitude",
+                             recovery="none", rearrange=False, policy=GlobalPolicy(min_heads_per_layer=1))
+    budget = report["round"]["budget"]
+    assert budget["kept_units_per_layer"] == [1, 1, 1] and budget["predicted_share"] == 0.5
+    assert budget["target_share"] == 0.2  # the target asked for, not the fallback's
+    assert "0.2000 of dense cannot be met" in report["round"]["shortfall"]
+
+
 def test_latency_table_is_measured_once_and_cached(tmp_path):
     model = tiny_bert()
     first = latency_table(model, batch=2, seq=8, cache_dir=tmp_path, warmup=0, repeats=2)

@@ -135,5 +135,5 @@ def _allocate(scores, alive, costs: LayerCosts, share: float, policy, model_unit
         return heads, report, None
     except ValueError as err:
         log.warning("round %d: %s; taking the cheapest layout the layer policy allows", round_no, err)
-        heads, report = allocate(scores, alive, costs, 1.0, policy, model_units, cheapest=True)
+        heads, report = allocate(scores, alive, costs, share, policy, model_units, cheapest=True)
         return heads, report, f"the {costs.unit} budget {share:.4f} of dense cannot be met: {err}"
