@@ -7,12 +7,15 @@ Copies each finished run (`<runs>/<arm>_<budget>/results.json`, with `wall.json`
 added as `wall_seconds`) to `<out>/results/<arm>_<budget>.json`; the tables are then built from
 `<out>/results/*.json` alone: `results.md` (accuracy per budget and arm, the drop from the
 unpruned model, heads kept, predicted and measured latency share, seconds per stage) and
-`retraining_free.csv` (one row per run).
+`retraining_free.csv` (one row per run). With `--beside <recovery results folder>`, also
+`beside.md`: the heads-budget runs next to the prune-and-fine-tune arms of experiments/recovery
+(accuracy before and after pruning, wall time), from both folders' result files.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from headprune.apps.collect import to_csv
@@ -84,16 +87,55 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+FINETUNE_ARMS = {"one_shot_short": "one-shot, then 1 epoch", "one_shot_long": "one-shot, then 1 epoch per round",
+                 "iterative": "iterative, 1 epoch per round", "distill": "iterative + distillation"}
+
+
+def beside(table: list[dict], recovery: Path) -> str:
+    """Retraining-free runs at heads budgets beside the recovery experiment's prune-and-fine-tune
+    arms: what each starts from, what it ends at, and its wall time (mean over seeds)."""
+    lines = ["| heads removed | route | starts from | acc before pruning | acc after | change (points) | wall min |",
+             "|---:|---|---|---:|---:|---:|---:|"]
+    out = []
+    for r in table:
+        if r["budget"].startswith("heads "):
+            out.append((float(r["budget"].split()[1]), 0, f"retraining-free {ARMS[r['arm']]}",
+                        "fine-tuned on all of SST-2", [r["acc_unpruned"]], [r["acc"]], [r["wall_seconds"]]))
+    groups: dict = {}
+    for path in sorted(recovery.glob("*.json")):
+        arm, target, _ = path.stem.rsplit("_", 2)
+        if arm in FINETUNE_ARMS:
+            res = json.loads(path.read_text())
+            g = groups.setdefault((float(target), arm), ([], [], []))
+            g[0].append(res["baseline"]["val"]["acc"])
+            g[1].append(res["final"]["val"]["acc"])
+            g[2].append(res.get("wall_seconds"))
+    for (target, arm), (before, after, walls) in groups.items():
+        out.append((target, 1 + list(FINETUNE_ARMS).index(arm), f"prune and fine-tune: {FINETUNE_ARMS[arm]}",
+                    "2 epochs on 4,000 sentences", before, after, walls))
+    for target, _, route, start, before, after, walls in sorted(out, key=lambda x: x[:2]):
+        known = [w for w in walls if w is not None]
+        wall = f"{statistics.fmean(known) / 60:.1f}" if len(known) == len(walls) else "– (reused)"
+        seeds = f" (mean of {len(after)} seeds)" if len(after) > 1 else ""
+        b, a = statistics.fmean(before), statistics.fmean(after)
+        lines.append(f"| {100 * target:g}% | {route}{seeds} | {start} | {100 * b:.2f} | {100 * a:.2f} "
+                     f"| {100 * (a - b):+.2f} | {wall} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=Path, default=None)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--beside", type=Path, default=None, help="experiments/recovery/results, for beside.md")
     args = parser.parse_args(argv)
     if args.runs is not None:
         gather(args.runs, args.out)
     table = rows(args.out / "results")
     write_text_atomic(args.out / "retraining_free.csv", to_csv(table))
     write_text_atomic(args.out / "results.md", markdown(table))
+    if args.beside is not None:
+        write_text_atomic(args.out / "beside.md", beside(table, args.beside))
     print((args.out / "results.md").read_text())
 
 

@@ -43,7 +43,8 @@ latency() {
         done
     done
 }
-collect() { python experiments/retraining_free/collect.py --runs $OUT --out experiments/retraining_free; }
+collect() { python experiments/retraining_free/collect.py --runs $OUT --out experiments/retraining_free \
+              --beside experiments/recovery/results; }
 case ${1:-all} in
     heads) heads ;;
     latency) latency ;;
