@@ -37,6 +37,21 @@ def tokenizer():
     return load_tokenizer("minilm")
 
 
+def compose_train(out, data_dir, *overrides):
+    """The train config as `headprune-train` would compose it, writing to `out`, reading `data_dir`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from headprune.apps.config_paths import config_dir
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            return compose("train", overrides=[f"paths.output_dir={out}", f"data.data_dir={data_dir}", *overrides])
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def tiny_bert(attn: str = "sdpa", seed: int = 0, num_labels: int = 2, **overrides):
     from headprune.models import build_model
 

@@ -5,12 +5,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
-from headprune.apps.config_paths import config_dir
 from headprune.apps.train import run
 from headprune.recovery.distill import Distill, distill_loss, hidden_mse, kd_loss
+from tests.conftest import compose_train
 from tests.test_faults import Crash
 
 TINY = ["model=tiny_bert", "callbacks=none", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
@@ -21,12 +19,7 @@ ITERATIVE = ["schedule=iterative", "schedule.target_sparsity=0.5", "schedule.ste
 
 
 def _cfg(out, data_dir, *overrides, schedule=ITERATIVE):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=[f"paths.output_dir={out}", f"data.data_dir={data_dir}", *TINY, *schedule,
-                                          *overrides])
-    GlobalHydra.instance().clear()
-    return cfg
+    return compose_train(out, data_dir, *TINY, *schedule, *overrides)
 
 
 # -- the loss --------------------------------------------------------------------------------------

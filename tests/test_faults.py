@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 
 from headprune.apps.config_paths import config_dir
 from headprune.apps.train import run
+from tests.conftest import compose_train
 
 BASE = ["model=tiny_bert", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
         "data.max_validation_samples=64", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
@@ -39,11 +40,7 @@ class CrashAfterEpoch(Callback):
 
 
 def _cfg(out, data_dir, *overrides):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=[f"paths.output_dir={out}", f"data.data_dir={data_dir}", *BASE, *overrides])
-    GlobalHydra.instance().clear()
-    return cfg
+    return compose_train(out, data_dir, *BASE, *overrides)
 
 
 def _results(out):
@@ -240,7 +237,6 @@ def test_wandb_runs_of_a_sweep_share_group_and_tags(tmp_path):
     from hydra.types import RunMode
     from omegaconf import open_dict
 
-    from headprune.apps.config_paths import config_dir
     from headprune.lightning import loggers
 
     assert loggers.hydra_run_identity() == (None, None, [])

@@ -1,17 +1,13 @@
 """Physical shrink during fit: pruned heads leave the weights and the optimizer, and training goes
 on exactly as it would with the heads masked."""
-import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
-from headprune import HeadMask, load_pruned, prune_heads
-from headprune.apps.config_paths import config_dir
+from headprune import load_pruned, prune_heads
 from headprune.apps.train import run
 from headprune.heads.optimizer_state import carry_optimizer_state
-from tests.conftest import tiny_batch, tiny_bert
+from tests.conftest import compose_train, tiny_batch, tiny_bert
 
 TINY = ["model=tiny_bert", "callbacks=none", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
         "data.max_validation_samples=64", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
@@ -21,11 +17,7 @@ TINY = ["model=tiny_bert", "callbacks=none", "logger=none", "data.max_train_samp
 
 
 def _cfg(out, data_dir, *overrides):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = compose("train", overrides=[f"paths.output_dir={out}", f"data.data_dir={data_dir}", *TINY, *overrides])
-    GlobalHydra.instance().clear()
-    return cfg
+    return compose_train(out, data_dir, *TINY, *overrides)
 
 
 def test_optimizer_state_is_sliced_with_the_weights(tokenizer):

@@ -158,58 +158,60 @@ def headline_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _title(name: str, rows: list[dict]) -> list[str]:
-    return [name + (f" ({rows[0]['model']})" if rows[0].get("model") else ""), ""]
+def _title(name: str, rows: list[dict]) -> str:
+    return name + (f" ({rows[0]['model']})" if rows[0].get("model") else "")
+
+
+def _table(title: str, rows: list[dict], columns: list[tuple]) -> list[str]:
+    """A markdown table under `title`: one (heading, cell(row) -> str, right-aligned) per column."""
+    lines = [title, "", "| " + " | ".join(c[0] for c in columns) + " |",
+             "|" + "|".join("---:" if c[2] else "---" for c in columns) + "|"]
+    return lines + ["| " + " | ".join(c[1](r) for c in columns) + " |" for r in rows]
+
+
+def _fmt(key: str, spec: str, heading: str | None = None) -> tuple:
+    return heading or key, lambda r: format(r[key], spec), True
+
+
+def _timed(heading: str, key: str) -> tuple:
+    return heading, lambda r: _ms(r[key], r[key.removesuffix("_ms") + "_spread_ms"]), True
+
+
+def _ratio(heading: str, key: str) -> tuple:
+    return heading, lambda r: f"{r[key]:.2f}", True
+
+
+GRID = [("variant", lambda r: r["variant"], False), _fmt("sparsity", ".2f"), _fmt("batch", "d"), _fmt("seq", "d")]
 
 
 def _encoder_table(enc: list[dict]) -> list[str]:
-    lines = _title("## Encoder", enc) + [
-        "| variant | sparsity | batch | seq | forward ms | attention ms | forward x | attention x | theoretical attention x |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in enc:
-        lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
-                     f"| {_ms(r['forward_ms'], r['forward_spread_ms'])} "
-                     f"| {_ms(r['attention_ms'], r['attention_spread_ms'])} | {r['forward_ratio']:.2f} "
-                     f"| {r['attention_ratio']:.2f} | {r['theoretical_attention_ratio']:.2f} |")
-    return lines
+    return _table(_title("## Encoder", enc), enc, GRID + [
+        _timed("forward ms", "forward_ms"), _timed("attention ms", "attention_ms"), _ratio("forward x", "forward_ratio"),
+        _ratio("attention x", "attention_ratio"), _ratio("theoretical attention x", "theoretical_attention_ratio")])
 
 
 def _train_step_table(steps: list[dict]) -> list[str]:
-    lines = _title("## Training step: forward + backward + AdamW", steps) + [
-        "| variant | sparsity | batch | seq | step ms | samples/s | x dense | x masked | theoretical x |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in steps:
-        vs_masked = f"{r['vs_masked_ratio']:.2f}" if r["vs_masked_ratio"] is not None else ""
-        lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
-                     f"| {_ms(r['step_ms'], r['step_spread_ms'])} | {r['samples_per_s']:.1f} "
-                     f"| {r['step_ratio']:.2f} | {vs_masked} | {r['theoretical_forward_ratio']:.2f} |")
-    return lines
+    vs_masked = ("x masked", lambda r: "" if r["vs_masked_ratio"] is None else f"{r['vs_masked_ratio']:.2f}", True)
+    return _table(_title("## Training step: forward + backward + AdamW", steps), steps, GRID + [
+        _timed("step ms", "step_ms"), ("samples/s", lambda r: f"{r['samples_per_s']:.1f}", True),
+        _ratio("x dense", "step_ratio"), vs_masked, _ratio("theoretical x", "theoretical_forward_ratio")])
 
 
 def _runtime_table(ort: list[dict]) -> list[str]:
-    lines = _title("## ONNX Runtime forward (CPU)", ort) + [
-        "| variant | sparsity | batch | seq | ORT ms | ORT x dense | max abs diff vs PyTorch |",
-        "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in ort:
-        lines.append(f"| {r['variant']} | {r['sparsity']:.2f} | {r['batch']} | {r['seq']} "
-                     f"| {_ms(r['ort_ms'], r['ort_spread_ms'])} | {r['ort_ratio']:.2f} "
-                     f"| {r['max_abs_diff_vs_torch']:.1e} |")
-    return lines
+    return _table(_title("## ONNX Runtime forward (CPU)", ort), ort, GRID + [
+        _timed("ORT ms", "ort_ms"), _ratio("ORT x dense", "ort_ratio"),
+        ("max abs diff vs PyTorch", lambda r: f"{r['max_abs_diff_vs_torch']:.1e}", True)])
 
 
 def _decoder_table(dec: list[dict]) -> list[str]:
     r0 = dec[0]
-    lines = [f"## Decoders (batch {r0['batch']}, prompt {r0['prompt_len']}, {r0['new_tokens']} new tokens)", "",
-             "| model | variant | sparsity | prefill ms | per-token ms | prefill x | per-token x "
-             "| attention share | KV bytes | KV ratio | theoretical attention x |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in dec:
-        lines.append(f"| {r['model']} | {r['variant']} | {r['sparsity']:.2f} "
-                     f"| {_ms(r['prefill_ms'], r['prefill_spread_ms'])} "
-                     f"| {_ms(r['per_token_ms'], r['per_token_spread_ms'])} | {r['prefill_ratio']:.2f} "
-                     f"| {r['per_token_ratio']:.2f} | {r['per_token_attention_share']:.0%} "
-                     f"| {r['kv_cache_bytes']:,} | {r['kv_ratio']:.3f} | {r['theoretical_attention_ratio']:.2f} |")
-    return lines
+    title = f"## Decoders (batch {r0['batch']}, prompt {r0['prompt_len']}, {r0['new_tokens']} new tokens)"
+    return _table(title, dec, [("model", lambda r: r["model"], False), GRID[0], GRID[1],
+                               _timed("prefill ms", "prefill_ms"), _timed("per-token ms", "per_token_ms"),
+                               _ratio("prefill x", "prefill_ratio"), _ratio("per-token x", "per_token_ratio"),
+                               ("attention share", lambda r: f"{r['per_token_attention_share']:.0%}", True),
+                               ("KV bytes", lambda r: f"{r['kv_cache_bytes']:,}", True), _fmt("kv_ratio", ".3f", "KV ratio"),
+                               _ratio("theoretical attention x", "theoretical_attention_ratio")])
 
 
 def plot(results: dict, path: str | Path) -> None:
