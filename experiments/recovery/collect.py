@@ -23,7 +23,7 @@ from headprune.atomic import write_json_atomic, write_text_atomic
 
 ARMS = {"one_shot_short": "(a) one-shot, then 1 epoch", "one_shot_long": "(b) one-shot, then 1 epoch per round",
         "iterative": "(c) iterative, 1 epoch per round", "distill": "(d) iterative + distillation",
-        "dense": "(e) dense, trained as long"}
+        "distill_hidden": "(d') (d) + hidden-state matching", "dense": "(e) dense, trained as long"}
 REUSED = {"one_shot": "one_shot_long", "iterative": "iterative"}  # iterative_vs_one_shot file stem -> arm
 
 

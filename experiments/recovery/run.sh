@@ -9,6 +9,7 @@
 #   (b) one_shot_long    one-shot, then as many epochs as the iterative arm has rounds   (seed 0: reused)
 #   (c) iterative        10% per round, 1 epoch each                                      (seed 0: reused)
 #   (d) distill          (c) + recovery=distill (teacher: the model after the 2 baseline epochs)
+#   (d') distill_hidden  (d) + per-layer hidden-state MSE (recovery.hidden_weight=1.0), 90%, seeds 0 and 1
 #   (e) dense            no pruning, trained as many epochs as (b)/(c)/(d) (2 + rounds)
 # Run from the repository root, two lanes side by side on a 2-core machine, one torch thread each:
 #   bash experiments/recovery/run.sh lane1 &  bash experiments/recovery/run.sh lane2 &  wait
@@ -30,6 +31,7 @@ arm() {  # arm <name> <target> <seed>
         one_shot_long)  args+=(schedule=one_shot schedule.target_sparsity=$t schedule.epochs_per_round=$rounds) ;;
         iterative)      args+=(schedule.target_sparsity=$t) ;;
         distill)        args+=(schedule.target_sparsity=$t recovery=distill) ;;
+        distill_hidden) args+=(schedule.target_sparsity=$t recovery=distill recovery.hidden_weight=1.0) ;;
         dense)          args+=(schedule=one_shot schedule.target_sparsity=0.0 schedule.baseline_epochs=$((2 + rounds))
                                schedule.epochs_per_round=0) ;;
     esac
@@ -44,8 +46,10 @@ case ${1:-all} in
     lane1) arm distill 0.9 0; arm distill 0.7 0; arm distill 0.9 1; arm distill 0.9 2 ;;
     lane2) arm one_shot_short 0.7 0; arm one_shot_short 0.9 0; arm dense 0.9 0; arm dense 0.7 0
            arm iterative 0.9 1; arm iterative 0.9 2; arm dense 0.9 1; arm dense 0.9 2 ;;
+    lane3) arm distill_hidden 0.9 0 ;;
+    lane4) arm distill_hidden 0.9 1 ;;
     arm) shift; arm "$@" ;;  # one arm: arm <name> <target> <seed>
     collect) python experiments/recovery/collect.py --runs $OUT --reuse experiments/iterative_vs_one_shot/results \
                  --out experiments/recovery ;;
-    all) "$0" lane1; "$0" lane2; "$0" collect ;;
+    all) "$0" lane1; "$0" lane2; "$0" lane3; "$0" lane4; "$0" collect ;;
 esac
