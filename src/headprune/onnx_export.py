@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from headprune.tasks import is_causal_lm
+
 
 class _Logits(nn.Module):
     """The model as a function of tensors to logits (no cache, no output dataclass)."""
@@ -26,7 +28,7 @@ class _Logits(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
-        self.extra = {"use_cache": False} if _is_causal_lm(model) else {}
+        self.extra = {"use_cache": False} if is_causal_lm(model) else {}
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,7 +93,3 @@ def check_onnx(model: nn.Module, path: str | Path, batch: int = 3, seq: int = 11
     if diff.dim() == 3:
         diff = diff[example["attention_mask"].bool().cpu()]
     return {"max_abs_diff": float(diff.max()), "batch": batch, "seq": seq, "logits_shape": list(got.shape)}
-
-
-def _is_causal_lm(model: nn.Module) -> bool:
-    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in model.config.architectures or [type(model).__name__])

@@ -61,6 +61,18 @@ def target_weights(batch: dict) -> torch.Tensor:
     return weights
 
 
+def real_tokens(batch: dict) -> torch.Tensor:
+    """Bool (B, T): True for real tokens, False for padding."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].bool()
+    return torch.ones_like(batch["input_ids"], dtype=torch.bool)
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A next-token model (its architectures, else its class, end in ForCausalLM / LMHeadModel)."""
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in model.config.architectures or [type(model).__name__])
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 

@@ -30,6 +30,7 @@ from headprune.bench.variants import build_variants, exported_variants
 from headprune.apps.components import instantiate_group
 from headprune.apps.config_paths import config_dir
 from headprune.lightning.loggers import finish_wandb
+from headprune.tasks import is_causal_lm
 
 log = logging.getLogger(__name__)
 register_bench_schema()
@@ -51,7 +52,7 @@ def run(cfg: DictConfig) -> dict:
     results = {"meta": _meta(cfg, device), "encoder": [], "train_step": [], "onnxruntime": [], "decoder": []}
 
     exported = load_pruned(bench.pruned_dir) if bench.pruned_dir else None
-    exported_is_lm = exported is not None and _is_causal_lm(exported)
+    exported_is_lm = exported is not None and is_causal_lm(exported)
     for section, bench_fn in (("encoder", bench_encoder), ("train_step", bench_train_step)):
         settings = bench[section]
         if not settings.enabled:
@@ -118,10 +119,6 @@ def _model_name(model_cfg: DictConfig) -> str:
         return model_cfg.pretrained
     overrides = OmegaConf.to_container(model_cfg.get("config_overrides") or {}, resolve=True)
     return f"{model_cfg.pretrained} (random init {overrides})"
-
-
-def _is_causal_lm(model) -> bool:
-    return any(arch.endswith(("ForCausalLM", "LMHeadModel")) for arch in model.config.architectures or [])
 
 
 def _meta(cfg: DictConfig, device: torch.device) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from headprune.apps.objectives import OBJECTIVES
 from headprune.recovery import Distill, NoRecovery
 
 
@@ -27,10 +28,9 @@ def check_settings(cfg: DictConfig, schedule, recovery, budget) -> None:
                          f"{schedule.epochs_per_round} and schedule.recover_epochs={schedule.recover_epochs}; allowed: "
                          "both 0, or recovery=finetune")
     names = list(cfg.get("objectives") or ["headline"])
-    allowed = ("headline", "val_acc", "val_loss", "val_ppl", "sparsity", "kept_share", "latency_share")
     for name in names:
-        if name not in allowed:
-            raise ValueError(f"objectives: {name!r} is not allowed; allowed: {', '.join(allowed)}")
+        if name not in OBJECTIVES:
+            raise ValueError(f"objectives: {name!r} is not allowed; allowed: {', '.join(OBJECTIVES)}")
     if "latency_share" in names and budget.kind != "latency":
         raise ValueError("objectives: latency_share is measured under budget=latency only; allowed: kept_share, or "
                          "budget=latency")

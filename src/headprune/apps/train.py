@@ -19,6 +19,7 @@ from headprune.apps.components import build, instantiate_group
 from headprune.apps import run_dir
 from headprune.apps.config_paths import config_dir
 from headprune.apps.config_schema import register_schemas
+from headprune.apps.objectives import objectives
 from headprune.apps.preflight import check_model, check_settings
 from headprune.heads.surgery import count_params, prune_heads, save_pruned, scale_heads
 from headprune.lightning.callbacks import HeadPruning
@@ -218,18 +219,6 @@ def _diagnostics_options(cfg: DictConfig) -> dict | None:
     if not block or not block.get("enabled", True):
         return None
     return {k: v for k, v in OmegaConf.to_container(block, resolve=True).items() if k != "enabled"}
-
-
-def objectives(results: dict, names) -> float | list[float]:
-    """The values a sweeper optimises (`objectives` in train.yaml, checked at start): one float,
-    or a list."""
-    final = results["final"]
-    values = {"headline": lambda: headline(final["val"])[1], "sparsity": lambda: final["sparsity"],
-              "kept_share": lambda: 1.0 - final["sparsity"],
-              "latency_share": lambda: final["latency"]["measured_share"],
-              **{f"val_{k}": (lambda k=k: final["val"][k]) for k in ("acc", "loss", "ppl")}}
-    out = [float(values[name]()) for name in names]
-    return out[0] if len(out) == 1 else out
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headprune.tasks import MODEL_INPUTS, target_weights
+from headprune.tasks import MODEL_INPUTS, real_tokens, target_weights
 
 
 @dataclass
@@ -67,8 +67,7 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, batch: dict, temperatu
 
 def hidden_mse(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...], batch: dict) -> torch.Tensor:
     """(B,) mean over layers of the mean squared hidden-state difference over real tokens and units."""
-    real = batch["attention_mask"].float() if "attention_mask" in batch else torch.ones_like(batch["input_ids"],
-                                                                                              dtype=torch.float)
+    real = real_tokens(batch).float()  # (B, T)
     per_layer = [((s.float() - t.float()).pow(2).mean(-1) * real).sum(1) / real.sum(1).clamp_min(1.0)
                  for s, t in zip(student, teacher)]  # each (B,)
     return torch.stack(per_layer).mean(0)

@@ -27,7 +27,7 @@ from torch import nn
 from headprune.distributed import all_reduce_sum
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.mask import HeadMask
-from headprune.tasks import MODEL_INPUTS, to_device
+from headprune.tasks import forward_logits, real_tokens, to_device
 
 
 @dataclass
@@ -119,8 +119,8 @@ def _dense_outputs(dense: nn.Module, batches: list[dict]) -> list[torch.Tensor]:
     dense.eval()
     try:
         for batch in batches:
-            current["real"] = _real(batch)
-            dense(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
+            current["real"] = real_tokens(batch)
+            forward_logits(dense, batch)
     finally:
         for handle in handles:
             handle.remove()
@@ -151,9 +151,9 @@ def _normal_equations(model, adapter, layer: int, kept: list[int], alive: list[i
     handle = o.register_forward_pre_hook(capture)
     try:
         for batch in batches:
-            current["real"] = _real(batch)
+            current["real"] = real_tokens(batch)
             try:
-                model(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
+                forward_logits(model, batch)
             except _Stop:
                 pass
             x = current.pop("x")
@@ -171,10 +171,3 @@ def _normal_equations(model, adapter, layer: int, kept: list[int], alive: list[i
     # equations so every rank solves the same system (no-op in one process)
     total = all_reduce_sum(torch.cat([gram.flatten(), cross, torch.tensor([target_sq], dtype=torch.float64)]))
     return total[:h * h].view(h, h), total[h * h:h * h + h], float(total[-1])
-
-
-def _real(batch: dict) -> torch.Tensor:
-    """Bool (B, T): the real (non-padding) tokens."""
-    if "attention_mask" in batch:
-        return batch["attention_mask"].bool()
-    return torch.ones_like(batch["input_ids"], dtype=torch.bool)

@@ -27,7 +27,7 @@ from torch import nn
 
 from headprune.heads.adapters import head_layout
 from headprune.heads.mask import HeadMask
-from headprune.tasks import MODEL_INPUTS, to_device
+from headprune.tasks import MODEL_INPUTS, real_tokens, to_device
 from headprune.scoring.reduce import finish_scores, mean_over_ranks
 
 
@@ -43,13 +43,6 @@ def eager_attention(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_attn_implementation(previous)
-
-
-def real_tokens(batch: dict) -> torch.Tensor:
-    """Bool (B, T): True for real tokens, False for padding."""
-    if "attention_mask" in batch:
-        return batch["attention_mask"].bool()
-    return torch.ones_like(batch["input_ids"], dtype=torch.bool)
 
 
 def attention_maps(model: nn.Module, dataloader, device: torch.device,
