@@ -26,6 +26,7 @@ from torch import nn
 
 from headprune.heads.adapters import get_adapter, model_shape
 from headprune.selection.knapsack import best_allocation
+from headprune.selection.layer_policies import UniformPolicy
 
 KINDS = ("heads", "flops", "latency", "kv")
 
@@ -73,13 +74,6 @@ class LayerCosts:
 
     def total(self, kept: list[int]) -> float:
         return self.fixed + sum(self.cost[l][k] for l, k in enumerate(kept))
-
-
-def units(model: nn.Module) -> list[list[int]]:
-    """The selection units: lists of query head ids that go together (KV groups; heads without GQA)."""
-    from headprune.heads.surgery import kv_group_heads
-
-    return kv_group_heads(model)
 
 
 def layer_costs(model: nn.Module, budget: Budget, latency_table: dict[int, float] | None = None,
@@ -131,7 +125,7 @@ def allocate(scores: torch.Tensor, alive: torch.Tensor, costs: LayerCosts, share
     limit = share * costs.dense - costs.fixed
     if cheapest:  # the fewest units each layer may keep (costs grow with units, up to timing noise)
         kept = [choices[l][0] for l in range(n_layers)]
-    elif type(policy).__name__ == "UniformPolicy":  # the same number of units in every layer: the most that fits
+    elif isinstance(policy, UniformPolicy):  # the same number of units in every layer: the most that fits
         shared = sorted(set.intersection(*(set(c) for c in choices)), reverse=True)
         fits = [k for k in shared if sum(costs.cost[l][k] for l in range(n_layers)) <= limit + 1e-9 * abs(limit)]
         if not fits:

@@ -50,16 +50,16 @@ def rearrange(blocks: torch.Tensor, heads: list[tuple[int, int]], alive: torch.T
     number of units per layer, chosen by the block Fisher. Units are lists of head ids that go
     together (KV groups under GQA); a unit's block is the sum over its heads."""
     chosen = {(l, h) for l, h in heads}
+    unit_of = {h: u for u, members in enumerate(units) for h in members}
+    member = torch.zeros(len(units), blocks.shape[-1], dtype=blocks.dtype)  # (U, H): which heads form a unit
+    for u, members in enumerate(units):
+        member[u, members] = 1.0
     out = []
     for layer in range(alive.shape[0]):
-        unit_of = {h: u for u, members in enumerate(units) for h in members}
         present = [u for u, members in enumerate(units) if any(alive[layer, h] for h in members)]
         removed = sorted({unit_of[h] for l, h in chosen if l == layer})
         if not removed:
             continue
-        member = torch.zeros(len(units), blocks.shape[-1], dtype=blocks.dtype)
-        for u, members in enumerate(units):
-            member[u, members] = 1.0
         block = member @ blocks[layer] @ member.T  # (U, U)
         candidates = [u for u in present if not any((layer, h) in protected for h in units[u])]
         for u in rearrange_layer(block, candidates, removed):

@@ -51,7 +51,7 @@ class Round:
     sensitivity: list[float] | None = None  # the layer profile, when this round measured it
     val_before_finetune: dict | None = None
     budget: dict | None = None  # a cost budget's allocation: kept units per layer, predicted cost and share
-    rearranged: dict | None = None  # mask rearrangement: heads moved, removal cost before/after, seconds
+    rearranged: dict | None = None  # mask rearrangement: heads moved, seconds
 
     def record(self) -> dict:
         out = {"round": self.round, "sparsity": self.sparsity, "n_pruned": self.n_pruned,
