@@ -16,10 +16,10 @@ from transformers.pytorch_utils import Conv1D
 
 from headprune import HeadMask, prune_heads, save_pruned
 from headprune.bench.decoder import build_decoder, decode, kv_cache_bytes, prefill
-from headprune.bench.encoder import record_attention_calls, replay
-from headprune.bench.flops import attention_flops, ffn_flops, model_attention_flops
+from headprune.costs.replay import record_attention_calls, replay
+from headprune.costs.flops import attention_flops, ffn_flops, model_attention_flops
 from headprune.bench.report import headline_table, markdown, summary_lines
-from headprune.bench.timing import Case, Clock, Stats, interleaved
+from headprune.costs.timing import Case, Clock, Stats, interleaved
 from headprune.bench.variants import (SparseLinear, build_variants, qkvo_modules, qkvo_weight_count,
                                       removal_counts)
 from headprune.apps.bench import run

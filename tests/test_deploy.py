@@ -20,7 +20,7 @@ def test_onnx_export_equals_the_pruned_model(family, tmp_path):
     assert export_main([str(tmp_path / "model"), "--onnx", str(tmp_path / "model.onnx")]) == 0
     check = json.loads((tmp_path / "model.check.json").read_text())
     assert check["max_abs_diff"] < 1e-4 and check["batch"] == 3 and check["seq"] == 11
-    from headprune.onnx_export import onnx_session
+    from headprune.deploy.onnx import onnx_session
 
     session = onnx_session(tmp_path / "model.onnx")
     batch = inputs(batch=2, tokens=7, seed=4)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from headprune.selection.knapsack import best_allocation
+from headprune.costs.knapsack import best_allocation
 
 
 def _brute(choices, value, cost, budget):

@@ -8,7 +8,7 @@ import torch
 from headprune import HeadMask, export_scaled, prune_to_budget
 from headprune.recovery.least_squares import LeastSquares, solve_scales, tune_scales
 from headprune.selection.budgets import Budget, layer_costs
-from headprune.selection.latency import latency_table
+from headprune.costs.latency import latency_table
 from headprune.selection.layer_policies import GlobalPolicy
 from headprune.selection.rearrange import rearrange_layer, removal_cost
 from tests.conftest import tiny_batch, tiny_bert

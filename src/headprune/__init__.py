@@ -1,8 +1,8 @@
 """headprune: attention-head pruning for transformers."""
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.mask import HeadMask
-from headprune.heads.surgery import (count_params, heads_of_kv_groups, kv_group_heads, load_pruned, prune_heads,
-                                      save_pruned, scale_heads)
+from headprune.heads.surgery import count_params, heads_of_kv_groups, kv_group_heads, prune_heads, scale_heads
+from headprune.deploy.hf import load_pruned, save_pruned
 from headprune.scoring import score_heads
 from headprune.selection.rounds import Round, prune_round
 from headprune.retraining_free import export_scaled, prune_to_budget

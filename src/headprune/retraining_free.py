@@ -29,7 +29,7 @@ from headprune.heads.mask import HeadMask
 from headprune.recovery.least_squares import LeastSquares, tune_scales
 from headprune.scoring import get_metric
 from headprune.selection.budgets import Budget, layer_costs
-from headprune.selection.latency import latency_table
+from headprune.costs.latency import latency_table
 from headprune.selection.layer_policies import GlobalPolicy
 from headprune.selection.rounds import prune_round
 from headprune.tasks import evaluate
@@ -117,7 +117,7 @@ def export_scaled(model: nn.Module, mask: HeadMask) -> nn.Module:
 def measured_latency(dense: nn.Module, pruned: nn.Module, budget: Budget, rounds: list[dict] | None = None) -> dict:
     """The pruned model's forward latency against the dense one's, timed together (interleaved) at
     the budget's batch x seq, next to what the lookup table predicted for its layout."""
-    from headprune.bench.timing import Clock, interleaved
+    from headprune.costs.timing import Clock, interleaved
 
     device = next(pruned.parameters()).device
     g = torch.Generator().manual_seed(0)

@@ -24,7 +24,7 @@ from headprune.bench.decoder import bench_decoder, build_decoder
 from headprune.bench.encoder import bench_encoder
 from headprune.bench.report import summary, write_reports
 from headprune.bench.runtime import bench_onnxruntime
-from headprune.bench.timing import Clock
+from headprune.costs.timing import Clock
 from headprune.bench.train_step import bench_train_step
 from headprune.bench.variants import build_variants, exported_variants
 from headprune.apps.components import instantiate_group

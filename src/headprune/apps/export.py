@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed |ONNX Runtime - PyTorch|")
     args = parser.parse_args(argv)
     try:
-        from headprune.onnx_export import check_onnx, export_onnx
+        from headprune.deploy.onnx import check_onnx, export_onnx
     except ImportError as err:  # pragma: no cover - the message is the point
         raise SystemExit(f"headprune-export needs the onnx extra: pip install \"headprune[onnx]\" ({err})") from None
-    from headprune.heads.surgery import load_pruned
+    from headprune.deploy.hf import load_pruned
 
     folder = model_folder(args.source)
     model = load_pruned(folder).eval()

@@ -21,7 +21,8 @@ from headprune.apps.config_paths import config_dir
 from headprune.apps.config_schema import register_schemas
 from headprune.apps.objectives import objectives
 from headprune.apps.preflight import check_model, check_settings
-from headprune.heads.surgery import count_params, prune_heads, save_pruned, scale_heads
+from headprune.heads.surgery import count_params, prune_heads, scale_heads
+from headprune.deploy.hf import save_pruned
 from headprune.lightning.callbacks import HeadPruning
 from headprune.lightning.loggers import finish_wandb
 from headprune.lightning.module import HeadPruneModule

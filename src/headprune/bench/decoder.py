@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from headprune.bench.flops import model_attention_flops, ratio
-from headprune.bench.timing import Case, Clock, ModuleTimer, interleaved
+from headprune.costs.flops import model_attention_flops, ratio
+from headprune.costs.timing import Case, Clock, ModuleTimer, interleaved
 from headprune.bench.variants import Variant
 from headprune.heads.adapters import get_adapter
 

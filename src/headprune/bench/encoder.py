@@ -16,44 +16,13 @@ import logging
 import torch
 from torch import nn
 
-from headprune.bench.flops import ffn_flops, model_attention_flops, ratio
-from headprune.bench.timing import Clock, interleaved
+from headprune.costs.flops import ffn_flops, model_attention_flops, ratio
+from headprune.costs.replay import attention_parts, record_attention_calls, replay
+from headprune.costs.timing import Clock, interleaved
 from headprune.bench.variants import Variant
 from headprune.heads.adapters import get_adapter
 
 log = logging.getLogger(__name__)
-
-
-def record_attention_calls(model: nn.Module, input_ids: torch.Tensor) -> list[tuple[nn.Module, tuple, dict]]:
-    """(module, args, kwargs) of every attention core and outside output projection call, in order."""
-    calls: list[tuple[nn.Module, tuple, dict]] = []
-    handles = [module.register_forward_pre_hook(  # prepend: inputs before any HeadMask gate
-        lambda m, args, kwargs: calls.append((m, args, dict(kwargs))), with_kwargs=True, prepend=True)
-        for module in attention_parts(model)]
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return calls
-
-
-def attention_parts(model: nn.Module) -> list[nn.Module]:
-    """Per layer: the attention core, plus the output projection when the core does not hold it."""
-    adapter = get_adapter(model)
-    parts = []
-    for block in adapter.blocks(model):
-        attn = adapter.attention(block)
-        parts.append(attn.get_submodule(adapter.core) if adapter.core else attn)
-        if adapter.core and not adapter.o.startswith(adapter.core + "."):
-            parts.append(attn.get_submodule(adapter.o))
-    return parts
-
-
-def replay(calls: list[tuple[nn.Module, tuple, dict]]) -> None:
-    for module, args, kwargs in calls:
-        module(*args, **kwargs)
 
 
 def bench_encoder(variants: list[Variant], batches: list[int], seqs: list[int], clock: Clock, warmup: int,

@@ -1,6 +1,6 @@
 """ONNX Runtime latency: does the speed-up of head pruning survive the runtime models are served
 with? Dense and physically pruned (uniform layout) copies are exported to ONNX
-(`headprune.onnx_export`), loaded into CPU sessions with `threads` intra-op threads, checked
+(`headprune.deploy.onnx`), loaded into CPU sessions with `threads` intra-op threads, checked
 against PyTorch, and `session.run` is timed for every variant of a shape in one interleaved run.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headprune.bench.timing import Clock, interleaved
+from headprune.costs.timing import Clock, interleaved
 from headprune.bench.variants import Variant
 
 log = logging.getLogger(__name__)
@@ -22,7 +22,7 @@ def bench_onnxruntime(variants: list[Variant], batches: list[int], seqs: list[in
                       repeats: int, threads: int, seed: int = 0, model_name: str = "") -> list[dict]:
     """One row per variant and (batch, seq): ONNX Runtime forward latency and its ratio to dense."""
     try:
-        from headprune.onnx_export import check_onnx, export_onnx, input_names, onnx_session
+        from headprune.deploy.onnx import check_onnx, export_onnx, input_names, onnx_session
     except ImportError as err:
         raise ImportError(f"bench.onnxruntime needs the onnx extra: pip install \"headprune[onnx]\" ({err}); or set "
                           "bench.onnxruntime.enabled=false") from None

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from headprune.bench.encoder import _dims, _flops
-from headprune.bench.flops import ratio
-from headprune.bench.timing import Clock, interleaved
+from headprune.costs.flops import ratio
+from headprune.costs.timing import Clock, interleaved
 from headprune.bench.variants import Variant
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from headprune.distributed import all_equal
 from headprune.heads.mask import HeadMask
 from headprune.heads.optimizer_state import reset_optimizer_state
-from headprune.heads.surgery import load_pruned, save_pruned
+from headprune.deploy.hf import load_pruned, save_pruned
 from headprune.lightning import loggers
 from headprune.lightning.results import RunResults
 from headprune.lightning.shrink import shrink, shrink_supported

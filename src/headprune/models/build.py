@@ -18,7 +18,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, GPT2Config)
 
-from headprune.heads.surgery import LAYOUT_FILE, load_pruned
+from headprune.deploy.hf import LAYOUT_FILE, load_pruned
 from headprune.models.byte_tokenizer import ByteTokenizer
 from headprune.tasks import check_task
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from headprune.heads.adapters import get_adapter, model_shape
-from headprune.selection.knapsack import best_allocation
+from headprune.costs.knapsack import best_allocation
 from headprune.selection.layer_policies import UniformPolicy
 
 KINDS = ("heads", "flops", "latency", "kv")
@@ -85,7 +85,7 @@ def layer_costs(model: nn.Module, budget: Budget, latency_table: dict[int, float
     n_units = adapter.num_kv_heads(config)
     d, hidden = adapter.head_dim(config), getattr(config, "hidden_size", None) or getattr(config, "dim")
     if budget.kind == "flops":
-        from headprune.bench.flops import attention_flops
+        from headprune.costs.flops import attention_flops
 
         per = {k: attention_flops(budget.batch, budget.seq, budget.seq, k * group, k, d, hidden) for k in range(n_units + 1)}
         return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[n_units], unit="FLOPs")

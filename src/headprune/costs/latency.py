@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from headprune.atomic import write_json_atomic
-from headprune.bench.encoder import attention_parts, record_attention_calls, replay
-from headprune.bench.timing import Clock, interleaved
+from headprune.costs.replay import attention_parts, record_attention_calls, replay
+from headprune.costs.timing import Clock, interleaved
 from headprune.heads.adapters import model_shape
 from headprune.heads.surgery import heads_of_kv_groups, kv_group_heads, prune_heads
 
