@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -18,7 +19,10 @@ from headprune import HeadMask, prune_heads, save_pruned
 from headprune.bench.decoder import build_decoder, decode, kv_cache_bytes, prefill
 from headprune.costs.replay import record_attention_calls, replay
 from headprune.costs.flops import attention_flops, ffn_flops, model_attention_flops
-from headprune.bench.report import headline_table, markdown, summary_lines
+from headprune.bench import render
+from headprune.bench.config import register_bench_schema
+from headprune.bench.report import headline_table, markdown, summary, summary_lines
+from headprune.bench.sections import SECTIONS, Section, register
 from headprune.costs.timing import Case, Clock, Stats, interleaved
 from headprune.bench.variants import (SparseLinear, build_variants, qkvo_modules, qkvo_weight_count,
                                       removal_counts)
@@ -63,6 +67,7 @@ def test_committed_bench_tables_are_rendered_from_its_json():
     table are what the report code makes of the committed bench.json (a full, not quick, run)."""
     results = json.loads((COMMITTED / "bench.json").read_text())
     assert results["meta"]["quick"] is False
+    assert summary(results) == results["summary"]
     assert markdown(results) == (COMMITTED / "bench.md").read_text()
     docs = (REPO / "docs" / "bench.md").read_text()
     for line in summary_lines(results["summary"]):
@@ -178,6 +183,54 @@ def test_console_entry_point_quick(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((tmp_path / "bench.json").read_text())["decoder"] == []
+
+
+# -- the section registry ---------------------------------------------------------------------
+@dataclass
+class ToySettings:
+    enabled: bool = False
+    rows: int = 2
+
+
+def toy_section():
+    """A section written as a new bench module would be: settings, run, table, summary, lines."""
+    return Section(
+        "toy", ToySettings,
+        run=lambda setup: [{"variant": f"v{i}", "seed": setup.cfg.seed} for i in range(setup.bench.toy.rows)],
+        table=lambda rows: render.table("## Toy", rows, [render.GRID[0], render.fmt("seed", "d")]),
+        summary=lambda rows, results: {"n": len(rows)},
+        summary_lines=lambda block: [f"- toy: {block['n']} rows"])
+
+
+@pytest.fixture
+def toy():
+    register(toy_section())
+    register_bench_schema()
+    yield
+    del SECTIONS["toy"]
+    register_bench_schema()
+
+
+def test_a_registered_section_is_configured_run_and_rendered(toy, tmp_path):
+    """One module registering a Section plus its config block: typed settings, a run, its rows,
+    summary, summary line and table in bench.json and bench.md; the other sections as before."""
+    off = [f"bench.{name}.enabled=false" for name in ("encoder", "train_step", "onnxruntime", "decoder")]
+    with pytest.raises(ConfigCompositionException):
+        compose_bench(tmp_path, "bench.toy.row=3")
+    results = run(compose_bench(tmp_path, *off, "bench.toy.enabled=true", "bench.toy.rows=3"))
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert list(saved) == ["meta", "encoder", "train_step", "onnxruntime", "decoder", "toy", "summary"]
+    assert saved["toy"] == results["toy"] == [{"variant": f"v{i}", "seed": 0} for i in range(3)]
+    assert saved["summary"] == {"toy": {"n": 3}} and saved["meta"]["config"]["toy"] == {"enabled": True, "rows": 3}
+    text = (tmp_path / "bench.md").read_text()
+    assert "- toy: 3 rows\n" in text and "## Toy\n\n| variant | seed |\n|---|---:|\n| v0 | 0 |" in text
+    assert run(compose_bench(tmp_path, *off))["toy"] == []  # disabled by its own `enabled`
+
+
+def test_sections_register_once_in_report_order():
+    assert list(SECTIONS) == ["encoder", "train_step", "onnxruntime", "decoder"]
+    with pytest.raises(ValueError, match="'encoder' is registered twice"):
+        register(replace(SECTIONS["encoder"], table=lambda rows: []))
 
 
 # -- bad configs ------------------------------------------------------------------------------

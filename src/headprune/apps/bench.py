@@ -6,7 +6,6 @@ sweepers can optimise it.
 """
 from __future__ import annotations
 
-import copy
 import datetime
 import logging
 import os
@@ -15,29 +14,23 @@ from pathlib import Path
 import hydra
 import torch
 import transformers
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from headprune import load_pruned
-from headprune.bench.config import apply_quick, check, register_bench_schema
-from headprune.bench.decoder import bench_decoder, build_decoder
-from headprune.bench.encoder import bench_encoder
-from headprune.bench.report import summary, write_reports
-from headprune.bench.runtime import bench_onnxruntime
-from headprune.costs.timing import Clock
-from headprune.bench.train_step import bench_train_step
-from headprune.bench.variants import build_variants, exported_variants
 from headprune.apps.components import instantiate_group
 from headprune.apps.config_paths import config_dir
+from headprune.bench.config import apply_quick, check, register_bench_schema
+from headprune.bench.report import summary, write_reports
+from headprune.bench.sections import SECTIONS, Setup
+from headprune.costs.timing import Clock
 from headprune.lightning.loggers import finish_wandb
-from headprune.tasks import is_causal_lm
 
 log = logging.getLogger(__name__)
 register_bench_schema()
 
 
 def run(cfg: DictConfig) -> dict:
-    """Run the benchmark described by `cfg`; returns the bench.json document."""
+    """Run every enabled section of the benchmark described by `cfg`; returns the bench.json document."""
     cfg = apply_quick(cfg)
     bench = cfg.bench
     check(bench)
@@ -45,80 +38,20 @@ def run(cfg: DictConfig) -> dict:
                           else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(bench.threads)
-    dtype = getattr(torch, bench.dtype)
-    clock, rounds = Clock(device), {"warmup": bench.warmup, "repeats": bench.repeats}
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    results = {"meta": _meta(cfg, device), "encoder": [], "train_step": [], "onnxruntime": [], "decoder": []}
-
-    exported = load_pruned(bench.pruned_dir) if bench.pruned_dir else None
-    exported_is_lm = exported is not None and is_causal_lm(exported)
-    for section, bench_fn in (("encoder", bench_encoder), ("train_step", bench_train_step)):
-        settings = bench[section]
-        if not settings.enabled:
-            continue
-        if exported is not None and not exported_is_lm:
-            variants = _exported(exported, _kinds(settings), device, dtype, cfg.seed)
-            name = f"exported:{bench.pruned_dir}"
-        else:
-            dense = instantiate(cfg.model)(num_labels=2).eval().to(device, dtype)
-            variants = build_variants(dense, _kinds(settings), list(bench.layouts))
-            name = _model_name(cfg.model)
-        results[section] = bench_fn(variants, list(settings.batches), list(settings.seqs), clock, seed=cfg.seed,
-                                    model_name=name, **rounds)
-        del variants
-    if bench.onnxruntime.enabled and device.type == "cpu" and not exported_is_lm:
-        ort = bench.onnxruntime
-        if exported is not None:
-            variants, name = _exported(exported, {}, device, dtype, cfg.seed), f"exported:{bench.pruned_dir}"
-        else:
-            dense = instantiate(cfg.model)(num_labels=2).eval().to(device, dtype)
-            variants, name = build_variants(dense, {"pruned": list(ort.sparsities)}, ["uniform"]), _model_name(cfg.model)
-        results["onnxruntime"] = bench_onnxruntime(variants, list(ort.batches), list(ort.seqs), clock, seed=cfg.seed,
-                                                   model_name=name, threads=bench.threads, **rounds)
-        del variants
-    if bench.decoder.enabled:
-        d = bench.decoder
-        for name, variants in _decoder_variants(cfg, exported if exported_is_lm else None, device, dtype):
-            results["decoder"] += bench_decoder(variants, d.batch, d.prompt_len, d.new_tokens, clock, seed=cfg.seed,
-                                                model_name=name, **rounds)
+    results = {"meta": _meta(cfg, device), **{name: [] for name in SECTIONS}}
+    setup = Setup(cfg, device, getattr(torch, bench.dtype), Clock(device),
+                  exported=load_pruned(bench.pruned_dir) if bench.pruned_dir else None)
+    for name, section in SECTIONS.items():
+        if section.enabled(setup):
+            results[name] = section.run(setup)
     results["meta"]["load_after"] = _load()
     results["summary"] = summary(results)
     paths = write_reports(results, output_dir)
     _log(cfg, results, paths)
     log.info("bench written to %s", paths["md"])
     return results
-
-
-def _decoder_variants(cfg: DictConfig, exported, device, dtype):
-    """(name, variants) per decoder: the exported LM when given, else every configured model."""
-    bench = cfg.bench
-    if exported is not None:
-        yield f"exported:{bench.pruned_dir}", _exported(exported, _kinds(bench.decoder), device, dtype, cfg.seed)
-        return
-    for name in bench.decoder.models:
-        spec = OmegaConf.to_container(bench.decoder_configs[name], resolve=True)
-        dense = build_decoder(spec, bench.decoder.attn_implementation, seed=cfg.seed).to(device, dtype)
-        yield name, build_variants(dense, _kinds(bench.decoder), list(bench.layouts))
-
-
-def _kinds(section: DictConfig) -> dict[str, list[float]]:
-    """kind -> sparsities of a section's `variants`, kinds with no sparsity left out."""
-    return {kind: list(s) for kind, s in OmegaConf.to_container(section.variants, resolve=True).items() if s}
-
-
-def _exported(exported, kinds, device, dtype, seed: int):
-    """Variants around a loaded pruned model, against a random-init dense model of its config."""
-    torch.manual_seed(seed)
-    dense = type(exported)(copy.deepcopy(exported.config)).eval().to(device, dtype)
-    return exported_variants(dense, exported.eval().to(device, dtype), list(kinds))
-
-
-def _model_name(model_cfg: DictConfig) -> str:
-    if not model_cfg.get("random_init"):
-        return model_cfg.pretrained
-    overrides = OmegaConf.to_container(model_cfg.get("config_overrides") or {}, resolve=True)
-    return f"{model_cfg.pretrained} (random init {overrides})"
 
 
 def _meta(cfg: DictConfig, device: torch.device) -> dict:
@@ -142,7 +75,7 @@ def _log(cfg: DictConfig, results: dict, paths: dict) -> None:
                for key, value in _flat(block).items() if isinstance(value, (int, float, bool))}
     for logger in loggers:
         logger.log_metrics(metrics)
-        for section in ("encoder", "train_step", "onnxruntime", "decoder"):
+        for section in SECTIONS:
             rows = results[section]
             if rows and hasattr(logger, "log_table"):
                 columns = [k for k, v in rows[0].items() if not isinstance(v, dict)]

@@ -1,10 +1,15 @@
 """Latency, FLOPs and KV-cache measurement of pruned models (the `headprune-bench` app).
 
-timing.py   interleaved, synchronised timing (medians and quartiles)
-flops.py    analytic attention FLOPs: the theoretical speed-up
-variants.py dense / masked / pruned / unstructured copies of one model
-encoder.py  whole forward and attention sub-layer over a batch x seq grid
-decoder.py  prefill, per-token decode with the KV cache, cache bytes
-report.py   bench.json, bench.md, bench.png
-config.py   the typed `bench:` settings and their checks
+sections.py   what a section is (run, checks, table, summary, plot panel), the registry, `Setup`
+encoder.py    section: whole forward and attention sub-layer over a batch x seq grid
+train_step.py section: forward + backward + AdamW step, pruned vs masked
+runtime.py    section: ONNX Runtime forward of exported dense and pruned models
+decoder.py    section: prefill, per-token decode with the KV cache, cache bytes
+variants.py   dense / masked / pruned / unstructured copies of one model
+render.py     the markdown table builder, cell formats and plot curves the sections share
+report.py     bench.json, bench.md, bench.png and the README table: loops over the sections
+config.py     the typed `bench:` settings (common fields + one block per section) and their checks
+Timing, FLOP counts and attention replay live in headprune.costs.
 """
+# Importing a section registers it; this order is the order of bench.json, bench.md and the run.
+from headprune.bench import encoder, train_step, runtime, decoder  # noqa: F401  # isort: skip

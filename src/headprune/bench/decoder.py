@@ -14,17 +14,34 @@ from __future__ import annotations
 
 import logging
 import statistics
+from dataclasses import dataclass
+from typing import Dict, List
 
 import torch
+from omegaconf import MISSING, OmegaConf
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from headprune.bench import render
+from headprune.bench.sections import Section, Setup, check_variants, kinds, one_of, register
+from headprune.bench.variants import Variant, build_variants
 from headprune.costs.flops import model_attention_flops, ratio
 from headprune.costs.timing import Case, Clock, ModuleTimer, interleaved
-from headprune.bench.variants import Variant
 from headprune.heads.adapters import get_adapter
 
 log = logging.getLogger(__name__)
+ATTN = ("eager", "sdpa")
+
+
+@dataclass
+class DecoderSettings:
+    enabled: bool = MISSING
+    models: List[str] = MISSING  # keys of bench.decoder_configs
+    batch: int = MISSING
+    prompt_len: int = MISSING
+    new_tokens: int = MISSING
+    attn_implementation: str = MISSING
+    variants: Dict[str, List[float]] = MISSING
 
 
 def build_decoder(spec: dict, attn_implementation: str = "sdpa", seed: int = 0) -> nn.Module:
@@ -131,3 +148,90 @@ def _generation_flops(v: Variant, batch: int, prompt_len: int, new_tokens: int, 
         return model_attention_flops(batch, q_len, kv_len, v.heads, v.kv_heads, dims["head_dim"], dims["hidden"],
                                      v.densities)
     return at(prompt_len, prompt_len) + sum(at(1, prompt_len + i + 1) for i in range(new_tokens))
+
+
+def run(setup: Setup) -> list[dict]:
+    """The rows of every decoder: the exported causal LM when given, else each of `models`."""
+    d, rows = setup.bench.decoder, []
+    for name, variants in _variants(setup):
+        rows += bench_decoder(variants, d.batch, d.prompt_len, d.new_tokens, setup.clock, model_name=name,
+                              **setup.rounds)
+    return rows
+
+
+def _variants(setup: Setup):
+    """(name, variants) per decoder, built one at a time."""
+    bench = setup.bench
+    if setup.exported_is_lm:
+        yield setup.exported_variants(kinds(bench.decoder))
+        return
+    for name in bench.decoder.models:
+        spec = OmegaConf.to_container(bench.decoder_configs[name], resolve=True)
+        dense = build_decoder(spec, bench.decoder.attn_implementation, seed=setup.cfg.seed)
+        dense = dense.to(setup.device, setup.dtype)
+        yield name, build_variants(dense, kinds(bench.decoder), list(bench.layouts))
+
+
+def check(settings, bench) -> None:
+    one_of("bench.decoder.attn_implementation", settings.attn_implementation, ATTN)
+    check_variants("decoder", settings)
+    for name in ("batch", "prompt_len", "new_tokens"):
+        if settings[name] < 1:
+            raise ValueError(f"bench.decoder.{name}={settings[name]} is not allowed; allowed: an integer >= 1")
+    for model in settings.models:
+        one_of("bench.decoder.models", model, tuple(bench.decoder_configs))
+
+
+def summary(rows: list[dict], results: dict) -> dict:
+    """Per model: KV-cache exactness, and at 50% heads the per-token speed-up against its Amdahl bound."""
+    return {model: _model_summary([r for r in rows if r["model"] == model])
+            for model in dict.fromkeys(r["model"] for r in rows)}
+
+
+def _model_summary(rows: list[dict]) -> dict:
+    dense = next(r for r in rows if r["variant"] == "dense")
+    pruned = [r for r in rows if r["kind"] == "pruned"]
+    entry = {"kv_exact": all(r["kv_ratio"] == r["kv_heads_kept"] / dense["kv_heads_kept"] for r in pruned),
+             "dense_attention_share": dense["per_token_attention_share"]}
+    half = next((r for r in pruned if r["layout"] == "uniform" and r["sparsity"] == 0.5), None)
+    if half:  # bound: only the dense step's attention share shrinks, by the FLOP ratio (Amdahl)
+        share, theory = dense["per_token_attention_share"], half["theoretical_attention_ratio"]
+        entry.update(per_token_ratio_50=half["per_token_ratio"], kv_ratio_50=half["kv_ratio"],
+                     attention_share_50=half["per_token_attention_share"],
+                     per_token_bound_50=1 / (1 - share * (1 - 1 / theory)))
+    return entry
+
+
+def summary_lines(block: dict) -> list[str]:
+    lines = []
+    for model, d in block.items():
+        line = f"- {model}: KV bytes exactly the kept KV-head share: {d['kv_exact']}"
+        if "per_token_ratio_50" in d:
+            line += (f"; 50% heads: KV ratio {d['kv_ratio_50']:.3f}, per-token decode {d['per_token_ratio_50']:.2f}x "
+                     f"dense (bound {d['per_token_bound_50']:.2f}x: attention is {d['dense_attention_share']:.0%} "
+                     f"of a dense step, {d['attention_share_50']:.0%} of a pruned one)")
+        lines.append(line)
+    return lines
+
+
+def table(rows: list[dict]) -> list[str]:
+    r0 = rows[0]
+    heading = f"## Decoders (batch {r0['batch']}, prompt {r0['prompt_len']}, {r0['new_tokens']} new tokens)"
+    return render.table(heading, rows, [
+        ("model", lambda r: r["model"], False), render.GRID[0], render.GRID[1],
+        render.timed("prefill ms", "prefill_ms"), render.timed("per-token ms", "per_token_ms"),
+        render.ratio("prefill x", "prefill_ratio"), render.ratio("per-token x", "per_token_ratio"),
+        ("attention share", lambda r: f"{r['per_token_attention_share']:.0%}", True),
+        ("KV bytes", lambda r: f"{r['kv_cache_bytes']:,}", True), render.fmt("kv_ratio", ".3f", "KV ratio"),
+        render.ratio("theoretical attention x", "theoretical_attention_ratio")])
+
+
+def plot(ax, rows: list[dict], block: dict) -> None:
+    for i, model in enumerate(dict.fromkeys(r["model"] for r in rows)):
+        render.curves(ax, [r for r in rows if r["model"] == model], "per_token_ratio", label=f"{model} ",
+                      theory=i == 0)
+    ax.set_title("decoder per-token latency")
+
+
+SECTION = register(Section("decoder", DecoderSettings, run, table, summary, summary_lines, check=check, plot=plot,
+                           panel=1))

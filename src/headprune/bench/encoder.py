@@ -16,13 +16,16 @@ import logging
 import torch
 from torch import nn
 
-from headprune.costs.flops import ffn_flops, model_attention_flops, ratio
-from headprune.costs.replay import attention_parts, record_attention_calls, replay
-from headprune.costs.timing import Clock, interleaved
+from headprune.bench import render
+from headprune.bench.sections import GridSettings, Section, Setup, check_grid, check_variants, kinds, register
 from headprune.bench.variants import Variant
+from headprune.costs.flops import ffn_flops, model_attention_flops, ratio
+from headprune.costs.replay import record_attention_calls, replay
+from headprune.costs.timing import Clock, interleaved
 from headprune.heads.adapters import get_adapter
 
 log = logging.getLogger(__name__)
+ATTENTION_TARGET = 1.85  # attention sub-layer speed-up wanted at 50% of the heads removed
 
 
 def bench_encoder(variants: list[Variant], batches: list[int], seqs: list[int], clock: Clock, warmup: int,
@@ -78,3 +81,63 @@ def _flops(v: Variant, batch: int, seq: int, dims: dict) -> tuple[float, float]:
     attention = model_attention_flops(batch, seq, seq, v.heads, v.kv_heads, dims["head_dim"], dims["hidden"],
                                       v.densities)
     return attention, attention + len(v.heads) * ffn_flops(batch, seq, dims["hidden"], dims["intermediate"])
+
+
+def run(setup: Setup) -> list[dict]:
+    settings = setup.bench.encoder
+    name, variants = setup.encoder_variants(kinds(settings), list(setup.bench.layouts))
+    return bench_encoder(variants, list(settings.batches), list(settings.seqs), setup.clock, model_name=name,
+                         **setup.rounds)
+
+
+def check(settings, bench) -> None:
+    check_variants("encoder", settings)
+    check_grid("encoder", settings)
+
+
+def summary(rows: list[dict], results: dict) -> dict:
+    """At the largest shape: the attention speed-up at 50% heads against its target, masked vs dense."""
+    batch, seq = render.largest(rows)
+    at = {(r["variant"], r["sparsity"]): r for r in rows if (r["batch"], r["seq"]) == (batch, seq)}
+    dense = at[("dense", 0.0)]
+    spread = dense["attention_spread_ms"]
+    out = {"batch": batch, "seq": seq, "dense_attention_iqr_rel": (spread["q3"] - spread["q1"]) / dense["attention_ms"]}
+    pruned = at.get(("pruned_uniform", 0.5))
+    if pruned:
+        out.update(attention_ratio_50=pruned["attention_ratio"], target=ATTENTION_TARGET,
+                   meets_target=pruned["attention_ratio"] >= ATTENTION_TARGET,
+                   theoretical_attention_ratio_50=pruned["theoretical_attention_ratio"])
+    masked = at.get(("masked", 0.5))
+    if masked:
+        out.update(masked_forward_ratio_50=masked["forward_ratio"], masked_attention_ratio_50=masked["attention_ratio"])
+    return out
+
+
+def summary_lines(enc: dict) -> list[str]:
+    lines = []
+    if "attention_ratio_50" in enc:
+        lines.append(f"- attention sub-layer, 50% heads removed (batch {enc['batch']}, seq {enc['seq']}): "
+                     f"{enc['attention_ratio_50']:.2f}x dense (target >= {enc['target']}x: {render.met(enc)}, "
+                     f"theoretical {enc['theoretical_attention_ratio_50']:.2f}x)")
+    if "masked_forward_ratio_50" in enc:
+        lines.append(f"- masked, 50% heads: forward {enc['masked_forward_ratio_50']:.2f}x, attention "
+                     f"{enc['masked_attention_ratio_50']:.2f}x dense (dense attention IQR "
+                     f"{enc['dense_attention_iqr_rel']:.0%} of its median)")
+    return lines
+
+
+def table(rows: list[dict]) -> list[str]:
+    return render.table(render.title("## Encoder", rows), rows, render.GRID + [
+        render.timed("forward ms", "forward_ms"), render.timed("attention ms", "attention_ms"),
+        render.ratio("forward x", "forward_ratio"), render.ratio("attention x", "attention_ratio"),
+        render.ratio("theoretical attention x", "theoretical_attention_ratio")])
+
+
+def plot(ax, rows: list[dict], block: dict) -> None:
+    batch, seq = block["batch"], block["seq"]
+    render.curves(ax, [r for r in rows if (r["batch"], r["seq"]) == (batch, seq)], "attention_ratio")
+    ax.set_title(f"encoder attention sub-layer (batch {batch}, seq {seq})")
+
+
+SECTION = register(Section("encoder", GridSettings, run, table, summary, summary_lines, check=check, plot=plot,
+                           panel=0))

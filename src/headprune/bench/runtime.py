@@ -7,15 +7,29 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import List
 
 import numpy as np
 import torch
+from omegaconf import MISSING
 
-from headprune.costs.timing import Clock, interleaved
+from headprune.bench import render
+from headprune.bench.sections import Section, Setup, check_grid, check_sparsities, register
 from headprune.bench.variants import Variant
+from headprune.costs.timing import Clock, interleaved
 
 log = logging.getLogger(__name__)
+RUNTIME_TOLERANCE = 0.10  # ONNX Runtime's forward ratio at 50% heads within 10% of PyTorch's
+
+
+@dataclass
+class RuntimeSettings:
+    enabled: bool = MISSING
+    batches: List[int] = MISSING
+    seqs: List[int] = MISSING
+    sparsities: List[float] = MISSING
 
 
 def bench_onnxruntime(variants: list[Variant], batches: list[int], seqs: list[int], clock: Clock, warmup: int,
@@ -52,3 +66,54 @@ def bench_onnxruntime(variants: list[Variant], batches: list[int], seqs: list[in
                                  "max_abs_diff_vs_torch": checks[i], "heads_kept": sum(v.heads), "repeats": st.n,
                                  "threads": threads})
     return rows
+
+
+def run(setup: Setup) -> list[dict]:
+    settings = setup.bench.onnxruntime
+    name, variants = setup.encoder_variants({"pruned": list(settings.sparsities)}, ["uniform"])
+    return bench_onnxruntime(variants, list(settings.batches), list(settings.seqs), setup.clock, model_name=name,
+                             threads=setup.bench.threads, **setup.rounds)
+
+
+def applies(setup: Setup) -> bool:
+    """CPU sessions of an encoder: not on a GPU run, nor for an exported causal LM."""
+    return setup.device.type == "cpu" and not setup.exported_is_lm
+
+
+def check(settings, bench) -> None:
+    check_grid("onnxruntime", settings)
+    check_sparsities("bench.onnxruntime.sparsities", settings.sparsities)
+
+
+def summary(rows: list[dict], results: dict) -> dict:
+    """At the largest shape: ONNX Runtime's forward speed-up at 50% heads against PyTorch's (encoder rows)."""
+    batch, seq = render.largest(rows)
+    half = render.pruned_half(rows, (batch, seq))
+    torch_half = render.pruned_half(results.get("encoder") or [], (batch, seq))
+    out = {"batch": batch, "seq": seq, "max_abs_diff_vs_torch": max(r["max_abs_diff_vs_torch"] for r in rows)}
+    if half:
+        out["ort_ratio_50"] = half["ort_ratio"]
+    if half and torch_half:
+        rel = half["ort_ratio"] / torch_half["forward_ratio"] - 1
+        out.update(torch_forward_ratio_50=torch_half["forward_ratio"], relative_difference=rel,
+                   tolerance=RUNTIME_TOLERANCE, meets_target=abs(rel) <= RUNTIME_TOLERANCE)
+    return out
+
+
+def summary_lines(ort: dict) -> list[str]:
+    if "relative_difference" not in ort:
+        return []
+    return [f"- ONNX Runtime forward, 50% heads removed (batch {ort['batch']}, seq {ort['seq']}): "
+            f"{ort['ort_ratio_50']:.2f}x dense, PyTorch {ort['torch_forward_ratio_50']:.2f}x "
+            f"({100 * ort['relative_difference']:+.2f}%, target within {100 * ort['tolerance']:.0f}%: "
+            f"{render.met(ort)})"]
+
+
+def table(rows: list[dict]) -> list[str]:
+    return render.table(render.title("## ONNX Runtime forward (CPU)", rows), rows, render.GRID + [
+        render.timed("ORT ms", "ort_ms"), render.ratio("ORT x dense", "ort_ratio"),
+        ("max abs diff vs PyTorch", lambda r: f"{r['max_abs_diff_vs_torch']:.1e}", True)])
+
+
+SECTION = register(Section("onnxruntime", RuntimeSettings, run, table, summary, summary_lines, check=check,
+                           applies=applies))

@@ -13,12 +13,15 @@ import logging
 import torch
 from torch import nn
 
+from headprune.bench import render
 from headprune.bench.encoder import _dims, _flops
+from headprune.bench.sections import GridSettings, Section, Setup, check_grid, check_variants, kinds, register
+from headprune.bench.variants import Variant
 from headprune.costs.flops import ratio
 from headprune.costs.timing import Clock, interleaved
-from headprune.bench.variants import Variant
 
 log = logging.getLogger(__name__)
+TRAIN_STEP_TARGET = 1.25  # training step at 50% of the heads, pruned vs masked
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: dict) -> None:
@@ -71,3 +74,55 @@ def bench_train_step(variants: list[Variant], batches: list[int], seqs: list[int
         for v in variants:
             v.model.eval()
     return rows
+
+
+def run(setup: Setup) -> list[dict]:
+    settings = setup.bench.train_step
+    name, variants = setup.encoder_variants(kinds(settings), list(setup.bench.layouts))
+    return bench_train_step(variants, list(settings.batches), list(settings.seqs), setup.clock, model_name=name,
+                            **setup.rounds)
+
+
+def check(settings, bench) -> None:
+    check_variants("train_step", settings)
+    check_grid("train_step", settings)
+    unknown = set(settings.variants) - {"masked", "pruned"}
+    if unknown:
+        raise ValueError(f"bench.train_step.variants: {sorted(unknown)} are not allowed; allowed: masked, pruned")
+
+
+def summary(rows: list[dict], results: dict) -> dict:
+    """At the largest shape: the step at 50% heads removed vs masked, against its target."""
+    batch, seq = render.largest(rows)
+    half = render.pruned_half(rows, (batch, seq))
+    out = {"batch": batch, "seq": seq}
+    if half and half["vs_masked_ratio"] is not None:
+        out.update(vs_masked_ratio_50=half["vs_masked_ratio"], step_ratio_50=half["step_ratio"],
+                   theoretical_forward_ratio_50=half["theoretical_forward_ratio"], target=TRAIN_STEP_TARGET,
+                   meets_target=half["vs_masked_ratio"] >= TRAIN_STEP_TARGET)
+    return out
+
+
+def summary_lines(step: dict) -> list[str]:
+    if "vs_masked_ratio_50" not in step:
+        return []
+    return [f"- training step, 50% heads removed (batch {step['batch']}, seq {step['seq']}): "
+            f"{step['vs_masked_ratio_50']:.2f}x the masked model's (target >= {step['target']}x: {render.met(step)}), "
+            f"{step['step_ratio_50']:.2f}x dense (forward FLOPs {step['theoretical_forward_ratio_50']:.2f}x)"]
+
+
+def table(rows: list[dict]) -> list[str]:
+    vs_masked = ("x masked", lambda r: "" if r["vs_masked_ratio"] is None else f"{r['vs_masked_ratio']:.2f}", True)
+    return render.table(render.title("## Training step: forward + backward + AdamW", rows), rows, render.GRID + [
+        render.timed("step ms", "step_ms"), ("samples/s", lambda r: f"{r['samples_per_s']:.1f}", True),
+        render.ratio("x dense", "step_ratio"), vs_masked, render.ratio("theoretical x", "theoretical_forward_ratio")])
+
+
+def plot(ax, rows: list[dict], block: dict) -> None:
+    batch, seq = block["batch"], block["seq"]
+    render.curves(ax, [r for r in rows if (r["batch"], r["seq"]) == (batch, seq)], "step_ratio", theory=False)
+    ax.set_title(f"training step (batch {batch}, seq {seq})")
+
+
+SECTION = register(Section("train_step", GridSettings, run, table, summary, summary_lines, check=check, plot=plot,
+                           panel=2))
