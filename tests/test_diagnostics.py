@@ -12,9 +12,10 @@ from omegaconf import OmegaConf
 from headprune.scoring.diagnostics import head_diagnostics, js_distances, special_token_ids
 from headprune.heads.mask import HeadMask
 from headprune.lightning.callbacks import HeadPruning
+from headprune.selection.pruner import Pruner
 from headprune.data.classification import TextClassificationDataModule
 from headprune.lightning.module import HeadPruneModule
-from headprune.lightning.results import RunResults
+from headprune.results import RunResults
 from headprune.scoring.taylor import taylor_importance
 from headprune.selection.layer_policies import GlobalPolicy
 from headprune.selection.schedules import OneShot
@@ -167,10 +168,10 @@ def test_end_of_run_diagnostics_in_results_heatmaps_and_wandb(tokenizer, data_di
     dm.setup()
     module = HeadPruneModule(tiny_bert(), num_labels=2)
     results = RunResults(tmp_path)
-    pruning = HeadPruning(metric=partial(taylor_importance, normalize=True),
-                          schedule=OneShot(target_sparsity=0.25, baseline_epochs=0, epochs_per_round=0),
-                          layer_policy=GlobalPolicy(min_heads_per_layer=1), results=results,
-                          diagnostics={"metrics": ["entropy", "magnitude"], "duplicate_threshold": 0.2})
+    pruner = Pruner(module.model, partial(taylor_importance, normalize=True),
+                    OneShot(target_sparsity=0.25, baseline_epochs=0, epochs_per_round=0),
+                    GlobalPolicy(min_heads_per_layer=1), mask=module.head_mask, results=results)
+    pruning = HeadPruning(pruner, diagnostics={"metrics": ["entropy", "magnitude"], "duplicate_threshold": 0.2})
     wandb = RecordingWandb()
     trainer = SimpleNamespace(loggers=[wandb], global_step=0, fast_dev_run=False, world_size=1, global_rank=0,
                               optimizers=[], strategy=SimpleNamespace(),

@@ -139,7 +139,7 @@ def test_export_folds_learned_l0_gates(tmp_path, tokenizer):
     """The exported model computes what the gated model evaluated: closed gates removed, open
     ones scaled into the output projection."""
     from headprune.lightning.module import HeadPruneModule
-    from headprune.lightning.results import RunResults
+    from headprune.results import RunResults
     from headprune.apps.train import export_pruned
 
     module = HeadPruneModule(tiny_bert(), num_labels=2, l0_penalty=0.1).eval()

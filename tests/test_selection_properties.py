@@ -1,12 +1,12 @@
 """Property tests over random score tensors: every policy prunes exactly the budget or raises
-BudgetError, never breaks its constraints, never re-picks a pruned head; schedules are
+ShortfallError, never breaks its constraints, never re-picks a pruned head; schedules are
 monotone and end at the target."""
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headprune.selection.layer_policies import (LAYER_POLICIES, BudgetError, capacity, depth_weights)
+from headprune.selection.layer_policies import (LAYER_POLICIES, ShortfallError, capacity, depth_weights)
 from headprune.selection.schedules import Cubic, Iterative, OneShot, UntilThreshold
 
 
@@ -50,7 +50,7 @@ def test_policy_budget_and_constraints(name, case):
         caps[0] = caps[-1] = 0
     try:
         chosen = policy(scores, alive, n_prune, sensitivity=sensitivity)
-    except BudgetError as err:
+    except ShortfallError as err:
         assert n_prune > sum(caps) and err.available == sum(caps)
         assert "min_heads_per_layer" in str(err)
         return

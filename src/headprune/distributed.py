@@ -36,3 +36,12 @@ def all_equal(tensor: torch.Tensor) -> bool:
     gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, tensor.contiguous())
     return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def check_ranks(model, mask, when: str) -> None:
+    """Every rank holds the same head mask and the same weights (a collective; `when` names the
+    point of the run in the error)."""
+    params = list(model.parameters())
+    digest = torch.stack([t.detach().double().sum() for t in params] + [t.detach().double().pow(2).sum() for t in params])
+    if not all_equal(mask.mask) or not all_equal(digest):
+        raise RuntimeError(f"{when}: the head masks or the weights differ between ranks")

@@ -70,7 +70,7 @@ def schema_for_class(name: str, cls, kind: str):
 def register_schemas() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent)."""
     from headprune.recovery import RECOVERIES
-    from headprune.selection.budgets import Budget
+    from headprune.selection.budgets import BUDGETS
     from headprune.scoring import METRICS
     from headprune.selection.layer_policies import LAYER_POLICIES
     from headprune.selection.schedules import SCHEDULES
@@ -84,4 +84,5 @@ def register_schemas() -> None:
         cs.store(group="schema/schedule", name=name, node=schema_for_class(name, cls, "Schedule"))
     for name, cls in RECOVERIES.items():
         cs.store(group="schema/recovery", name=name, node=schema_for_class(name, cls, "Recovery"))
-    cs.store(group="schema/budget", name="budget", node=schema_for_class("budget", Budget, ""))
+    for name, cls in BUDGETS.items():
+        cs.store(group="schema/budget", name=name, node=schema_for_class(name, cls, "Budget"))

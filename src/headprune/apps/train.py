@@ -21,16 +21,15 @@ from headprune.apps.config_paths import config_dir
 from headprune.apps.config_schema import register_schemas
 from headprune.apps.objectives import objectives
 from headprune.apps.preflight import check_model, check_settings
-from headprune.heads.surgery import count_params, prune_heads, scale_heads
+from headprune.deploy.fold import fold
 from headprune.deploy.hf import save_pruned
+from headprune.heads.surgery import count_params
 from headprune.lightning.callbacks import HeadPruning
 from headprune.lightning.loggers import finish_wandb
 from headprune.lightning.module import HeadPruneModule
-from headprune.lightning.results import RunResults
+from headprune.results import RunResults
 from headprune.models import load_tokenizer
-from headprune.recovery.distill import Distill
-from headprune.recovery.least_squares import LeastSquares
-from headprune.retraining_free import measured_latency
+from headprune.selection.pruner import Pruner
 from headprune.scoring.attention import end_of_sentence_ids
 from headprune.tasks import VAL_METRICS, check_task, headline
 
@@ -50,7 +49,7 @@ def run(cfg: DictConfig) -> dict:
     budget = build(cfg.budget)
     task = _task(cfg)
     schedule.check_metrics(VAL_METRICS[task], task)
-    check_settings(cfg, schedule, recovery, budget)
+    check_settings(cfg, schedule, layer_policy, recovery, budget)
     log_file = run_dir.prepare(output_dir, cfg, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
     try:
         return _run(cfg, output_dir, schedule, metric, layer_policy, recovery, budget, task)
@@ -61,7 +60,6 @@ def run(cfg: DictConfig) -> dict:
 
 
 def _run(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, recovery, budget, task: str) -> dict:
-    distill = recovery if isinstance(recovery, Distill) else None
     L.seed_everything(cfg.seed, workers=True)
     tokenizer = load_tokenizer(cfg.model.pretrained)
     select = {"select_samples": schedule.selection_samples()} if schedule.selection_samples() else {}
@@ -69,32 +67,32 @@ def _run(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, reco
     datamodule.setup("fit")
     model = instantiate(cfg.model)(num_labels=datamodule.num_labels)
     check_model(model, schedule, layer_policy, budget)
+    recovery.check_model(model)
     metric = _with_eos_ids(metric, cfg.metric, model, tokenizer)
     _check_block_size(datamodule, model)
     labels = _name_labels(model, datamodule)
-    teacher = _teacher(cfg, distill, datamodule.num_labels, model)
     baseline_params = count_params(model)
     module = HeadPruneModule(model, num_labels=datamodule.num_labels, task=task,
                              optimizer=instantiate(cfg.optim.optimizer),
                              scheduler=instantiate(cfg.optim.scheduler) if cfg.optim.get("scheduler") else None,
-                             distill=distill, **_gates_in_finetune(cfg.metric))
+                             recovery=recovery, **_gates_in_finetune(cfg.metric))
     results = RunResults(output_dir, config=OmegaConf.to_container(cfg, resolve=True))
     if labels:
         results.data["labels"] = labels
     if select:
         results.data["stop_rule_reads"] = (f"selection slice: {select['select_samples']} training examples held out "
                                            "(never the validation set reported in val)")
-    pruning = HeadPruning(metric=metric, schedule=schedule, layer_policy=layer_policy, results=results,
-                          diagnostics=_diagnostics_options(cfg),
+    pruner = Pruner(model, metric, schedule, layer_policy, budget, recovery, mask=module.head_mask,
+                    rearrange=bool(cfg.pruning.rearrange), results=results,
+                    dense_factory=lambda: instantiate(cfg.model)(num_labels=datamodule.num_labels))
+    pruning = HeadPruning(pruner, diagnostics=_diagnostics_options(cfg),
                           check_consistency=bool(cfg.get("check_consistency", False)),
-                          physical=bool(cfg.pruning.physical), teacher=teacher, budget=budget,
-                          least_squares=recovery if isinstance(recovery, LeastSquares) else None,
-                          rearrange=bool(cfg.pruning.rearrange))
+                          physical=bool(cfg.pruning.physical))
     callbacks = [pruning, *instantiate_group(cfg.get("callbacks"))]
     loggers = instantiate_group(cfg.get("logger"))
     epochs = schedule.total_epochs()
-    log.info("schedule: %d baseline epoch(s), rounds to sparsities %s, %d epoch(s) per round -> %d epochs",
-             schedule.baseline_epochs, schedule.sparsities(), schedule.epochs_per_round, epochs)
+    log.info("schedule: %d baseline epoch(s), %d round(s) to %s, %d epoch(s) per round -> %d epochs",
+             schedule.baseline_epochs, schedule.num_rounds, budget.describe(schedule), schedule.epochs_per_round, epochs)
     try:
         trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                                          max_epochs=max(epochs, 1),
@@ -105,9 +103,9 @@ def _run(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, reco
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         if cfg.get("export", True) and trainer.is_global_zero:
             export_pruned(module, output_dir / "export", results, baseline_params, tokenizer=tokenizer)
-            if budget.kind == "latency" and pruning.dense is not None:
-                results.data["final"]["latency"] = measured_latency(pruning.dense, module.model, budget,
-                                                                    results.data.get("rounds", []))
+            measured = budget.after_export(pruner.dense, module.model, results.data.get("rounds", []))
+            if measured:
+                results.data["final"].update(measured)
                 results.save()
     finally:
         finish_wandb(loggers)  # a failed job in a sweep still finishes its wandb run
@@ -150,23 +148,6 @@ def _task(cfg: DictConfig) -> str:
     return task
 
 
-def _teacher(cfg: DictConfig, distill: Distill | None, num_labels: int | None, student):
-    """The model `recovery.teacher` names, loaded and checked against the student before any
-    training (None: the student's own copy is taken when round 1 prunes)."""
-    if distill is None or distill.teacher is None:
-        return None
-    folder = Path(distill.teacher).expanduser()
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"recovery.teacher={distill.teacher!r}: {folder} holds no model (no config.json); "
-                                "allowed: a model folder, e.g. <run dir>/export")
-    teacher = instantiate(cfg.model, pretrained=str(folder), random_init=False)(num_labels=num_labels)
-    for name in ("vocab_size", "num_labels"):
-        if getattr(teacher.config, name, None) != getattr(student.config, name, None):
-            raise ValueError(f"recovery.teacher={distill.teacher!r} has {name}={getattr(teacher.config, name, None)}, "
-                             f"the model being pruned {getattr(student.config, name, None)}; they must match")
-    return teacher
-
-
 def _check_block_size(datamodule, model) -> None:
     """A causal-LM block must fit the model's position embeddings."""
     block = getattr(datamodule, "block_size", None)
@@ -178,27 +159,10 @@ def _check_block_size(datamodule, model) -> None:
 
 def export_pruned(module: HeadPruneModule, directory: Path, results: RunResults, baseline_params: dict,
                   tokenizer=None) -> None:
-    """Physically remove every head the mask pruned from the trained model (in place) and save it
-    with `save_pruned`; record the export folder and parameter counts in results.json.
-
-    Gate values other than 0 and 1 are folded in first, so the export computes what the evaluated
-    model did: learned L0 gates (heads whose test-time gate is 0 are removed too) and
-    least-squares scales (`recovery=least_squares`) scale their heads' output-projection columns."""
-    mask = module.head_mask
-    gates = mask.mask.detach().clone()
-    if mask.stochastic is not None:
-        gates = mask.stochastic.deterministic() * gates  # (L, H)
-        closed = int(((gates == 0) & mask.alive()).sum())
-        if closed:
-            log.info("export: %d heads whose learned gate is closed are removed as well", closed)
-        results.data["final"]["l0_gates_folded"] = {"closed_heads": closed,
-                                                    "heads_per_layer": [int(n) for n in (gates > 0).sum(1)]}
-        mask.stochastic = None
-    if bool(((gates != 0) & (gates != 1)).any()):
-        scale_heads(module.model, gates)
-        results.data["final"]["gates_folded"] = "gate values other than 0 and 1 scaled into the output projection"
-    mask.mask.copy_((gates > 0).to(mask.mask))
-    prune_heads(module.model, mask.pruned())
+    """Fold the mask into the trained model (`deploy.fold`: gate values other than 0 and 1 scale
+    their heads' output-projection columns, closed L0 gates and pruned heads leave the model) and
+    save it with `save_pruned`; record the export folder and parameter counts in results.json."""
+    results.data["final"].update(fold(module.model, module.head_mask))
     save_pruned(module.model, directory, tokenizer=tokenizer, overwrite=True)  # the run owns its export folder
     results.data["baseline"]["params"] = baseline_params
     results.data["final"].update(export_dir=str(directory), params=count_params(module.model))

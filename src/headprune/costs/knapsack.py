@@ -3,7 +3,8 @@
 Every layer l picks one option k in `choices[l]` (how many units it keeps), worth `value[l][k]`
 (the retained importance: the sum of its k most important units) and costing `cost[l][k]` (its
 attention FLOPs, measured latency, KV bytes, ...). Maximise the total value with total cost <=
-budget. Per-layer cost is not linear in k (a layer's latency has a fixed part, and a layer with
+`limit` (the part of a budget that head choices control; it may be below zero when the fixed
+part of a forward alone exceeds the budget, and then no allocation fits). Per-layer cost is not linear in k (a layer's latency has a fixed part, and a layer with
 no heads left saves it), so a greedy sort is not enough; the dynamic programme below keeps, after
 each layer, the Pareto frontier of (cost, value) pairs of the layers so far: no pair on it is both
 dearer and worth less than another, and the optimum extends a frontier pair. Exact, and small for
@@ -15,8 +16,8 @@ from collections.abc import Sequence
 
 
 def best_allocation(choices: Sequence[Sequence[int]], value: Sequence[dict], cost: Sequence[dict],
-                    budget: float) -> tuple[list[int], float, float]:
-    """(k per layer, total value, total cost) of the most valuable allocation costing <= `budget`
+                    limit: float) -> tuple[list[int], float, float]:
+    """(k per layer, total value, total cost) of the most valuable allocation costing <= `limit`
     (ties: the cheaper one). Raises ValueError when even the cheapest allocation is too dear."""
     frontier: list[tuple[float, float, tuple[int, ...]]] = [(0.0, 0.0, ())]  # (cost, value, picks)
     for layer, options in enumerate(choices):
@@ -24,22 +25,22 @@ def best_allocation(choices: Sequence[Sequence[int]], value: Sequence[dict], cos
             raise ValueError(f"layer {layer} has no allowed number of heads")
         grown = [(c + cost[layer][k], v + value[layer][k], picks + (k,))
                  for c, v, picks in frontier for k in options]
-        frontier = _pareto(grown, budget)
+        frontier = _pareto(grown, limit)
         if not frontier:
             cheapest = sum(min(cost[l][k] for k in choices[l]) for l in range(len(choices)))
-            raise ValueError(f"no allocation meets the budget {budget:.6g}: the cheapest one the constraints allow "
-                             f"costs {cheapest:.6g}")
+            raise ValueError(f"no allocation of heads costs at most {limit:.6g}: the cheapest one the constraints "
+                             f"allow costs {cheapest:.6g}")
     total_cost, total_value, picks = max(frontier, key=lambda t: (t[1], -t[0]))
     return list(picks), total_value, total_cost
 
 
-def _pareto(points: list[tuple[float, float, tuple[int, ...]]], budget: float) -> list:
-    """The pairs within budget that no other pair beats in both cost and value (ascending cost)."""
-    eps = 1e-12 * max(1.0, abs(budget))
+def _pareto(points: list[tuple[float, float, tuple[int, ...]]], limit: float) -> list:
+    """The pairs within `limit` that no other pair beats in both cost and value (ascending cost)."""
+    eps = 1e-12 * max(1.0, abs(limit))
     out = []
     best_value = float("-inf")
     for point in sorted(points, key=lambda t: (t[0], -t[1])):
-        if point[0] > budget + eps:
+        if point[0] > limit + eps:
             break
         if point[1] > best_value:
             out.append(point)

@@ -89,3 +89,28 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{platform.machine()} {platform.processor() or ''}".strip()
+
+
+@torch.no_grad()
+def measured_latency(dense: nn.Module, pruned: nn.Module, budget, rounds: list[dict] | None = None) -> dict:
+    """The pruned model's forward latency against the dense one's, timed together (interleaved) at
+    the budget's batch x seq (`budget`: a latency budget's settings), next to what the lookup
+    table predicted for its layout. Only the shapes matter: `dense` may hold any weights."""
+    device = next(pruned.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, dense.config.vocab_size, (budget.batch, budget.seq), generator=g).to(device)
+    modes = dense.training, pruned.training
+    dense.eval(), pruned.eval()
+    try:
+        stats = interleaved({"dense": lambda: dense(input_ids=ids), "pruned": lambda: pruned(input_ids=ids)},
+                            Clock(device), warmup=budget.warmup, repeats=budget.repeats)
+    finally:
+        dense.train(modes[0]), pruned.train(modes[1])
+    measured = stats["pruned"].median_ms / stats["dense"].median_ms
+    predicted = (rounds or [{}])[-1].get("budget", {}).get("predicted_share")
+    out = {"dense_ms": stats["dense"].median_ms, "pruned_ms": stats["pruned"].median_ms, "measured_share": measured,
+           "target_share": budget.target, "batch": budget.batch, "seq": budget.seq,
+           "threads": torch.get_num_threads(), "repeats": budget.repeats}
+    if predicted is not None:
+        out.update(predicted_share=predicted, prediction_error=measured - predicted)
+    return out

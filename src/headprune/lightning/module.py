@@ -5,7 +5,6 @@ perplexity (its exponential), the same numbers `headprune.tasks.evaluate` report
 """
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import lightning as L
@@ -18,7 +17,7 @@ from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.hard_concrete import HardConcreteGates
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import apply_layout
-from headprune.recovery.distill import Distill, distill_loss, forward_outputs
+from headprune.recovery.base import Recovery
 from headprune.tasks import check_task, forward_logits, per_example_loss, target_counts
 
 
@@ -32,23 +31,19 @@ class HeadPruneModule(L.LightningModule):
     training, deterministic at evaluation, `l0_penalty` x the expected number of open heads is
     added to the loss, and the gates train at learning rate `l0_lr` (`metric.lr`).
     `task` (model.task): "classification" (needs `num_labels`) or "causal_lm".
-    `distill` (`recovery=distill`): once a teacher is installed (`install_teacher`, by the pruning
-    callback when the first round prunes), every training step mixes distillation from it into
-    the loss. The teacher is a frozen attribute, not a submodule: it is not trained, not in the
-    optimizer and not in checkpoints; `teacher_seconds` accumulates its forward time.
+    `recovery`: its `training_loss` is every training step's loss (the task loss, or under
+    `recovery=distill` the mix with the teacher's, once the Pruner gave it a teacher).
     """
 
     def __init__(self, model: nn.Module, num_labels: int | None, optimizer: Callable | None = None,
                  scheduler: Callable | None = None, l0_penalty: float = 0.0, l0_lr: float = 0.1,
-                 task: str = "classification", distill: Distill | None = None):
+                 task: str = "classification", recovery: Recovery | None = None):
         super().__init__()
         check_task(task)
         if task == "classification" and not num_labels:
             raise ValueError(f"model.task=classification needs the number of classes, got num_labels={num_labels!r}")
         self.task = task
-        self.distill = distill
-        object.__setattr__(self, "teacher", None)  # not a submodule: never trained, moved or saved with the model
-        self.teacher_seconds = 0.0
+        self.recovery = recovery if recovery is not None else Recovery()
         self.nonfinite_loss: float | None = None
         self.model = model.train()  # from_pretrained returns eval mode; fine-tuning wants dropout
         self.head_mask = HeadMask.for_model(model)
@@ -78,31 +73,9 @@ class HeadPruneModule(L.LightningModule):
         if checkpoint.get(LAYOUT_ATTR) is not None:
             apply_layout(self.model, checkpoint[LAYOUT_ATTR])
 
-    # -- distillation --------------------------------------------------------------------------
-    def frozen_copy(self) -> nn.Module:
-        """A copy of the model as it is now, without the HeadMask hooks, frozen in eval mode."""
-        return self.head_mask.unmasked_copy(self.model).eval().requires_grad_(False)
-
-    def install_teacher(self, teacher: nn.Module) -> None:
-        object.__setattr__(self, "teacher", teacher.to(self.device).eval().requires_grad_(False))
-
-    def _loss(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, mean training loss): the task loss, or the distillation mix once a teacher is in."""
-        if self.teacher is None or self.distill is None:
-            logits = self(batch)
-            return logits, per_example_loss(logits, batch).mean()
-        hidden = self.distill.hidden_weight > 0
-        logits, student_hidden = forward_outputs(self.model, batch, hidden)
-        start = time.perf_counter()
-        with torch.no_grad():
-            teacher_logits, teacher_hidden = forward_outputs(self.teacher, batch, hidden)
-        self.teacher_seconds += time.perf_counter() - start
-        loss = distill_loss(self.distill, per_example_loss(logits, batch), logits, teacher_logits, batch,
-                            student_hidden, teacher_hidden)
-        return logits, loss.mean()
-
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        logits, loss = self._loss(batch)
+        logits, losses = self.recovery.training_loss(self.model, batch)
+        loss = losses.mean()
         if self._any_rank(not bool(torch.isfinite(loss))):
             # the pruning callback stops the run on every rank, rolls the weights back and says where
             self.nonfinite_loss = float(loss.detach()) if not torch.isfinite(loss) else float("nan")

@@ -1,6 +1,5 @@
-"""Recovery after pruning: what the model is trained (or tuned) with after heads go.
-
-`RECOVERIES` maps each `recovery=` option to its typed settings:
+"""Recovery after pruning: what the model is trained (or tuned) with after heads go; one class per
+`recovery=` option, each owning its behaviour through hooks (`base.py`):
 - `finetune` (default): the task loss, for the schedule's fine-tuning epochs;
 - `distill`: the task loss mixed with distillation from the unpruned model (`distill.py`);
 - `least_squares`: no training, least-squares scales of the surviving heads (`least_squares.py`);
@@ -8,20 +7,25 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from headprune.recovery.base import Recovery
 from headprune.recovery.distill import Distill
+from headprune.recovery.finetune import Finetune
 from headprune.recovery.least_squares import LeastSquares
+from headprune.recovery.none import NoRecovery
+
+RECOVERIES: dict[str, type[Recovery]] = {"finetune": Finetune, "distill": Distill, "least_squares": LeastSquares,
+                                         "none": NoRecovery}
 
 
-@dataclass
-class Finetune:
-    """`recovery=finetune`: fine-tune on the task loss alone (the schedule's epochs)."""
+def make_recovery(recovery: Recovery | str | None) -> Recovery:
+    """A Recovery from itself, its name or None (finetune)."""
+    if recovery is None:
+        return Finetune()
+    if isinstance(recovery, Recovery):
+        return recovery
+    if recovery not in RECOVERIES:
+        raise ValueError(f"recovery={recovery!r} is not allowed; allowed: {', '.join(RECOVERIES)}")
+    return RECOVERIES[recovery]()
 
 
-@dataclass
-class NoRecovery:
-    """`recovery=none`: prune and stop."""
-
-
-RECOVERIES = {"finetune": Finetune, "distill": Distill, "least_squares": LeastSquares, "none": NoRecovery}
+__all__ = ["RECOVERIES", "Distill", "Finetune", "LeastSquares", "NoRecovery", "Recovery", "make_recovery"]

@@ -15,25 +15,38 @@ the teacher's entropy.
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headprune.tasks import MODEL_INPUTS, real_tokens, target_weights
+from headprune.deploy.hf import load_pruned, save_pruned
+from headprune.recovery.base import Recovery, trains_after_pruning
+from headprune.tasks import MODEL_INPUTS, is_causal_lm, per_example_loss, real_tokens, target_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
-class Distill:
-    """`recovery=distill` settings. `teacher`: a model folder to distil from; None = the model
-    itself at the end of the baseline epochs (a frozen copy)."""
+class Distill(Recovery):
+    """`recovery=distill` settings and behaviour. `teacher`: a model folder to distil from; None =
+    the model itself at the end of the baseline epochs: the Pruner's one frozen copy of the
+    unpruned model (`Pruner.dense`), saved once to `<run dir>/teacher/` so a resumed run reloads
+    it. The teacher is a frozen attribute of this object, never a submodule of the student: it
+    is not trained, not in the optimizer and not in checkpoints."""
 
     alpha: float = 0.9
     temperature: float = 2.0
     hidden_weight: float = 0.0
     teacher: Optional[str] = None
+
+    TEACHER_DIR: ClassVar[str] = "teacher"
+    trains: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -42,6 +55,81 @@ class Distill:
             raise ValueError(f"recovery.temperature={self.temperature!r} must be > 0")
         if self.hidden_weight < 0:
             raise ValueError(f"recovery.hidden_weight={self.hidden_weight!r} must be >= 0")
+        self.teacher_model: nn.Module | None = None  # a folder teacher is loaded by the app at start
+        self.seconds = 0.0  # the teacher's forward time since the last `take_train_stats`
+
+    @property
+    def needs_dense(self) -> bool:
+        return self.teacher is None
+
+    def check(self, schedule) -> None:
+        if schedule.num_rounds and not trains_after_pruning(schedule):
+            raise ValueError("recovery=distill trains after each round, but the schedule has no epochs after pruning "
+                             "(schedule.epochs_per_round=0, schedule.recover_epochs=0); allowed: either > 0, or "
+                             "recovery=finetune")
+
+    def check_model(self, student: nn.Module) -> None:
+        """Load `teacher` as it was saved (never with the student's config overrides) and refuse one
+        that cannot teach this student: another task, vocabulary or label set."""
+        if self.teacher is None:
+            return
+        folder = Path(self.teacher).expanduser()
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"recovery.teacher={self.teacher!r}: {folder} holds no model (no config.json); "
+                                    "allowed: a model folder, e.g. <run dir>/export")
+        try:
+            teacher = load_pruned(folder)
+        except (OSError, ValueError, RuntimeError) as err:
+            raise ValueError(f"recovery.teacher={self.teacher!r} cannot be loaded: {err}") from None
+        if is_causal_lm(teacher) != is_causal_lm(student):
+            raise ValueError(f"recovery.teacher={self.teacher!r} is a {type(teacher).__name__}, the model being pruned "
+                             f"a {type(student).__name__}: a teacher must do the same task")
+        for name in ("vocab_size", "num_labels"):
+            if getattr(teacher.config, name, None) != getattr(student.config, name, None):
+                raise ValueError(f"recovery.teacher={self.teacher!r} has {name}={getattr(teacher.config, name, None)}, "
+                                 f"the model being pruned {getattr(student.config, name, None)}; they must match")
+        self.teacher_model = teacher.eval().requires_grad_(False)
+
+    def before_first_round(self, pruner) -> None:
+        if self.teacher_model is not None:
+            return
+        self.teacher_model = pruner.dense
+        folder = self._folder(pruner)
+        if folder is not None and pruner.results.writer:
+            save_pruned(self.teacher_model, folder, overwrite=True)
+        log.info("distillation teacher: the model as round 1 found it%s", f", saved to {folder}" if folder else "")
+
+    def resume(self, pruner) -> None:
+        if self.teacher_model is not None:
+            return
+        folder = self._folder(pruner)
+        if folder is None or not folder.is_dir():
+            raise FileNotFoundError(f"resuming a recovery=distill run needs its teacher, saved when round 1 pruned, "
+                                    f"at {folder}; it is missing")
+        self.teacher_model = pruner.dense = load_pruned(folder).eval().requires_grad_(False)
+
+    def training_loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The task loss until a teacher is in; then the mix of the module docstring."""
+        if self.teacher_model is None:
+            return super().training_loss(model, batch)
+        device = batch["input_ids"].device
+        if next(self.teacher_model.parameters()).device != device:
+            self.teacher_model.to(device)
+        hidden = self.hidden_weight > 0
+        logits, student_hidden = forward_outputs(model, batch, hidden)
+        start = time.perf_counter()
+        with torch.no_grad():
+            teacher_logits, teacher_hidden = forward_outputs(self.teacher_model, batch, hidden)
+        self.seconds += time.perf_counter() - start
+        task = per_example_loss(logits, batch)
+        return logits, distill_loss(self, task, logits, teacher_logits, batch, student_hidden, teacher_hidden)
+
+    def take_train_stats(self) -> dict:
+        seconds, self.seconds = self.seconds, 0.0
+        return {"teacher_seconds": round(seconds, 3)} if seconds else {}
+
+    def _folder(self, pruner) -> Path | None:
+        return pruner.results.output_dir / self.TEACHER_DIR if pruner.results.output_dir is not None else None
 
 
 def forward_outputs(model: nn.Module, batch: dict, hidden: bool = False):

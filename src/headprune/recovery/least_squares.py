@@ -18,8 +18,10 @@ output-projection columns (`scale_heads`), so the exported model computes what w
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
-from typing import List
+from typing import ClassVar, List
 
 import torch
 from torch import nn
@@ -27,16 +29,22 @@ from torch import nn
 from headprune.distributed import all_reduce_sum
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.mask import HeadMask
+from headprune.recovery.base import Recovery
 from headprune.tasks import forward_logits, real_tokens, to_device
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
-class LeastSquares:
-    """`recovery=least_squares` settings: calibration examples are the scoring slice
+class LeastSquares(Recovery):
+    """`recovery=least_squares`: after each round, tune the surviving heads' scales against the
+    unpruned model (`Pruner.dense`). Calibration examples are the scoring slice
     (`data.score_samples`, from the training file)."""
 
     scale_range: List[float] = field(default_factory=lambda: [0.5, 2.0])
     damp: float = 0.01
+
+    needs_dense: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         low, high = (list(self.scale_range) + [None, None])[:2]
@@ -45,6 +53,20 @@ class LeastSquares:
                              "high (a scale of 0 would prune the head)")
         if self.damp < 0:
             raise ValueError(f"recovery.damp={self.damp!r} must be >= 0")
+
+    def resume(self, pruner) -> None:
+        raise ValueError("recovery=least_squares tunes each round against the unpruned model's outputs, which a resumed "
+                         "run no longer has; start the run again (it trains nothing, so it is short)")
+
+    def after_round(self, pruner, record: dict, loaders) -> None:
+        """Tune, then record the tuning report and the tuned model's validation metrics."""
+        start = time.perf_counter()
+        report = tune_scales(pruner.model, pruner.mask, pruner.dense, loaders.score, self, pruner.max_batches)
+        record["mask_tuning"] = {**report, "seconds": round(time.perf_counter() - start, 3)}
+        if loaders.val is not None:
+            record["val_after_mask_tuning"] = pruner.evaluate(loaders.val)
+            log.info("round %d: least-squares mask tuning in %.1f s -> val %s", record["round"],
+                     record["mask_tuning"]["seconds"], record["val_after_mask_tuning"])
 
 
 def solve_scales(gram: torch.Tensor, cross: torch.Tensor, target_sq: float, scale_range=(0.5, 2.0),

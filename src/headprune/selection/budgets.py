@@ -1,105 +1,213 @@
 """Budgets: how much of the dense model a pruned one may cost, in heads, attention FLOPs,
-measured latency or KV-cache bytes (`budget=` config group).
+measured latency or KV-cache bytes (`budget=` config group, one class per kind).
 
-`heads` is the count of heads the schedule names, placed by the layer policy (`prune_round`'s
-usual path). The cost budgets keep at most `target` of the dense model's cost and choose, per
-layer, how many units to keep so that the retained importance is as large as possible
-(`selection.knapsack`): a unit is a head, or under grouped-query attention a whole KV group
-(the query heads sharing one KV head), so the KV cache shrinks and no group is split. The
-layer policy's constraints (`min_heads_per_layer`, `max_prune_per_layer`, protected layers)
-bound each layer's choices; `uniform` keeps the same number of units in every layer.
-
-Costs of a layer that keeps k units, for the configured `batch` x `seq`:
-- flops: its attention FLOPs (`bench.flops.attention_flops`: Q/K/V/O products, scores, sum);
-- kv: its KV-cache bytes, 2 (K and V) x kv heads x head_dim x seq x batch x bytes per value;
-- latency: the measured time of one attention layer with k units (`selection.latency`); the
-  budget is a share of the whole dense forward, which the layout's prediction is
-  forward(dense) - sum over layers of (t(H) - t(k)).
+`heads` counts heads: the schedule's target_sparsity is the share removed, placed by the layer
+policy. The cost budgets keep at most `target` of the dense model's cost and choose, per layer,
+how many units to keep so that the retained importance is as large as possible
+(`costs.knapsack`): a unit is a head, or under grouped-query attention a whole KV group (the
+query heads sharing one KV head), so the KV cache shrinks and no group is split. The layer
+policy's constraints (`min_heads_per_layer`, `max_prune_per_layer`, protected layers) bound each
+layer's choices, its `unit_scores` are what a unit is worth, and a policy with
+`same_units_per_layer` keeps the same number of units in every layer. At least one unit is kept
+in the whole model. Each budget owns its cost table (`costs.tables`) and says, per round, how
+much may remain (`goal`): the one place that computes how far a round prunes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import nn
 
-from headprune.heads.adapters import get_adapter, model_shape
 from headprune.costs.knapsack import best_allocation
-from headprune.selection.layer_policies import UniformPolicy
+from headprune.costs.tables import LayerCosts, flops_costs, kv_costs, latency_costs
+from headprune.heads.adapters import model_shape
+from headprune.tasks import is_causal_lm
 
-KINDS = ("heads", "flops", "latency", "kv")
+
+@dataclass(frozen=True)
+class Goal:
+    """What one round must reach: `n_prune` more heads (heads budget), or keep at most `share`
+    of the dense cost (`costs`: the cost table)."""
+
+    n_prune: int = 0
+    share: float | None = None
+    costs: LayerCosts | None = None
 
 
 @dataclass
 class Budget:
-    """`budget=` settings. `target`: the share of the dense model's cost to keep (cost kinds only;
-    `heads` reads the schedule's target_sparsity). `batch`, `seq`: the shape costs are taken at.
-    `cache_dir`: where latency tables are kept (None: ~/.cache/headprune/latency)."""
+    """`budget=heads`: the schedule's target_sparsity, counted in heads."""
 
-    kind: str = "heads"
-    target: float = 1.0
-    batch: int = 32
-    seq: int = 128
-    warmup: int = 1
-    repeats: int = 5
-    cache_dir: Optional[str] = None
+    kind: ClassVar[str] = "heads"
+    counts_heads: ClassVar[bool] = True
+    needs_dense: ClassVar[bool] = False  # the unpruned model is needed after the first round
+    reports: ClassVar[tuple[str, ...]] = ()  # what `after_export` adds to results.json `final`
 
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"budget.kind={self.kind!r} is not allowed; allowed: {', '.join(KINDS)}")
-        if self.kind != "heads" and not 0.0 < self.target <= 1.0:
-            raise ValueError(f"budget.target={self.target!r} must be in (0, 1]: the share of the dense model's "
-                             f"{self.kind} to keep")
-        for name in ("batch", "seq", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"budget.{name}={getattr(self, name)} must be >= 1")
-        if self.warmup < 0:
-            raise ValueError(f"budget.warmup={self.warmup} must be >= 0")
+    def describe(self, schedule) -> str:
+        """What the rounds aim at, for the log."""
+        return f"head sparsities {schedule.sparsities()}"
 
-    @property
-    def counts_heads(self) -> bool:
-        return self.kind == "heads"
+    def after_export(self, dense: nn.Module | None, exported: nn.Module, rounds: list[dict]) -> dict:
+        """Measurements of the exported model for results.json `final` ({}: none)."""
+        return {}
+
+    def record(self) -> dict:
+        """The settings as results.json `budget` shows them."""
+        return {"kind": self.kind, **{k: v for k, v in vars(self).items()}}
+
+    def check(self, schedule, policy) -> None:
+        """Refuse, before anything runs, settings this budget would silently ignore."""
+
+    def check_model(self, model: nn.Module, schedule) -> None:
+        layers, heads = model_shape(model)
+        schedule.check_model(layers * heads)
+
+    def measure(self, dense: nn.Module) -> tuple[LayerCosts | None, dict]:
+        """(cost table, what to record) on the unpruned model; heads have none."""
+        return None, {}
+
+    def goal(self, schedule, k: int, alive: torch.Tensor, costs: LayerCosts | None) -> Goal:
+        return Goal(n_prune=schedule.heads_to_prune(k, alive))
 
 
 @dataclass
-class LayerCosts:
-    """cost[l][k]: layer l keeping k units; `dense`: the dense model's total (the budget's 100%);
-    `fixed`: what no head choice changes (the rest of the forward for latency; 0 otherwise)."""
+class CostBudget(Budget):
+    """Keep at most `target` of the dense model's cost, at `batch` x `seq`."""
 
-    cost: list[dict[int, float]]
-    dense: float
-    fixed: float = 0.0
-    unit: str = "ms"
+    target: float = 0.5
+    batch: int = 32
+    seq: int = 128
 
-    def total(self, kept: list[int]) -> float:
-        return self.fixed + sum(self.cost[l][k] for l, k in enumerate(kept))
+    counts_heads: ClassVar[bool] = False
+    unit: ClassVar[str] = ""
+    seq_matters: ClassVar[bool] = True  # the layout kept depends on seq (not so for KV bytes)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.target, bool) or not isinstance(self.target, (int, float)) or not 0.0 < self.target <= 1.0:
+            raise ValueError(f"budget.target={self.target!r} must be in (0, 1]: the share of the dense model's "
+                             f"{self.kind} to keep")
+        for name in ("batch", "seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"budget.{name}={getattr(self, name)} must be >= 1")
+
+    def check(self, schedule, policy) -> None:
+        if not schedule.sparsities():
+            raise ValueError(f"budget={self.kind} with schedule.target_sparsity=0 plans no round, so nothing would be "
+                             f"pruned; under a cost budget the schedule's sparsities only spread budget.target over its "
+                             f"rounds: allowed: schedule.target_sparsity > 0")
+        if schedule.can_reject:
+            raise ValueError(f"budget={self.kind} with schedule=until_threshold is not supported: the threshold stops "
+                             "by accuracy, the budget by cost; allowed: schedule=one_shot, iterative or cubic")
+        if policy.needs_sensitivity:
+            raise ValueError(f"layer_policy=sensitivity with budget={self.kind} is not supported: the allocation keeps, "
+                             f"per layer, the units worth most under the {self.kind} budget and would measure the "
+                             "sensitivity profile only to ignore it; allowed: layer_policy=global, uniform or depth_prior")
+
+    def check_model(self, model: nn.Module, schedule) -> None:
+        positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        if self.seq_matters and positions and self.seq > positions:
+            raise ValueError(f"budget.seq={self.seq} exceeds the model's {positions} positions; allowed: at most "
+                             f"{positions}")
+
+    def describe(self, schedule) -> str:
+        s = schedule.sparsities()
+        shares = [round(1.0 - (1.0 - self.target) * x / s[-1], 4) for x in s] if s else []
+        return f"{self.target} of the dense {self.kind} (kept per round: {shares})"
+
+    def table(self, dense: nn.Module) -> LayerCosts:
+        raise NotImplementedError
+
+    def measure(self, dense: nn.Module) -> tuple[LayerCosts, dict]:
+        return self.table(dense), {}
+
+    def goal(self, schedule, k: int, alive: torch.Tensor, costs: LayerCosts | None) -> Goal:
+        """Round k keeps at most 1 - (1 - target) x s_k / s_last of the dense cost, s the
+        schedule's sparsities (the last round: `target` exactly)."""
+        s = schedule.sparsities()
+        share = self.target if k == len(s) - 1 else 1.0 - (1.0 - self.target) * s[k] / s[-1]
+        return Goal(share=share, costs=costs)
 
 
-def layer_costs(model: nn.Module, budget: Budget, latency_table: dict[int, float] | None = None,
-                dense_forward: float | None = None) -> LayerCosts:
-    """Per-layer costs of keeping 0..U units for a cost budget (see the module docstring)."""
-    adapter, config = get_adapter(model), model.config
-    n_layers, _ = model_shape(model)
-    group = adapter.group_size(config)
-    n_units = adapter.num_kv_heads(config)
-    d, hidden = adapter.head_dim(config), getattr(config, "hidden_size", None) or getattr(config, "dim")
-    if budget.kind == "flops":
-        from headprune.costs.flops import attention_flops
+@dataclass
+class FlopsBudget(CostBudget):
+    """`budget=flops`: attention FLOPs (Q/K/V/O products, scores, weighted sum)."""
 
-        per = {k: attention_flops(budget.batch, budget.seq, budget.seq, k * group, k, d, hidden) for k in range(n_units + 1)}
-        return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[n_units], unit="FLOPs")
-    if budget.kind == "kv":
-        width = next(model.parameters()).element_size()
-        per = {k: 2 * k * d * budget.seq * budget.batch * width for k in range(n_units + 1)}
-        return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[n_units], unit="bytes")
-    if budget.kind == "latency":
-        if latency_table is None or dense_forward is None:
-            raise ValueError("a latency budget needs the measured table (selection.latency.latency_table)")
-        per = {k: latency_table[k] for k in range(n_units + 1)}
-        return LayerCosts([dict(per) for _ in range(n_layers)], dense_forward,
-                          fixed=dense_forward - n_layers * per[n_units], unit="ms")
-    raise ValueError(f"budget.kind={budget.kind!r} has no per-layer costs (heads are counted, not costed)")
+    kind: ClassVar[str] = "flops"
+
+    def table(self, dense):
+        return flops_costs(dense, self.batch, self.seq)
+
+
+@dataclass
+class KVBudget(CostBudget):
+    """`budget=kv`: KV-cache bytes, for decoders (batch x seq only scale the bytes reported)."""
+
+    batch: int = 1
+    seq: int = 1024
+    kind: ClassVar[str] = "kv"
+    seq_matters: ClassVar[bool] = False
+
+    def check_model(self, model, schedule) -> None:
+        if not is_causal_lm(model):
+            raise ValueError(f"budget=kv keeps a share of the KV cache, which only a decoder (model.task=causal_lm) has; "
+                             f"{type(model).__name__} keeps no cache: allowed: budget=heads, flops or latency")
+
+    def table(self, dense):
+        return kv_costs(dense, self.batch, self.seq)
+
+
+@dataclass
+class LatencyBudget(CostBudget):
+    """`budget=latency`: the forward latency measured on this machine (`costs.latency`); the
+    table is cached under `cache_dir` (None: ~/.cache/headprune/latency)."""
+
+    target: float = 0.7
+    warmup: int = 1
+    repeats: int = 5
+    cache_dir: Optional[str] = None
+    kind: ClassVar[str] = "latency"
+    needs_dense: ClassVar[bool] = True  # the export's latency is measured against it
+    reports: ClassVar[tuple[str, ...]] = ("latency",)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.repeats < 1:
+            raise ValueError(f"budget.repeats={self.repeats} must be >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"budget.warmup={self.warmup} must be >= 0")
+
+    def measure(self, dense):
+        from headprune.costs.latency import latency_table
+
+        table = latency_table(dense, self.batch, self.seq, self.cache_dir, self.warmup, self.repeats)
+        info = {"latency_table": {k: round(v, 4) for k, v in table["layer_ms"].items()},
+                "dense_forward_ms": table["forward_ms"], "table_cached": table["cached"], "table_path": table["path"],
+                "table_seconds": round(table["seconds"], 3)}
+        return latency_costs(dense, table["layer_ms"], table["forward_ms"]), info
+
+    def after_export(self, dense, exported, rounds):
+        """The exported model's forward latency against the dense model's, measured together."""
+        from headprune.costs.latency import measured_latency
+
+        return {"latency": measured_latency(dense, exported, self, rounds)} if dense is not None else {}
+
+
+BUDGETS: dict[str, type[Budget]] = {"heads": Budget, "flops": FlopsBudget, "kv": KVBudget, "latency": LatencyBudget}
+
+
+def make_budget(budget: Budget | dict | None) -> Budget:
+    """A Budget from itself, None (heads) or its fields with `kind` ({"kind": "kv", "target": 0.5})."""
+    if budget is None:
+        return Budget()
+    if isinstance(budget, Budget):
+        return budget
+    fields = dict(budget)
+    kind = fields.pop("kind", "heads")
+    if kind not in BUDGETS:
+        raise ValueError(f"budget kind={kind!r} is not allowed; allowed: {', '.join(BUDGETS)}")
+    return BUDGETS[kind](**fields)
 
 
 def allocate(scores: torch.Tensor, alive: torch.Tensor, costs: LayerCosts, share: float, policy,
@@ -108,32 +216,24 @@ def allocate(scores: torch.Tensor, alive: torch.Tensor, costs: LayerCosts, share
     most importance, within the policy's constraints (`cheapest`: the cheapest layout they allow);
     and a report (kept units per layer, predicted cost and share, retained importance).
 
-    Scores are shifted to be non-negative (keeping a unit never lowers the value: entropy's -H
-    and signed LRP score below 0); a unit is worth the sum of its alive heads' scores, and a
-    layer keeping k units keeps its k most valuable. `cheapest` keeps the fewest units allowed."""
+    Scores are the policy's `unit_scores`, shifted to be non-negative (keeping a unit never lowers
+    the value: entropy's -H and signed LRP score below 0); a unit is worth the sum of its alive
+    heads' scores, and a layer keeping k units keeps its k most valuable. At least one unit stays
+    in the model. Raises ValueError when no layout fits."""
     n_layers = alive.shape[0]
-    shifted = scores - min(float(scores[alive].min()) if bool(alive.any()) else 0.0, 0.0)
+    ranked_scores = policy.unit_scores(scores, alive)
+    shifted = ranked_scores - min(float(ranked_scores[alive].min()) if bool(alive.any()) else 0.0, 0.0)
     unit_alive = [[u for u, heads in enumerate(model_units) if bool(alive[l, heads].any())] for l in range(n_layers)]
     unit_value = [{u: float(shifted[l, model_units[u]][alive[l, model_units[u]]].sum()) for u in unit_alive[l]}
                   for l in range(n_layers)]
     ranked = [sorted(unit_alive[l], key=lambda u: (-unit_value[l][u], u)) for l in range(n_layers)]
     group = len(model_units[0])
-    caps = policy.caps(alive) if hasattr(policy, "caps") else [alive.shape[1]] * n_layers
+    caps = policy.caps(alive)
     choices = [list(range(max(len(unit_alive[l]) - caps[l] // group, 0), len(unit_alive[l]) + 1))
                for l in range(n_layers)]
     value = [{k: sum(unit_value[l][u] for u in ranked[l][:k]) for k in choices[l]} for l in range(n_layers)]
     limit = share * costs.dense - costs.fixed
-    if cheapest:  # the fewest units each layer may keep (costs grow with units, up to timing noise)
-        kept = [choices[l][0] for l in range(n_layers)]
-    elif isinstance(policy, UniformPolicy):  # the same number of units in every layer: the most that fits
-        shared = sorted(set.intersection(*(set(c) for c in choices)), reverse=True)
-        fits = [k for k in shared if sum(costs.cost[l][k] for l in range(n_layers)) <= limit + 1e-9 * abs(limit)]
-        if not fits:
-            raise ValueError(f"no layout with the same number of units in every layer costs at most {share:.4f} of "
-                             f"the dense {costs.unit}")
-        kept = [fits[0]] * n_layers
-    else:
-        kept, _, _ = best_allocation(choices, value, costs.cost, limit)
+    kept = _kept(choices, value, costs, limit, policy, cheapest, share)
     heads = [(l, h) for l in range(n_layers) for u in ranked[l][kept[l]:] for h in model_units[u] if alive[l, h]]
     predicted = costs.total(kept)
     full = sum(value[l][choices[l][-1]] for l in range(n_layers))
@@ -141,3 +241,45 @@ def allocate(scores: torch.Tensor, alive: torch.Tensor, costs: LayerCosts, share
               "dense_cost": costs.dense, "predicted_share": predicted / costs.dense, "unit": costs.unit,
               "retained_importance": sum(value[l][kept[l]] for l in range(n_layers)) / max(full, 1e-30)}
     return heads, report
+
+
+def _kept(choices, value, costs: LayerCosts, limit: float, policy, cheapest: bool, share: float) -> list[int]:
+    """Units kept per layer: the most valuable layout within `limit` (module docstring)."""
+    n_layers = len(choices)
+    if policy.same_units_per_layer:  # the same number of units in every layer: the most that fits
+        shared = sorted(set.intersection(*(set(c) for c in choices)) - {0}, reverse=True)
+        if cheapest:
+            return [shared[-1] if shared else choices[0][0]] * n_layers
+        fits = [k for k in shared if sum(costs.cost[l][k] for l in range(n_layers)) <= limit + 1e-9 * abs(limit)]
+        if not fits:
+            raise ValueError(f"no layout with the same number of units in every layer costs at most {share:.4f} of "
+                             f"the dense {costs.unit}")
+        return [fits[0]] * n_layers
+    if cheapest:  # the fewest units each layer may keep (costs grow with units, up to timing noise)
+        kept = [c[0] for c in choices]
+        return kept if sum(kept) else _one_unit(choices, costs)
+    kept, _, _ = best_allocation(choices, value, costs.cost, limit)
+    if sum(kept):
+        return kept
+    # every layer chose none: the best layout keeping one unit somewhere, if one fits
+    options = []
+    for l in range(n_layers):
+        forced = [c if i != l else [k for k in c if k > 0] for i, c in enumerate(choices)]
+        if forced[l]:
+            try:
+                options.append(best_allocation(forced, value, costs.cost, limit))
+            except ValueError:
+                pass
+    if not options:
+        raise ValueError(f"only a layout without any head fits {share:.4f} of the dense {costs.unit}, and at least one "
+                         "head must remain")
+    return max(options, key=lambda t: (t[1], -t[2]))[0]
+
+
+def _one_unit(choices, costs: LayerCosts) -> list[int]:
+    """The cheapest layout keeping exactly one unit (in the layer where one costs least)."""
+    options = [l for l, c in enumerate(choices) if any(k > 0 for k in c)]
+    if not options:
+        raise ValueError("the layer policy's constraints leave no head that may be kept")
+    best = min(options, key=lambda l: costs.cost[l][min(k for k in choices[l] if k > 0)] - costs.cost[l][choices[l][0]])
+    return [min(k for k in c if k > 0) if l == best else c[0] for l, c in enumerate(choices)]

@@ -5,7 +5,7 @@ A policy is a small typed object holding its options (Hydra builds it from
 `policy(scores, alive, n_prune, sensitivity=None) -> list[(layer, head)]`:
 `scores` is (layers, heads), higher = more important; `alive` is the bool keep-mask (True =
 not yet pruned). Heads already pruned are never chosen again. Each policy returns exactly
-`n_prune` heads or raises `BudgetError` explaining which constraint makes that impossible.
+`n_prune` heads or raises `ShortfallError` explaining which constraint makes that impossible.
 
 Constraints shared by all policies (`LayerPolicy`):
 - `min_heads_per_layer`: every layer keeps at least this many heads (0 lets a whole
@@ -26,7 +26,7 @@ import torch
 from headprune.selection.sensitivity import check_share
 
 
-class BudgetError(ValueError):
+class ShortfallError(ValueError):
     """The constraints leave fewer prunable heads than requested; `available` says how many."""
 
     def __init__(self, message: str, available: int):
@@ -62,7 +62,7 @@ def _check(scores: torch.Tensor, alive: torch.Tensor, n_prune: int, caps: Sequen
         raise ValueError(f"n_prune={n_prune} must be >= 0")
     available = sum(caps)
     if n_prune > available:
-        raise BudgetError(f"asked to prune {n_prune} heads but only {available} may go ({why}; "
+        raise ShortfallError(f"asked to prune {n_prune} heads but only {available} may go ({why}; "
                           f"alive per layer: {alive.sum(dim=1).tolist()}, may lose: {list(caps)})", available)
 
 
@@ -113,9 +113,15 @@ class LayerPolicy:
     max_prune_per_layer: Optional[int] = None
 
     needs_sensitivity: ClassVar[bool] = False
+    # a cost budget (selection.budgets) keeps the same number of units in every layer
+    same_units_per_layer: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_constraints(self.min_heads_per_layer, self.max_prune_per_layer)
+
+    def unit_scores(self, scores: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        """The scores as this policy ranks heads, for a cost budget's allocation (higher = keep)."""
+        return scores
 
     def caps(self, alive: torch.Tensor) -> list[int]:
         """How many more heads each layer may lose."""
@@ -143,10 +149,11 @@ class GlobalPolicy(LayerPolicy):
 
     normalize: bool = False
 
+    def unit_scores(self, scores, alive):
+        return layer_normalized(scores, alive) if self.normalize else scores
+
     def select(self, scores, alive, n_prune, caps, sensitivity=None):
-        if self.normalize:
-            scores = layer_normalized(scores, alive)
-        return _lowest_first(scores, alive, caps, n_prune)
+        return _lowest_first(self.unit_scores(scores, alive), alive, caps, n_prune)
 
 
 @dataclass
@@ -154,6 +161,8 @@ class UniformPolicy(LayerPolicy):
     """The same share of heads in every layer: each pick goes to the layer that has lost the
     fewest heads so far (ties: the layer whose weakest head scores lowest) and takes that
     layer's lowest-scoring alive head."""
+
+    same_units_per_layer: ClassVar[bool] = True
 
     def select(self, scores, alive, n_prune, caps, sensitivity=None):
         lost = (~alive).sum(dim=1).tolist()
@@ -222,12 +231,16 @@ class DepthPriorPolicy(LayerPolicy):
         return (f"{super().why()}, layer_policy.protect_first={self.protect_first}, "
                 f"layer_policy.protect_last={self.protect_last}")
 
-    def select(self, scores, alive, n_prune, caps, sensitivity=None):
+    def unit_scores(self, scores, alive):
+        """Scores x the depth prior (protected layers are capped at 0 by `caps`, not weighted)."""
         s = layer_normalized(scores, alive) if self.normalize else scores
         lowest = float(s[alive].min()) if bool(alive.any()) else 0.0
         s = s - min(lowest, 0.0)  # >= 0 on alive heads
         finite = torch.tensor([w if w != float("inf") else 1.0 for w in self.prior(alive.shape[0])], dtype=s.dtype)
-        return _lowest_first(s * finite[:, None], alive, caps, n_prune)
+        return s * finite[:, None]
+
+    def select(self, scores, alive, n_prune, caps, sensitivity=None):
+        return _lowest_first(self.unit_scores(scores, alive), alive, caps, n_prune)
 
 
 @dataclass

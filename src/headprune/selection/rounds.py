@@ -26,8 +26,9 @@ from headprune.heads.surgery import kv_group_heads
 from headprune.scoring import metric_name
 from headprune.scoring.fisher import fisher_blocks
 from headprune.scoring.reduce import finish_scores
-from headprune.selection.budgets import LayerCosts, allocate
-from headprune.selection.layer_policies import BudgetError
+from headprune.costs.tables import LayerCosts
+from headprune.selection.budgets import allocate
+from headprune.selection.layer_policies import ShortfallError
 from headprune.selection.rearrange import rearrange as rearrange_heads
 from headprune.selection.sensitivity import layer_sensitivity
 from headprune.tasks import evaluate, headline
@@ -105,7 +106,7 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, policy: Call
     else:
         try:
             heads = policy(scores, mask.alive(), n_prune, **options)
-        except BudgetError as err:
+        except ShortfallError as err:
             shortfall = str(err)
             log.warning("round %d: %s; pruning %d heads instead", round_no, err, err.available)
             heads = policy(scores, mask.alive(), err.available, **options)

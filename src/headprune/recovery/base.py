@@ -1,0 +1,54 @@
+"""What every recovery is: settings plus hooks that the Pruner (and the LightningModule's training
+step) call at fixed points of a run. A recovery overrides the hooks it needs; adding one is one
+file here, one entry in `RECOVERIES` and one `conf/recovery/<name>.yaml`.
+
+Hooks, in the order a run meets them:
+- `check(schedule)`: refuse, before anything runs, a schedule this recovery cannot work with;
+- `check_model(student)`: the same for the model (a distillation teacher is loaded and checked);
+- `before_first_round(pruner)`: once, when round 1 is about to prune (`pruner.dense` is the
+  unpruned model when `needs_dense`);
+- `resume(pruner)`: instead of the above, when a run continues after round 1;
+- `after_round(pruner, record, loaders)`: after each round's heads are masked (tuning);
+- `training_loss(model, batch)`: the per-example loss of every fine-tuning step.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from headprune.tasks import forward_logits, per_example_loss
+
+
+class Recovery:
+    """A recovery that trains on the task loss and has nothing else to do (subclasses add)."""
+
+    needs_dense: bool = False  # the unpruned model is kept (one frozen copy: `Pruner.dense`)
+    trains: bool = False  # it works through training after pruning (nothing to do without)
+
+    def check(self, schedule) -> None:
+        pass
+
+    def check_model(self, student: nn.Module) -> None:
+        """Refuse, before any training, what cannot work with this model (load what it needs)."""
+
+    def before_first_round(self, pruner) -> None:
+        pass
+
+    def resume(self, pruner) -> None:
+        pass
+
+    def after_round(self, pruner, record: dict, loaders) -> None:
+        pass
+
+    def training_loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, per-example loss (B,)) of one training batch."""
+        logits = forward_logits(model, batch)
+        return logits, per_example_loss(logits, batch)
+
+    def take_train_stats(self) -> dict:
+        """Extra per-round training figures (e.g. the teacher's forward time), reset after reading."""
+        return {}
+
+
+def trains_after_pruning(schedule) -> bool:
+    return bool(schedule.epochs_per_round or schedule.recover_epochs)

@@ -1,0 +1,260 @@
+"""Pruner: one object that owns a pruning run's state and runs its schedule, with or without a
+Trainer (Torch-Pruning's MetaPruner, composer's split of science and timing).
+
+    pruner = Pruner(model, get_metric("taylor"), Iterative(target_sparsity=0.5), GlobalPolicy())
+    report = pruner.run(Loaders(score=score_loader, val=val_loader), finetune=my_finetune)
+
+A round (`step`) scores the heads, picks within the budget and the layer policy
+(`prune_round`), masks them, lets the recovery act (`after_round`: least-squares tuning) and
+records the round in `results`. `record_finetuned` records a round's metrics after its
+fine-tuning and applies the schedule's stopping rule; `finish` writes `final`. The state a run
+needs to continue (rounds, stop reason, sensitivity profile, last accepted mask, the budget's
+cost table) is in `state_dict()`. The Lightning callback (`lightning.callbacks.HeadPruning`)
+only decides when to call these, and adds physical removal, rollback and logging.
+
+`dense` is the one frozen copy of the unpruned model, taken when round 1 prunes if the recovery
+or the budget needs it (distillation teacher, least-squares targets, latency tables); a resumed
+run gets it back from the recovery (the saved teacher) or from `dense_factory` (a model of the
+same shape, for timing).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from headprune.costs.tables import LayerCosts
+from headprune.heads.mask import HeadMask
+from headprune.recovery import Recovery, make_recovery
+from headprune.results import RunResults
+from headprune.selection.budgets import Budget, make_budget
+from headprune.selection.rounds import prune_round
+from headprune.tasks import evaluate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Loaders:
+    """The examples a round reads: `score` (scoring and calibration), `val` (reported metrics),
+    `select` (the stopping rule's held-out slice, when the schedule reads one)."""
+
+    score: Iterable
+    val: Iterable | None = None
+    select: Iterable | None = None
+
+    @classmethod
+    def of(cls, datamodule, rank: int = 0, world: int = 1, select: bool = False) -> "Loaders":
+        score = datamodule.score_dataloader(rank, world) if world > 1 else datamodule.score_dataloader()
+        return cls(score, datamodule.val_dataloader(), datamodule.select_dataloader() if select else None)
+
+
+class Pruner:
+    """A run's pruning state and its steps (module docstring). `sync(value)` makes a value rank 0's
+    on every data-parallel rank; `max_batches` bounds every pass (a smoke run); `on_pruned(round)`
+    is called right after a round's heads are masked, before the recovery (physical removal)."""
+
+    def __init__(self, model: nn.Module, metric: Callable, schedule, layer_policy, budget: Budget | dict | None = None,
+                 recovery: Recovery | str | None = None, *, mask: HeadMask | None = None, rearrange: bool = False,
+                 results: RunResults | None = None, max_batches: int | None = None,
+                 dense_factory: Callable[[], nn.Module] | None = None):
+        self.model = model
+        self.mask = mask if mask is not None else HeadMask.for_model(model).to(next(model.parameters()).device)
+        self.metric, self.schedule, self.layer_policy = metric, schedule, layer_policy
+        self.budget, self.recovery = make_budget(budget), make_recovery(recovery)
+        self.rearrange, self.max_batches, self.dense_factory = rearrange, max_batches, dense_factory
+        self.results = results if results is not None else RunResults(None)
+        self.sync: Callable[[Any], Any] | None = None
+        self.on_pruned: Callable | None = None
+        self.sparsities = schedule.sparsities()
+        self.dense: nn.Module | None = None
+        self.costs: LayerCosts | None = None
+        self.stop_reason: str | None = None
+        self.sensitivity: list[float] | None = None
+        self.last_good: torch.Tensor | None = None
+
+    # -- state --------------------------------------------------------------------------------
+    @property
+    def rounds(self) -> list[dict]:
+        return self.results.data["rounds"]
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.sparsities)
+
+    def state_dict(self) -> dict:
+        return {"baseline": self.results.data["baseline"], "rounds": self.rounds, "stop_reason": self.stop_reason,
+                "sensitivity": self.sensitivity, "last_good": None if self.last_good is None else self.last_good.tolist(),
+                "costs": None if self.costs is None else self.costs.to_json(), "budget": self.results.data.get("budget")}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.results.data["baseline"], self.results.data["rounds"] = state["baseline"], state["rounds"]
+        self.stop_reason, self.sensitivity = state.get("stop_reason"), state.get("sensitivity")
+        self.last_good = None if state.get("last_good") is None else torch.tensor(state["last_good"])
+        self.costs = None if state.get("costs") is None else LayerCosts.from_json(state["costs"])
+        if state.get("budget") is not None:
+            self.results.data["budget"] = state["budget"]
+
+    def resume(self) -> None:
+        """A run continues after round 1: what round 1 set up comes back (the recovery's teacher, a
+        dense model for the budget; the cost table came with the state)."""
+        self.recovery.resume(self)
+        if self.dense is None and self.budget.needs_dense:
+            if self.dense_factory is None:
+                raise ValueError(f"resuming a budget={self.budget.kind} run needs a dense model of the same shape "
+                                 "(dense_factory)")
+            self.dense = self.dense_factory().eval().requires_grad_(False)
+        if self.costs is None and not self.budget.counts_heads:
+            self._measure_costs()
+
+    # -- steps --------------------------------------------------------------------------------
+    def evaluate(self, loader) -> dict | None:
+        if loader is None:
+            return None
+        return evaluate(self.model, loader, self.mask.mask.device, max_batches=self.max_batches)
+
+    def selection(self, loaders: Loaders) -> dict:
+        """{"selection": metrics on the held-out selection slice} when the stopping rule reads it."""
+        return {"selection": self.evaluate(loaders.select)} if self.schedule.selection_samples() else {}
+
+    def record_baseline(self, loaders: Loaders, **extra) -> dict:
+        self.results.data["baseline"] = {"val": self.evaluate(loaders.val), **self.selection(loaders), **extra}
+        self.results.save()
+        return self.results.data["baseline"]
+
+    def step(self, k: int, loaders: Loaders) -> dict:
+        """Round k (0-based): score, pick within the budget and the policy, mask, recover, record."""
+        if k == 0:
+            self._start()
+        self.last_good = self.mask.mask.detach().clone().cpu()
+        goal = self.budget.goal(self.schedule, k, self.mask.alive(), self.costs)
+        result = prune_round(self.model, self.mask, self.metric, self.layer_policy, goal.n_prune, loaders.score,
+                             round_no=k + 1, eval_loader=loaders.val, sensitivity=self.sensitivity, sync=self.sync,
+                             max_batches=self.max_batches, rearrange=self.rearrange,
+                             cost_budget=(goal.costs, goal.share) if goal.share is not None else None)
+        if result.sensitivity is not None:
+            self._record_sensitivity(result.sensitivity)
+        if self.on_pruned is not None:
+            self.on_pruned(result)
+        record = result.record()
+        self.recovery.after_round(self, record, loaders)
+        self.rounds.append(record)
+        if self.schedule.epochs_per_round == 0:  # nothing trains before the next round: this is its result
+            record["val"] = record.get("val_after_mask_tuning", record.get("val_before_finetune"))
+            record.update(self.selection(loaders))
+            self.check_stop()
+        self.results.save()
+        return record
+
+    def record_finetuned(self, loaders: Loaders, **extra) -> bool:
+        """The last round's metrics after its fine-tuning; True when the stopping rule ends the run."""
+        record = self.rounds[-1]
+        record["val"] = self.evaluate(loaders.val)
+        record.update(self.selection(loaders), **extra)
+        self.results.save()
+        return self.check_stop()
+
+    def check_stop(self) -> bool:
+        """Apply the schedule's stopping rule to the last round (on the selection slice); a
+        rejected round's heads come back (the previous round's mask)."""
+        if not self.schedule.can_reject:
+            return False
+        reason = self.schedule.stop_reason(self.results.data["baseline"]["selection"], self.rounds[-1]["selection"])
+        if reason is None:
+            return False
+        self.stop_reason = reason
+        self.rounds[-1]["rejected"] = True
+        if self.last_good is not None:
+            self.mask.mask.copy_(self.last_good.to(self.mask.mask.device))
+        log.warning("stopping after round %d (%s); restored the mask of the previous round", self.rounds[-1]["round"],
+                    reason)
+        self.results.save()
+        return True
+
+    def run(self, loaders: Loaders, finetune: Callable[[nn.Module, int], None] | None = None) -> dict:
+        """Every remaining round back to back: baseline, then per round `step`, `finetune(model, k)`
+        (when the schedule fine-tunes) and its metrics; then `finish`. Use `loss(batch)` inside
+        `finetune` for the recovery's training loss."""
+        if not self.results.data["baseline"]:
+            self.record_baseline(loaders)
+        for k in range(len(self.rounds), self.num_rounds):
+            if self.stop_reason is not None:
+                break
+            self.step(k, loaders)
+            if "val" not in self.rounds[-1]:
+                if finetune is not None:
+                    finetune(self.model, k)
+                self.record_finetuned(loaders, **self.recovery.take_train_stats())
+        return self.finish(loaders)
+
+    def loss(self, batch: dict) -> torch.Tensor:
+        """The recovery's mean training loss on one batch (task loss, or distillation once a teacher is in)."""
+        return self.recovery.training_loss(self.model, batch)[1].mean()
+
+    def finish(self, loaders: Loaders, evaluate_final: bool | None = None) -> dict:
+        """Fill in anything not yet evaluated and write `final` (with the kept-heads plot)."""
+        data = self.results.data
+        if not data["baseline"]:
+            self.record_baseline(loaders)
+        if self.rounds and "val" not in self.rounds[-1]:
+            self.record_finetuned(loaders)
+        fresh = evaluate_final if evaluate_final is not None else (
+            self.stop_reason is not None or self.schedule.recover_epochs > 0 or not self.rounds)
+        mask = self.mask
+        data["final"] = {"sparsity": mask.sparsity(), "heads_per_layer": mask.heads_per_layer(),
+                         "pruned": mask.pruned(), "rounds_completed": len(self.rounds),
+                         "rounds_planned": self.num_rounds, "stop_reason": self.final_reason(),
+                         "val": self.evaluate(loaders.val) if fresh else self.rounds[-1]["val"]}
+        self.results.save()
+        if self.results.output_dir is not None and self.results.writer:
+            from headprune.plots import close, head_heatmap
+
+            close(head_heatmap(mask.mask, f"kept heads (sparsity {mask.sparsity():.2f})",
+                               self.results.output_dir / "head_mask.png", cmap="Greys_r", vmin=0, vmax=1))
+        return data
+
+    def final_reason(self) -> str:
+        if self.stop_reason is not None:
+            return self.stop_reason
+        if len(self.rounds) < self.num_rounds:
+            return f"interrupted after {len(self.rounds)} of {self.num_rounds} rounds"
+        last = self.rounds[-1] if self.rounds else {}
+        if not self.budget.counts_heads:
+            return f"budget not met: {last['shortfall']}" if last.get("shortfall") else "target_reached"
+        total = self.mask.mask.numel()
+        planned = self.schedule.heads_after(self.num_rounds - 1, total) if self.num_rounds else 0
+        pruned = total - int(self.mask.alive().sum())
+        if pruned >= planned:
+            return "target_reached"
+        return f"constrained: the layer policy's limits let {pruned} of the {planned} heads the target asks for go"
+
+    # -- internals ----------------------------------------------------------------------------
+    def _start(self) -> None:
+        """Before round 1: the dense copy (when needed), the budget's costs, the recovery's setup."""
+        if self.dense is None and (self.recovery.needs_dense or self.budget.needs_dense):
+            self.dense = self.mask.unmasked_copy(self.model).eval().requires_grad_(False)
+        if self.costs is None and not self.budget.counts_heads:
+            self._measure_costs()
+        self.recovery.before_first_round(self)
+
+    def _measure_costs(self) -> None:
+        start = time.perf_counter()
+        self.costs, info = self.budget.measure(self.dense if self.dense is not None else self.model)
+        self.results.data["budget"] = {**self.budget.record(), "unit": self.costs.unit, "dense_cost": self.costs.dense,
+                                       **info, "seconds": round(time.perf_counter() - start, 3)}
+
+    def _record_sensitivity(self, sensitivity: list[float]) -> None:
+        share = self.layer_policy.share
+        self.sensitivity = sensitivity
+        self.results.data["layer_sensitivity"] = {"share": share, "loss_rise": sensitivity}
+        log.info("layer sensitivity (loss rise with %.0f%% of a layer's heads masked): %s", 100 * share,
+                 [round(s, 4) for s in sensitivity])
+        if self.results.output_dir is not None and self.results.writer:
+            from headprune.plots import close, layer_profile
+
+            close(layer_profile(sensitivity, "layer sensitivity (validation-loss rise on the scoring slice)",
+                                self.results.output_dir / "layer_sensitivity.png"))
