@@ -212,8 +212,7 @@ def to_sparse(model: nn.Module) -> nn.Module:
 
 def _described(model: nn.Module, name: str, kind: str, layout: str | None, sparsity: float) -> Variant:
     """A Variant with the heads each layer computes (all of them unless physically removed)."""
-    group = get_adapter(model).num_heads(model.config) // len(kv_group_heads(model))  # query heads per KV head
-    layout_now = head_layout(model)
+    adapter, layout_now = get_adapter(model), head_layout(model)
     heads = [len(kept) for kept in layout_now]
-    kv_heads = [len({h // group for h in kept}) for kept in layout_now]
+    kv_heads = [len(adapter.kv_groups(model.config, kept)) for kept in layout_now]
     return Variant(name, kind, layout, sparsity, model, heads, kv_heads, [1.0] * len(heads))

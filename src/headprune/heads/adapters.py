@@ -94,13 +94,13 @@ class ArchAdapter:
     config_head_dim: bool = False  # the config's head_dim is its own field, so fewer heads fit a plain config
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
-        return list(_get(model.base_model, self.layers_path))
+        return list(model.base_model.get_submodule(self.layers_path))
 
     def attention(self, block: nn.Module) -> nn.Module:
-        return _get(block, self.attn_path)
+        return block.get_submodule(self.attn_path)
 
     def out_proj(self, block: nn.Module) -> nn.Module:
-        return _get(self.attention(block), self.o)
+        return self.attention(block).get_submodule(self.o)
 
     def num_heads(self, config) -> int:
         return int(getattr(config, self.heads_attr))
@@ -127,6 +127,14 @@ class ArchAdapter:
         """Query heads per KV head (1 without grouped-query attention)."""
         return self.num_heads(config) // self.num_kv_heads(config)
 
+    def kv_groups(self, config, heads) -> dict[int, list[int]]:
+        """{KV group id: the query heads of `heads` that read it}, groups in ascending order; the
+        one place that knows query head h reads KV head h // group_size."""
+        group, out = self.group_size(config), {}
+        for h in sorted(heads):
+            out.setdefault(h // group, []).append(h)
+        return out
+
     def head_rows(self, model: nn.Module, layer: int) -> dict[int, dict[str, Rows]]:
         """{original head id: {"q"|"k"|"v"|"o": Rows}} for the heads `layer` physically holds.
 
@@ -138,7 +146,7 @@ class ArchAdapter:
         kept = layer_heads(model, layer)
         d, group = self.head_dim(model.config), self.group_size(model.config)
         kv_kept = sorted({h // group for h in kept})  # KV heads the layer holds, in order
-        q, k, v, o = (_get(attn, path) for path in (self.q, self.k, self.v, self.o))
+        q, k, v, o = (attn.get_submodule(path) for path in (self.q, self.k, self.v, self.o))
         k_offset = len(kept) * d if self.fused_qkv else 0
         v_offset = k_offset + len(kv_kept) * d if self.fused_qkv else 0
         rows = {}
@@ -156,7 +164,7 @@ class ArchAdapter:
         attn = self.attention(self.blocks(model)[layer])
         flags: dict[nn.Module, torch.Tensor] = {}
         for path in dict.fromkeys((self.q, self.k, self.v)):
-            module = _get(attn, path)
+            module = attn.get_submodule(path)
             width = module.weight.shape[1] if isinstance(module, Conv1D) else module.weight.shape[0]
             flags[module] = torch.zeros(width, dtype=torch.bool)
         for parts in self.head_rows(model, layer).values():
@@ -236,7 +244,3 @@ def model_shape(model: nn.Module) -> tuple[int, int]:
     return len(adapter.blocks(model)), adapter.num_heads(model.config)
 
 
-def _get(obj, dotted: str):
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj

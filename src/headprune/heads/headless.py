@@ -13,7 +13,6 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 from transformers.pytorch_utils import Conv1D
 
-from headprune.heads.adapters import _get
 
 
 class HeadlessAttention(nn.Module):
@@ -41,7 +40,7 @@ class HeadlessAttention(nn.Module):
             _advance(cache, self.layer_idx, empty)
         if self.out is None:
             return hidden_states.new_zeros(batch, tokens, 0), None  # (B, T, 0)
-        proj = _get(self, self.out)
+        proj = self.get_submodule(self.out)
         width = proj.weight.shape[1] if isinstance(proj, Conv1D) else proj.weight.shape[0]
         output = hidden_states.new_zeros(batch, tokens, width)  # (B, T, hidden)
         if proj.bias is not None:

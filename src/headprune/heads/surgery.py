@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from headprune.heads.adapters import LAYOUT_ATTR, ArchAdapter, _get, get_adapter, head_layout
+from headprune.heads.adapters import LAYOUT_ATTR, ArchAdapter, get_adapter, head_layout
 from headprune.heads.headless import HeadlessAttention
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def count_params(model: nn.Module) -> dict[str, int]:
     for block in adapter.blocks(model):
         attn = adapter.attention(block)
         for path in (adapter.q, adapter.k, adapter.v, adapter.o):
-            attention.update({id(p): p.numel() for p in _get(attn, path).parameters()})
+            attention.update({id(p): p.numel() for p in attn.get_submodule(path).parameters()})
     return {"attention": sum(attention.values()), "total": sum(p.numel() for p in model.parameters())}
 
 
@@ -194,11 +194,10 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
     """Slice one layer down to heads `after` (sorted original ids): every projection keeps the
     features that the adapter's `head_rows` give the kept heads."""
     d = adapter.head_dim(model.config)
-    group = adapter.group_size(model.config)
     block = adapter.blocks(model)[layer]
     attn = adapter.attention(block)
-    core = _get(attn, adapter.core) if adapter.core else attn
-    q, o = _get(attn, adapter.q), _get(attn, adapter.o)
+    core = attn.get_submodule(adapter.core) if adapter.core else attn
+    q, o = attn.get_submodule(adapter.q), attn.get_submodule(adapter.o)
     keep: dict[tuple[int, bool], tuple[nn.Module, bool, set[int]]] = {}
     for head, parts in adapter.head_rows(model, layer).items():  # in the current layout
         for r in parts.values():  # every projection gets an entry, even one that keeps nothing
@@ -209,8 +208,8 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
         for module, outputs, index in keep.values():
             _keep(module, torch.tensor(sorted(index), dtype=torch.long), outputs, sliced)
 
-    kv_after = sorted({h // group for h in after})
-    counts = [sum(1 for h in after if h // group == g) for g in kv_after]
+    groups = adapter.kv_groups(model.config, after)
+    kv_after, counts = list(groups), [len(heads) for heads in groups.values()]
     per_group = max(counts, default=0)
     sizes = {"heads": len(after), "width": len(after) * d, "groups": per_group}
     for name, quantity in adapter.size_attrs:
@@ -236,7 +235,7 @@ def _make_headless(adapter: ArchAdapter, block: nn.Module, core: nn.Module, head
         out = None  # the output projection sits outside the core (BERT)
     path = adapter.attn_path + (f".{adapter.core}" if adapter.core else "")
     parent, _, name = path.rpartition(".")
-    setattr(_get(block, parent) if parent else block, name, HeadlessAttention(core, out, head_dim, layer_idx))
+    setattr(block.get_submodule(parent) if parent else block, name, HeadlessAttention(core, out, head_dim, layer_idx))
 
 
 def _keep(module: nn.Module, index: torch.Tensor, outputs: bool, sliced: list[Sliced] | None) -> None:

@@ -45,7 +45,7 @@ def rearrange_layer(block: torch.Tensor, candidates: list[int], removed: list[in
 
 
 def rearrange(blocks: torch.Tensor, heads: list[tuple[int, int]], alive: torch.Tensor,
-              units: list[list[int]], protected: set[tuple[int, int]] = frozenset()) -> list[tuple[int, int]]:
+              units: list[list[int]]) -> list[tuple[int, int]]:
     """`heads` (layer, head) the search chose to remove, rearranged within each layer: the same
     number of units per layer, chosen by the block Fisher. Units are lists of head ids that go
     together (KV groups under GQA); a unit's block is the sum over its heads."""
@@ -61,7 +61,6 @@ def rearrange(blocks: torch.Tensor, heads: list[tuple[int, int]], alive: torch.T
         if not removed:
             continue
         block = member @ blocks[layer] @ member.T  # (U, U)
-        candidates = [u for u in present if not any((layer, h) in protected for h in units[u])]
-        for u in rearrange_layer(block, candidates, removed):
+        for u in rearrange_layer(block, present, removed):
             out += [(layer, h) for h in units[u] if alive[layer, h]]
     return sorted(out)
