@@ -14,9 +14,15 @@ from omegaconf import OmegaConf
 
 from headprune.apps.config_paths import config_dir
 from headprune.apps.train import run
+from headprune.recovery import RECOVERIES, Recovery
+from headprune.selection.budgets import BUDGETS, Budget
+from headprune.selection.layer_policies import LAYER_POLICIES, LayerPolicy
+from headprune.selection.schedules import SCHEDULES, Schedule
 
 CONF = config_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+BUILT = {"schedule": Schedule, "metric": None, "layer_policy": LayerPolicy, "recovery": Recovery, "budget": Budget}
+TYPED = {"schedule": SCHEDULES, "layer_policy": LAYER_POLICIES, "recovery": RECOVERIES, "budget": BUDGETS}
 
 
 @pytest.fixture
@@ -39,8 +45,11 @@ def test_every_config_composes(group, option, cfg_factory):
     cfg = cfg_factory(f"{group}={option}")
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
     assert container["seed"] == 0
-    for key in ("schedule", "metric", "layer_policy"):
-        assert instantiate(cfg[key]) is not None
+    for key, base in BUILT.items():  # every typed group builds, into an object of its kind
+        built = instantiate(cfg[key])
+        assert callable(built) if base is None else isinstance(built, base), (key, type(built))
+    if group in BUILT and group != "metric":  # the option chosen is the class built
+        assert type(instantiate(cfg[group])) is TYPED[group][option], (group, option)
 
 
 def _results(path):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headprune.deploy.hf import load_pruned, save_pruned
+from headprune.heads.adapters import model_shape
 from headprune.recovery.base import Recovery, trains_after_pruning
 from headprune.tasks import MODEL_INPUTS, is_causal_lm, per_example_loss, real_tokens, target_weights
 
@@ -88,6 +89,11 @@ class Distill(Recovery):
             if getattr(teacher.config, name, None) != getattr(student.config, name, None):
                 raise ValueError(f"recovery.teacher={self.teacher!r} has {name}={getattr(teacher.config, name, None)}, "
                                  f"the model being pruned {getattr(student.config, name, None)}; they must match")
+        layers = model_shape(teacher)[0], model_shape(student)[0]
+        if self.hidden_weight > 0 and layers[0] != layers[1]:
+            raise ValueError(f"recovery.teacher={self.teacher!r} has {layers[0]} layers, the model being pruned "
+                             f"{layers[1]}: recovery.hidden_weight={self.hidden_weight} matches hidden states layer by "
+                             "layer; allowed: a teacher with as many layers, or recovery.hidden_weight=0")
         self.teacher_model = teacher.eval().requires_grad_(False)
 
     def before_first_round(self, pruner) -> None:
