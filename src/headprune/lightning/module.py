@@ -90,8 +90,11 @@ class HeadPruneModule(L.LightningModule):
             self.log("train/expected_heads", expected_heads, batch_size=logits.shape[0])
         self.log("train/loss", loss, prog_bar=True, batch_size=logits.shape[0])
         if self.task == "classification":
-            self.train_acc(logits.argmax(-1), batch["labels"])
-            self.log("train/acc", self.train_acc, on_step=False, on_epoch=True, batch_size=logits.shape[0])
+            # a plain tensor (this rank's batch accuracy, averaged over the epoch), not a torchmetrics
+            # object: the progress bar computes epoch metrics on rank 0 alone before the other ranks
+            # do, and a metric object's compute is a collective (Lightning issue 21264: DDP hangs)
+            batch_acc = (logits.detach().argmax(-1) == batch["labels"]).float().mean()
+            self.log("train/acc", batch_acc, on_step=False, on_epoch=True, batch_size=logits.shape[0])
         return loss
 
     def _any_rank(self, flag: bool) -> bool:
@@ -102,21 +105,44 @@ class HeadPruneModule(L.LightningModule):
         return bool(trainer.strategy.reduce_boolean_decision(flag, all=False))
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
+        """Accumulates only. `on_validation_epoch_end` reduces across ranks, on every rank at the same
+        point, and logs plain tensors: nothing the progress bar reads (on rank 0 alone) can start a
+        collective that the other ranks never join (Lightning issue 21264: DDP hangs)."""
         logits = self(batch)
         losses = per_example_loss(logits, batch)  # (B,)
         if self.task == "causal_lm":
             self.val_token_loss.update(losses, weight=target_counts(batch))
             return
-        self.val_acc(logits.argmax(-1), batch["labels"])
-        self.log("val/loss", losses.mean(), prog_bar=True, batch_size=logits.shape[0])
-        self.log("val/acc", self.val_acc, prog_bar=True, batch_size=logits.shape[0])
+        self.val_acc.update(logits.argmax(-1), batch["labels"])
+        sums = torch.stack([losses.detach().sum(), losses.new_tensor(float(losses.numel()))])
+        previous = getattr(self, "_val_loss_sums", None)  # (loss sum, examples) of this rank's epoch so far
+        self._val_loss_sums = sums if previous is None else previous + sums
 
     def on_validation_epoch_end(self) -> None:
+        """Every rank computes the epoch's metrics here (the collectives run on all ranks together) and
+        logs the results, identical on every rank, as plain tensors without sync_dist."""
+        import warnings
+
+        from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+        warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(val|train)/",
+                                category=PossibleUserWarning)  # val/* are reduced already; train/acc is
+        # this rank's on purpose (sync_dist would make it a collective the progress bar starts alone)
         if self.task == "causal_lm":
             loss = self.val_token_loss.compute()
             self.val_token_loss.reset()
             self.log("val/loss", loss, prog_bar=True)
             self.log("val/ppl", loss.exp(), prog_bar=True)
+            return
+        sums = getattr(self, "_val_loss_sums", None)
+        if sums is None:  # no validation batch on this run
+            return
+        self._val_loss_sums = None
+        if self._trainer is not None and self._trainer.world_size > 1:
+            sums = self._trainer.strategy.reduce(sums, reduce_op="sum")
+        self.log("val/loss", sums[0] / sums[1], prog_bar=True)
+        self.log("val/acc", self.val_acc.compute(), prog_bar=True)
+        self.val_acc.reset()
 
     def configure_optimizers(self):
         if self.optimizer_factory is None:
