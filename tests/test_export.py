@@ -158,3 +158,89 @@ def test_export_folds_learned_l0_gates(tmp_path, tokenizer):
     reloaded = load_pruned(tmp_path / "export").eval()
     with torch.no_grad():
         assert torch.allclose(reloaded(**batch).logits, evaluated, atol=1e-5)
+
+
+def _killed_while_writing(model, monkeypatch):
+    """save_pretrained that writes a 0-byte config.json and is then killed (KeyboardInterrupt)."""
+    def killed(self, directory, *args, **kwargs):
+        from pathlib import Path
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "config.json").write_text("")
+        raise KeyboardInterrupt("killed while writing the export")
+
+    monkeypatch.setattr(type(model), "save_pretrained", killed)
+
+
+def test_a_kill_while_saving_leaves_no_half_written_folder(tmp_path, monkeypatch):
+    """The folder appears complete or not at all; with overwrite=True the old model stays whole
+    until the new one is complete."""
+    model = prune_heads(tiny("bert"), PRUNE)
+    save_pruned(model, tmp_path / "kept")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "kept").iterdir()}
+    _killed_while_writing(model, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        save_pruned(model, tmp_path / "new")
+    with pytest.raises(KeyboardInterrupt):
+        save_pruned(model, tmp_path / "kept", overwrite=True)
+    assert not (tmp_path / "new").exists()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "kept").iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]  # no temporary folder left behind
+    monkeypatch.undo()
+    save_pruned(prune_heads(tiny("bert"), {0: [1]}), tmp_path / "kept", overwrite=True)
+    assert load_pruned(tmp_path / "kept").headprune_layout == [[0, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+
+
+def test_saved_files_get_0666_less_the_umask(tmp_path, tokenizer):
+    """model.safetensors and every other file written: 0666 & ~umask, as the README promises."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        save_pruned(prune_heads(tiny_bert(), {1: [0]}), tmp_path / "export", tokenizer=tokenizer)
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "export").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o644}, modes
+    assert stat.S_IMODE((tmp_path / "export").stat().st_mode) == 0o755
+
+
+def _edit_layout(folder, layer: int, kept: list) -> None:
+    path = folder / "headprune_layout.json"
+    saved = json.loads(path.read_text())
+    saved["layout"][layer] = kept
+    path.write_text(json.dumps(saved))
+
+
+@pytest.mark.parametrize("size", ["empty", "half"])
+def test_a_truncated_weights_file_is_named(size, tmp_path):
+    """load_pruned and build_model (a run's model.pretrained folder) name the broken file."""
+    from headprune.models.build import build_model
+
+    save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path / "uneven")
+    save_pruned(tiny("bert"), tmp_path / "plain")
+    (tmp_path / "plain" / "headprune_layout.json").unlink()  # loads through plain from_pretrained
+    for folder in (tmp_path / "uneven", tmp_path / "plain"):
+        weights = folder / "model.safetensors"
+        weights.write_bytes(b"" if size == "empty" else weights.read_bytes()[: weights.stat().st_size // 2])
+        with pytest.raises(ValueError, match=rf"{weights}.*(truncated|cannot be read)"):
+            load_pruned(folder)
+        with pytest.raises(ValueError, match=rf"{weights}.*(truncated|cannot be read)"):
+            build_model(str(folder), num_labels=2)
+
+
+@pytest.mark.parametrize("layer, kept, pattern", [
+    (1, [0, 0, 3], r"headprune_layout.json.*layer 1.*head 0 twice"),
+    (1, [0, 2, 9], r"headprune_layout.json.*layer 1.*head 9.*0\.\.3"),
+    (1, [0, 1, 2, 3], r"headprune_layout.json.*layer 1 keeps 4 heads.*model.safetensors.*layer\.1\."),
+    (2, [0], r"headprune_layout.json.*layer 2 keeps 1 heads.*model.safetensors.*layer\.2\."),
+])
+def test_an_edited_layout_is_refused(layer, kept, pattern, tmp_path):
+    """A duplicate or out-of-range head id, or head counts the weights' shapes contradict: refused,
+    naming the layout file and the layer, instead of loading with heads re-initialised."""
+    save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path)
+    _edit_layout(tmp_path, layer, kept)
+    with pytest.raises(ValueError, match=pattern):
+        load_pruned(tmp_path)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,15 +57,56 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwri
     `load_pruned` rebuilds the uneven shapes. The return value and the log say which.
 
     A folder that already holds files is refused (old tokenizers or weights would be left beside
-    the new model) unless `overwrite=True`, which empties it first."""
+    the new model) unless `overwrite=True`, which replaces it.
+
+    The folder is written as a temporary sibling and renamed into place once complete, so a kill
+    mid-write leaves the old folder (or none), never a 0-byte config.json; an old folder is removed
+    only after the new one is complete. Files get 0666 less the umask (save_pretrained's weights
+    would be 0600), the folder 0777 less the umask."""
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise NotADirectoryError(f"save_pruned: {directory} exists and is not a folder")
-    if directory.is_dir() and any(directory.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"save_pruned: {directory} is not empty ({sorted(p.name for p in directory.iterdir())[:5]}"
-                                  "...); pass overwrite=True to replace its contents, or choose an empty folder")
-        shutil.rmtree(directory)
+    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(f"save_pruned: {directory} is not empty ({sorted(p.name for p in directory.iterdir())[:5]}"
+                              "...); pass overwrite=True to replace its contents, or choose an empty folder")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+    try:
+        plain_hf, why = _write(model, staging, tokenizer)
+        _publish(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    result = Saved(directory, plain_hf, why)
+    log.info("save_pruned: %s is %s (%s)", directory,
+             "a plain transformers checkpoint" if result.plain_hf else "loadable with headprune.load_pruned", why)
+    return result
+
+
+def _publish(staging: Path, directory: Path) -> None:
+    """Give `staging`'s files the permissions a plain open() would, then rename it to `directory`;
+    an existing `directory` is moved aside first and removed only once the new one is in place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in staging.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+    os.chmod(staging, 0o777 & ~umask)
+    old = None
+    if directory.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".old", dir=directory.parent))
+        os.replace(directory, old / directory.name)
+    try:
+        os.replace(staging, directory)
+    except BaseException:
+        if old is not None:
+            os.replace(old / directory.name, directory)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write(model: nn.Module, directory: Path, tokenizer) -> tuple[bool, str]:
+    """Write the model (and tokenizer) into the empty folder `directory`: (plain_hf, why)."""
     adapter, layout = get_adapter(model), head_layout(model)
     counts, why = plain_counts(model)
     if counts is None:
@@ -89,10 +133,7 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwri
             "kept_heads": layout})
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
-    result = Saved(directory, counts is not None, why)
-    log.info("save_pruned: %s is %s (%s)", directory,
-             "a plain transformers checkpoint" if result.plain_hf else "loadable with headprune.load_pruned", why)
-    return result
+    return counts is not None, why
 
 
 def plain_counts(model: nn.Module) -> tuple[tuple[int, int] | None, str]:
@@ -126,6 +167,7 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"load_pruned: {directory} holds no model (no config.json)")
+    shapes = weight_shapes(directory)
     cls = _model_class(AutoConfig.from_pretrained(directory))
     if not (directory / LAYOUT_FILE).is_file():
         try:
@@ -142,6 +184,7 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
             apply_layout(self, layout)
+            check_layout_shapes(self, shapes, directory / LAYOUT_FILE)
 
     Pruned.__name__ = Pruned.__qualname__ = cls.__name__
     model = Pruned.from_pretrained(directory, **from_pretrained_kwargs)
@@ -161,7 +204,60 @@ def read_layout(directory: str | Path) -> list[list[int]]:
     layout = saved["layout"]
     if not isinstance(layout, list) or not all(isinstance(kept, list) for kept in layout):
         raise ValueError(f"{path}: 'layout' must be a list with one list of kept head ids per layer; got {layout!r}")
-    return [[_integer(h, f"{LAYOUT_FILE} layer {i} head") for h in kept] for i, kept in enumerate(layout)]
+    layout = [[_integer(h, f"{LAYOUT_FILE} layer {i} head") for h in kept] for i, kept in enumerate(layout)]
+    num_heads = saved.get("num_heads")
+    for i, kept in enumerate(layout):
+        twice = sorted({h for h in kept if kept.count(h) > 1})
+        if twice:
+            raise ValueError(f"{path}: layer {i} lists head {twice[0]} twice ({kept}); each kept head id once")
+        if isinstance(num_heads, int) and any(not 0 <= h < num_heads for h in kept):
+            bad = next(h for h in kept if not 0 <= h < num_heads)
+            raise ValueError(f"{path}: layer {i} keeps head {bad}, outside the original heads 0..{num_heads - 1}")
+    return layout
+
+
+def weight_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor in a folder's *.safetensors files, read from their headers (cheap).
+    A file that cannot be read (0 bytes, truncated by a kill or a full disk, not safetensors) is a
+    ValueError naming it, rather than a SafetensorError naming nothing."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                shapes.update({key: tuple(f.get_slice(key).get_shape()) for key in f.keys()})
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{path} cannot be read ({err}): the weights file is truncated or not a safetensors "
+                             "file; write the folder again (save_pruned, or the run's export)") from None
+    return shapes
+
+
+def check_layout_shapes(model: nn.Module, shapes: dict[str, tuple[int, ...]], layout_path: Path) -> None:
+    """The model pruned to the layout file must have the weights' shapes; otherwise from_pretrained
+    would re-initialise the mismatched tensors or fail naming neither file nor layer."""
+    layout = head_layout(model)
+    for key, tensor in model.state_dict().items():
+        want = shapes.get(key)
+        if want is None or tuple(tensor.shape) == want:
+            continue
+        layer = re.search(r"\.(\d+)\.", key)
+        where = (f"layer {layer.group(1)} keeps {len(layout[int(layer.group(1))])} heads "
+                 f"({layout[int(layer.group(1))]})") if layer and int(layer.group(1)) < len(layout) else "its layout"
+        raise ValueError(f"{layout_path} says {where}, but {_weights_file(layout_path.parent, key)} holds {key} "
+                         f"of shape {list(want)}, not {list(tensor.shape)}: the layout does not match the weights "
+                         "(edited?); restore the file written with them")
+
+
+def _weights_file(directory: Path, key: str) -> str:
+    """The name of the safetensors file in `directory` that holds `key` (for error messages)."""
+    from safetensors import safe_open
+
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            if key in f.keys():
+                return str(path)
+    return f"{directory}/*.safetensors"
 
 
 def _model_class(config) -> type:
