@@ -18,7 +18,7 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, GPT2Config)
 
-from headprune.deploy.hf import LAYOUT_FILE, load_pruned
+from headprune.deploy.hf import LAYOUT_FILE, load_pruned, weight_shapes
 from headprune.models.byte_tokenizer import ByteTokenizer
 from headprune.tasks import check_task
 
@@ -125,5 +125,7 @@ def build_model(pretrained: str, num_labels: int = 2, task: str = "classificatio
         kwargs["dtype"] = torch_dtype
     if (Path(path) / LAYOUT_FILE).is_file():  # a headprune export with uneven heads
         return load_pruned(path, attn_implementation=attn_implementation, **kwargs)
+    if Path(path).is_dir():
+        weight_shapes(path)  # a truncated weights file: a ValueError naming it
     return _from_hub("weights", pretrained,
                      lambda: auto.from_pretrained(path, attn_implementation=attn_implementation, **kwargs))
