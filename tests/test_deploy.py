@@ -66,3 +66,43 @@ def test_uniform_gqa_layouts_load_with_plain_transformers(family, tmp_path):
 def test_other_layouts_say_they_need_load_pruned(family, heads, why, tmp_path):
     saved = save_pruned(prune_heads(tiny(family), heads), tmp_path)
     assert not saved.plain_hf and why in saved.why and (tmp_path / "headprune_layout.json").is_file()
+
+
+@pytest.mark.parametrize("tolerance", ["-1", "nan", "inf"])
+def test_export_cli_refuses_a_bad_tolerance_before_exporting(tolerance, tmp_path, monkeypatch, capsys):
+    import headprune.deploy.onnx
+
+    monkeypatch.setattr(headprune.deploy.onnx, "export_onnx", lambda *a, **k: pytest.fail("exported anyway"))
+    save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path / "model")
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(tmp_path / "model"), "--onnx", str(tmp_path / "m.onnx"), "--tolerance", tolerance])
+    assert exit_.value.code == 2
+    assert "--tolerance" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["parent_is_a_file", "is_a_folder"])
+def test_export_cli_refuses_an_unwritable_onnx_path_before_exporting(where, tmp_path, monkeypatch, capsys):
+    import headprune.deploy.onnx
+
+    monkeypatch.setattr(headprune.deploy.onnx, "export_onnx", lambda *a, **k: pytest.fail("exported anyway"))
+    save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path / "model")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "folder.onnx").mkdir()
+    target = tmp_path / "file" / "m.onnx" if where == "parent_is_a_file" else tmp_path / "folder.onnx"
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(tmp_path / "model"), "--onnx", str(target)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--onnx" in err and str(target) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "folder.onnx", "model"]  # nothing written
+
+
+def test_export_cli_says_why_it_exits_1(tmp_path, monkeypatch, capsys):
+    """A difference over --tolerance: exit 1 with a line on stderr saying so."""
+    import headprune.deploy.onnx
+
+    monkeypatch.setattr(headprune.deploy.onnx, "export_onnx", lambda model, path: path)
+    monkeypatch.setattr(headprune.deploy.onnx, "check_onnx", lambda model, path: {"max_abs_diff": 0.5})
+    save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path / "model")
+    assert export_main([str(tmp_path / "model"), "--onnx", str(tmp_path / "m.onnx")]) == 1
+    assert "exceeds --tolerance" in capsys.readouterr().err

@@ -5,12 +5,15 @@
 
 Writes the .onnx file and prints (and writes beside it as <name>.check.json) the largest
 difference between ONNX Runtime's and PyTorch's logits on a batch of another shape than the
-export's; exits 1 when it exceeds --tolerance.
+export's; exits 1 when it exceeds --tolerance (saying so on stderr). Arguments that cannot work
+(a negative or non-finite --tolerance, an --onnx path that is a folder or lies under a file) exit
+2 before the export.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -35,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--onnx", type=Path, required=True, help="the .onnx file to write")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed |ONNX Runtime - PyTorch|")
     args = parser.parse_args(argv)
+    problem = argument_problem(args)
+    if problem:
+        parser.error(problem)  # exit 2 before the (tens of seconds) export
     try:
         from headprune.deploy.onnx import check_onnx, export_onnx
     except ImportError as err:  # pragma: no cover - the message is the point
@@ -47,7 +53,26 @@ def main(argv: list[str] | None = None) -> int:
     check = {"source": str(folder), "onnx": str(args.onnx), **check_onnx(model, args.onnx), "tolerance": args.tolerance}
     write_json_atomic(args.onnx.with_suffix(".check.json"), check)
     print(json.dumps(check, indent=2))
-    return 0 if check["max_abs_diff"] <= args.tolerance else 1
+    if check["max_abs_diff"] <= args.tolerance:
+        return 0
+    print(f"headprune-export: max_abs_diff {check['max_abs_diff']} exceeds --tolerance {args.tolerance} "
+          "(ONNX Runtime's logits differ from PyTorch's); exit 1", file=sys.stderr)
+    return 1
+
+
+def argument_problem(args: argparse.Namespace) -> str | None:
+    """Why the arguments cannot work, checked before the export; None when they can."""
+    if not math.isfinite(args.tolerance) or args.tolerance < 0:
+        return f"--tolerance {args.tolerance}: allowed: a finite number >= 0 (the largest |ONNX Runtime - PyTorch|)"
+    onnx = args.onnx
+    if onnx.is_dir():
+        return f"--onnx {onnx}: is a folder; allowed: a file path (e.g. {onnx / 'model.onnx'})"
+    for parent in onnx.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"--onnx {onnx}: {parent} is a file, not a folder; allowed: a path in a folder"
+            break
+    return None
 
 
 if __name__ == "__main__":
