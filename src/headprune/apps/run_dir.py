@@ -8,6 +8,7 @@ finished run's folder would already have replaced that folder's `.hydra/config.y
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import os
 import tempfile
 from pathlib import Path
@@ -23,11 +24,28 @@ def is_rank_zero() -> bool:
     return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
 
 
-def prepare(output_dir: Path, cfg: DictConfig, resuming: bool, overwrite: bool) -> logging.Handler | None:
-    """Refuse a folder holding another run (unless resuming or `overwrite=true`), check it can be
+class LogBuffer:
+    """Holds the log records of a run's checks until its log file exists (`release`), so that
+    train.log still starts at the beginning while a refused run writes no file at all."""
+
+    def __init__(self) -> None:
+        self.handler = logging.handlers.MemoryHandler(capacity=1 << 30, flushLevel=logging.CRITICAL + 1)
+        self.handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logging.getLogger().addHandler(self.handler)
+
+    def release(self, into: logging.Handler | None) -> None:
+        """Stop holding; replay what was held into `into` (None: drop it)."""
+        logging.getLogger().removeHandler(self.handler)
+        if into is not None:
+            for record in self.handler.buffer:
+                into.handle(record)
+        self.handler.buffer.clear()
+        self.handler.close()
+
+
+def prepare(output_dir: Path, cfg: DictConfig) -> logging.Handler | None:
+    """Once every check has passed (`refuse_to_overwrite` included): check the folder can be
     written, then write the config record and open the log file (returned: close it at the end)."""
-    if is_rank_zero():
-        refuse_to_overwrite(output_dir, resuming, overwrite)
     check_writable(output_dir)
     hydra = _hydra_config()
     if hydra is None:  # called as a function (tests, notebooks): no Hydra record, no log file
@@ -46,8 +64,9 @@ def prepare(output_dir: Path, cfg: DictConfig, resuming: bool, overwrite: bool) 
 
 def refuse_to_overwrite(output_dir: Path, resuming: bool, overwrite: bool) -> None:
     """A finished or running run's folder is never written over by a new run, unless asked to
-    (`overwrite=true`) or resuming it (`ckpt_path=...`)."""
-    if not (resuming or overwrite) and (output_dir / "results.json").exists():
+    (`overwrite=true`) or resuming it (`ckpt_path=...`). Rank 0 decides (other ranks start while
+    rank 0 already owns the folder)."""
+    if is_rank_zero() and not (resuming or overwrite) and (output_dir / "results.json").exists():
         raise FileExistsError(f"{output_dir} already holds a run's results.json; choose another hydra.run.dir, "
                               "resume it with ckpt_path=<its checkpoints/last.ckpt>, or pass overwrite=true")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -21,6 +22,7 @@ from headprune.apps.config_paths import config_dir
 from headprune.apps.config_schema import register_schemas
 from headprune.apps.objectives import objectives
 from headprune.apps.preflight import check_model, check_settings
+from headprune.apps.resume import check_resume
 from headprune.deploy.fold import fold
 from headprune.deploy.hf import save_pruned
 from headprune.heads.surgery import count_params
@@ -39,27 +41,51 @@ register_schemas()
 
 def run(cfg: DictConfig) -> dict:
     """Run one training/pruning job described by `cfg`; returns the results document. Every
-    setting is checked, and the run dir refused or checked, before anything is written."""
+    setting, the data, the model (and a teacher) are checked, and the run dir refused or checked,
+    before anything is written into it; log lines until then reach train.log afterwards."""
     output_dir = Path(cfg.paths.output_dir)
     ckpt_path = cfg.get("ckpt_path")
-    schedule = build(cfg.schedule)
-    metric = build(cfg.metric)
-    layer_policy = build(cfg.layer_policy)
-    recovery = build(cfg.recovery)
-    budget = build(cfg.budget)
-    task = _task(cfg)
-    schedule.check_metrics(VAL_METRICS[task], task)
-    check_settings(cfg, schedule, layer_policy, recovery, budget)
-    log_file = run_dir.prepare(output_dir, cfg, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
+    buffered, log_file = run_dir.LogBuffer(), None
     try:
-        return _run(cfg, output_dir, schedule, metric, layer_policy, recovery, budget, task)
+        schedule = build(cfg.schedule)
+        metric = build(cfg.metric)
+        layer_policy = build(cfg.layer_policy)
+        recovery = build(cfg.recovery)
+        budget = build(cfg.budget)
+        task = _task(cfg)
+        schedule.check_metrics(VAL_METRICS[task], task)
+        check_settings(cfg, schedule, layer_policy, recovery, budget)
+        run_dir.refuse_to_overwrite(output_dir, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
+        if ckpt_path:
+            finished = check_resume(cfg, ckpt_path, output_dir, schedule.total_epochs())
+            if finished is not None:
+                return finished
+        setup = _setup(cfg, output_dir, schedule, metric, layer_policy, recovery, budget, task)
+        log_file = run_dir.prepare(output_dir, cfg)
+    finally:
+        buffered.release(into=log_file)
+    try:
+        return _run(cfg, output_dir, setup)
     finally:
         if log_file is not None:
             logging.getLogger().removeHandler(log_file)
             log_file.close()
 
 
-def _run(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, recovery, budget, task: str) -> dict:
+@dataclass
+class Setup:
+    """What a run needs once every check has passed; nothing of it has written a file yet."""
+
+    module: HeadPruneModule
+    datamodule: object
+    tokenizer: object
+    pruner: Pruner
+    pruning: HeadPruning
+    baseline_params: dict
+
+
+def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, recovery, budget, task: str) -> Setup:
+    """Data, model (and teacher) loaded and checked against the settings; the run's objects built."""
     L.seed_everything(cfg.seed, workers=True)
     tokenizer = load_tokenizer(cfg.model.pretrained)
     select = {"select_samples": schedule.selection_samples()} if schedule.selection_samples() else {}
@@ -88,6 +114,12 @@ def _run(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, reco
     pruning = HeadPruning(pruner, diagnostics=_diagnostics_options(cfg),
                           check_consistency=bool(cfg.get("check_consistency", False)),
                           physical=bool(cfg.pruning.physical))
+    return Setup(module, datamodule, tokenizer, pruner, pruning, baseline_params)
+
+
+def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
+    module, datamodule, pruner, pruning = setup.module, setup.datamodule, setup.pruner, setup.pruning
+    schedule, budget, results = pruner.schedule, pruner.budget, pruner.results
     callbacks = [pruning, *instantiate_group(cfg.get("callbacks"))]
     loggers = instantiate_group(cfg.get("logger"))
     epochs = schedule.total_epochs()
@@ -101,8 +133,11 @@ def _run(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, reco
             pruning.run_without_training(module, datamodule)
         else:
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            if "val" not in results.data["final"]:  # resumed at its last epoch (killed during the export)
+                log.info("the checkpoint is at the run's last epoch: finishing the run")
+                pruning.finish(module, datamodule, trainer=trainer)
         if cfg.get("export", True) and trainer.is_global_zero:
-            export_pruned(module, output_dir / "export", results, baseline_params, tokenizer=tokenizer)
+            export_pruned(module, output_dir / "export", results, setup.baseline_params, tokenizer=setup.tokenizer)
             measured = budget.after_export(pruner.dense, module.model, results.data.get("rounds", []))
             if measured:
                 results.data["final"].update(measured)

@@ -89,7 +89,8 @@ class Pruner:
     def state_dict(self) -> dict:
         return {"baseline": self.results.data["baseline"], "rounds": self.rounds, "stop_reason": self.stop_reason,
                 "sensitivity": self.sensitivity, "last_good": None if self.last_good is None else self.last_good.tolist(),
-                "costs": None if self.costs is None else self.costs.to_json(), "budget": self.results.data.get("budget")}
+                "costs": None if self.costs is None else self.costs.to_json(), "budget": self.results.data.get("budget"),
+                "config": self.results.data.get("config")}  # what a resume is checked against
 
     def load_state_dict(self, state: dict) -> None:
         self.results.data["baseline"], self.results.data["rounds"] = state["baseline"], state["rounds"]

@@ -1,0 +1,88 @@
+"""What a resume (`ckpt_path=...`) is checked for before anything is written: the checkpoint can
+be read, it was made with the same experiment (the settings that decide what is pruned, how and
+on which model), and the run it belongs to is not already finished.
+
+The experiment's settings travel in the checkpoint (the pruning callback's state, `config`);
+checkpoints written before they did are compared with the run dir's results.json `config`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+# the config keys that define an experiment; a resume must not change any of them
+DEFINING = ("model", "data", "metric", "schedule", "layer_policy", "budget", "recovery", "pruning", "seed")
+# within those, what may change between the two parts of a run (where files are, how fast it loads)
+FREE = ("data.data_dir", "data.num_workers", "budget.cache_dir")
+
+
+def experiment(config: dict) -> dict:
+    """The defining settings of a resolved config, flattened to dotted keys."""
+    flat: dict = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = value
+
+    walk("", {k: config.get(k) for k in DEFINING})
+    return {k: v for k, v in flat.items() if k not in FREE}
+
+
+def check_resume(cfg: DictConfig, ckpt_path: str, output_dir: Path, epochs: int) -> dict | None:
+    """Refuse a resume that cannot continue this run (naming what differs); return the finished
+    run's results when there is nothing left to do (None: go on)."""
+    if epochs == 0:
+        raise ValueError(f"ckpt_path={ckpt_path}: this schedule trains no epoch (baseline_epochs + rounds x "
+                         "epochs_per_round + recover_epochs = 0), so its runs write no checkpoint to resume from; "
+                         "start the run again without ckpt_path (it trains nothing, so it is short)")
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such file; allowed: a run's checkpoints/last.ckpt")
+    saved = _saved_config(path, output_dir)
+    if saved is not None:
+        now, before = experiment(OmegaConf.to_container(cfg, resolve=True)), experiment(saved)
+        differ = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
+        if differ:
+            shown = ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in differ[:8])
+            raise ValueError(f"ckpt_path={ckpt_path} was made with other settings than this resume: {shown}"
+                             f"{' ...' if len(differ) > 8 else ''}; resume with the run's own settings (its "
+                             ".hydra/config.yaml) or start a new run")
+    results = output_dir / "results.json"
+    if results.is_file():
+        try:
+            data = json.loads(results.read_text())
+        except json.JSONDecodeError:
+            return None
+        final = data.get("final") or {}
+        if "val" in final and "export_dir" in final and (Path(final["export_dir"]) / "config.json").is_file():
+            log.warning("the run in %s is finished (results.json has its final results and %s its export); resuming "
+                        "it changes nothing", output_dir, final["export_dir"])
+            return data
+    return None
+
+
+def _saved_config(path: Path, output_dir: Path) -> dict | None:
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable checkpoint gets the same clear refusal
+        raise ValueError(f"ckpt_path={path} cannot be read as a checkpoint ({type(err).__name__}: {err}); allowed: a "
+                         "run's checkpoints/last.ckpt") from None
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if isinstance(state, dict) and isinstance(state.get("config"), dict):
+            return state["config"]
+    results = output_dir / "results.json"
+    if results.is_file():
+        try:
+            return json.loads(results.read_text()).get("config") or None
+        except json.JSONDecodeError:
+            return None
+    return None
