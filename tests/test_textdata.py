@@ -162,3 +162,55 @@ def test_selection_slice_is_held_out_of_training_and_scoring(tmp_path, tokenizer
                                           data_dir=str(tmp_path))
     with pytest.raises(IsADirectoryError, match=r"data\.train_file: .*dir\.tsv' is a folder"):
         folder.setup()
+
+
+# -- labels that do not start at 0, numerically equal labels, long lines, a BOM ---------------------
+def test_integer_labels_are_mapped_to_0_to_k_minus_1(tmp_path, tokenizer, caplog):
+    """Yelp-style labels 1/2 make a 2-way classifier (no phantom class 0), and the mapping is logged."""
+    _write(tmp_path / "train.tsv", "text\tlabel\n" + "".join(f"t {i}\t{1 + i % 2}\n" for i in range(8)))
+    _write(tmp_path / "dev.tsv", "text\tlabel\na\t2\nb\t1\n")
+    dm = TextClassificationDataModule(tokenizer, train_file=str(tmp_path / "train.tsv"),
+                                      validation_file=str(tmp_path / "dev.tsv"), text_column="text", score_samples=2)
+    with caplog.at_level("INFO"):
+        dm.setup()
+    assert dm.num_labels == 2 and dm.label_ids == {"1": 0, "2": 1}
+    assert [x["labels"] for x in dm.val_set] == [1, 0]
+    assert any("'1' -> 0" in r.getMessage() and "'2' -> 1" in r.getMessage() for r in caplog.records)
+    assert label_vocabulary([3, 7, 3]) == {"3": 0, "7": 1}
+    assert label_vocabulary(["10", "9", "2"]) == {"2": 0, "9": 1, "10": 2}  # numeric order, not string order
+
+
+def test_a_training_file_with_only_label_1_is_a_single_class(tmp_path, tokenizer):
+    _write(tmp_path / "one.tsv", "text\tlabel\na\t1\nb\t1\nc\t1\n")
+    dm = TextClassificationDataModule(tokenizer, train_file=str(tmp_path / "one.tsv"),
+                                      validation_file=str(tmp_path / "one.tsv"), text_column="text", score_samples=1)
+    with pytest.raises(ValueError, match="single class"):
+        dm.setup()
+
+
+def test_numerically_equal_labels_are_one_class(tmp_path, tokenizer):
+    """1, "1", 1.0 and "1.0" are the same class (JSON lines and TSV)."""
+    rows = [("a", 1), ("b", 1.0), ("c", "1.0"), ("d", 0), ("e", "0"), ("f", 0.0)]
+    _write(tmp_path / "train.jsonl", "\n".join(json.dumps({"text": t, "label": y}) for t, y in rows))
+    _write(tmp_path / "dev.tsv", "text\tlabel\na\t1.0\nb\t0\n")
+    dm = TextClassificationDataModule(tokenizer, train_file=str(tmp_path / "train.jsonl"),
+                                      validation_file=str(tmp_path / "dev.tsv"), text_column="text", score_samples=1)
+    dm.setup()
+    assert dm.num_labels == 2 and dm.label_ids == {"0": 0, "1": 1}
+    assert [x["labels"] for x in dm.val_set] == [1, 0]
+
+
+def test_a_megabyte_line_reads(tmp_path):
+    huge = "word " * 200_000
+    for name, sep in (("big.tsv", "\t"), ("big.csv", ",")):
+        t = read_table(_write(tmp_path / name, f"text{sep}label\n{huge}{sep}1\nsmall{sep}0\n"), "text", "label")
+        assert t.texts == [huge, "small"] and t.labels == ["1", "0"]
+
+
+def test_a_utf8_bom_is_stripped(tmp_path):
+    tsv = tmp_path / "bom.tsv"
+    tsv.write_bytes("\ufeffsentence\tlabel\ngood\t1\n".encode("utf-8"))
+    assert read_table(tsv, "sentence", "label").texts == ["good"]
+    jl = tmp_path / "bom.jsonl"
+    jl.write_bytes("\ufeff{\"text\": \"hi\", \"y\": 0}\n".encode("utf-8"))
+    assert read_table(jl, "text", "y").labels == [0]

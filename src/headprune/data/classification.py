@@ -87,7 +87,9 @@ class TextClassificationDataModule(L.LightningDataModule):
         if not train.texts:
             raise ValueError("the training data is empty")
         self.label_ids = label_vocabulary(train.labels)
-        self.num_labels = max(self.label_ids.values()) + 1
+        self.num_labels = len(self.label_ids)
+        log.info("classes (label -> id, from the training data): %s",
+                 ", ".join(f"{label!r} -> {i}" for label, i in self.label_ids.items()))
         if self.num_labels < 2:
             raise ValueError(f"the training data has a single class {sorted(self.label_ids)}: "
                              "classification needs at least two")

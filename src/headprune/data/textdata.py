@@ -8,6 +8,7 @@ import csv
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +91,14 @@ def read_table(path: str | Path, text_column, label_column, text_pair_column=Non
         if sep is None:
             raise ValueError(f"cannot tell the format of {str(path)!r}: use a .tsv/.csv/.jsonl file or set "
                              "data.delimiter")
+        # a sentence or document may be long: csv's default 128 KB field limit would stop at it
+        csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))
         reader = csv.reader(lines, delimiter=sep, quoting=csv.QUOTE_NONE if sep == "\t" else csv.QUOTE_MINIMAL)
-        raw = [(reader.line_num, r) for r in reader if r]
+        try:
+            raw = [(reader.line_num, r) for r in reader if r]
+        except csv.Error as err:
+            raise ValueError(f"{path}:{reader.line_num}: cannot be read as {'TSV' if sep == chr(9) else 'CSV'} "
+                             f"({err})") from None
         if header and raw:
             header_names, body = raw[0][1], raw[1:]
             numbered = [(n, dict(zip(header_names, r))) for n, r in body]
@@ -119,10 +126,12 @@ def read_table(path: str | Path, text_column, label_column, text_pair_column=Non
 
 
 def _utf8_lines(path: Path) -> list[str]:
-    """The file's lines (line ends kept), or an error naming the first line that is not UTF-8."""
+    """The file's lines (line ends kept), without a leading byte-order mark (Excel and Notepad write
+    one; it would glue itself to the first column's name), or an error naming the first line that
+    is not UTF-8."""
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
         column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
@@ -151,22 +160,40 @@ def _label(value, where: str) -> tuple:
     return value, 0
 
 
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def label_key(value) -> str:
+    """The class a raw label names, as a string: numerically equal labels (1, "1", 1.0, "1.0",
+    "01") are one class "1"; other labels are themselves."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (int, float)) or (isinstance(value, str) and _NUMBER.fullmatch(value)):
+        if isinstance(value, str) and value.lstrip("+-").isdigit():
+            return str(int(value))  # exact, however long
+        number = float(value)
+        return str(int(number)) if number.is_integer() else repr(number)
+    return str(value)
+
+
 def label_vocabulary(train_labels: list) -> dict:
-    """Map raw labels to ids. Integer-like labels keep their value; other labels get ids in
-    sorted order of the training file's distinct values."""
-    values = sorted({str(v) for v in train_labels})
-    if all(v.lstrip("-").isdigit() for v in values):
-        ids = {v: int(v) for v in values}
-        if min(ids.values()) < 0:
-            raise ValueError(f"integer labels must be >= 0; found {min(ids.values())}")
-        return ids
-    return {v: i for i, v in enumerate(values)}
+    """Map the training file's distinct labels (`label_key`) to class ids 0..K-1: integer labels in
+    numeric order (Yelp's 1/2 -> 0/1, no phantom class 0), other labels in sorted order. Negative
+    integers are refused: -1 marks unlabelled rows in GLUE's test files."""
+    values = {label_key(v) for v in train_labels}
+    if values and all(v.lstrip("-").isdigit() for v in values):
+        numbers = sorted(int(v) for v in values)
+        if numbers[0] < 0:
+            raise ValueError(f"integer labels must be >= 0; found {numbers[0]} (-1 marks unlabelled rows in GLUE "
+                             "test files: use a labelled file)")
+        return {str(n): i for i, n in enumerate(numbers)}
+    return {v: i for i, v in enumerate(sorted(values))}
 
 
 def encode_labels(labels: list, vocab: dict, where: str) -> list[int]:
     out = []
     for v in labels:
-        key = str(v)
+        key = label_key(v)
         if key not in vocab:
             raise ValueError(f"label {key!r} in {where} does not occur in the training file; "
                              f"known labels: {sorted(vocab)}")
