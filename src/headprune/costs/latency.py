@@ -4,19 +4,22 @@
 For k = 0..U a copy of the model is pruned to its first k units (KV groups; heads without GQA)
 in every layer, one forward records the exact inputs of layer 0's attention calls (the bench's
 replay: core, and the output projection where it sits outside), and the replays of every k and
-one whole dense forward are timed together, interleaved (`bench.timing.interleaved`), at the
+one whole dense forward are timed together, interleaved (`costs.timing.interleaved`), at the
 budget's batch x seq on random token ids. k = 0 times the headless layer that replaces an
 attention with no heads left, so removing a whole layer saves its fixed cost too.
 
 Tables are cached as JSON under `budget.cache_dir` (default ~/.cache/headprune/latency), keyed by
 the model config, device, dtype, torch threads, batch and seq: a table measured for another
-machine or shape is never reused.
+machine or shape is never reused, and a cache file that is not a usable table (truncated, edited)
+is named in a warning and measured again.
 """
 from __future__ import annotations
 
 import copy
 import hashlib
 import json
+import logging
+import math
 import os
 import platform
 import time
@@ -30,6 +33,8 @@ from headprune.costs.replay import attention_parts, record_attention_calls, repl
 from headprune.costs.timing import Clock, interleaved
 from headprune.heads.adapters import model_shape
 from headprune.heads.surgery import heads_of_kv_groups, kv_group_heads, prune_heads
+
+log = logging.getLogger(__name__)
 
 
 def cache_key(model: nn.Module, batch: int, seq: int) -> dict:
@@ -48,15 +53,39 @@ def latency_table(model: nn.Module, batch: int, seq: int, cache_dir: str | Path 
     folder = Path(os.path.expanduser(cache_dir or "~/.cache/headprune/latency"))
     path = folder / (hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16] + ".json")
     if path.is_file():
-        saved = json.loads(path.read_text())
-        if saved.get("key") == json.loads(json.dumps(key, default=str)):
-            return {**saved, "layer_ms": {int(k): v for k, v in saved["layer_ms"].items()}, "cached": True,
-                    "path": str(path), "seconds": 0.0}
+        cached = read_cached(path, json.loads(json.dumps(key, default=str)), len(kv_group_heads(model)))
+        if cached is not None:
+            return {**cached, "cached": True, "path": str(path), "seconds": 0.0}
     start = time.perf_counter()
     table = measure(model, batch, seq, warmup, repeats, seed)
     saved = {"key": key, **table}
     write_json_atomic(path, json.loads(json.dumps(saved, default=str)))
     return {**saved, "cached": False, "path": str(path), "seconds": time.perf_counter() - start}
+
+
+def read_cached(path: Path, key: dict, n_units: int) -> dict | None:
+    """The table cached in `path` for `key` (layer_ms keyed by int k = 0..n_units), or None: for
+    another key (measure anew), or for a file that is not a usable table (truncated by a kill, not
+    a JSON object, a unit count missing, an entry that is not a finite number >= 0), which is
+    named in a warning and then overwritten by the new measurement."""
+    def bad(why: str) -> None:
+        log.warning("latency cache %s %s; measuring again (the file will be overwritten)", path, why)
+
+    try:
+        saved = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return bad(f"is not valid JSON (truncated?): {err}")
+    if not isinstance(saved, dict):
+        return bad(f"holds a {type(saved).__name__}, not a table (a JSON object)")
+    if saved.get("key") != key:
+        return None
+    layer_ms, forward_ms = saved.get("layer_ms"), saved.get("forward_ms")
+    if not isinstance(layer_ms, dict) or set(layer_ms) != {str(k) for k in range(n_units + 1)}:
+        return bad(f"has layer_ms {str(layer_ms)[:80]}; expected one entry per kept unit count 0..{n_units}")
+    for name, value in [*((f"layer_ms[{k}]", v) for k, v in layer_ms.items()), ("forward_ms", forward_ms)]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            return bad(f"has {name}={value!r}; allowed: a finite number of milliseconds >= 0")
+    return {**saved, "layer_ms": {int(k): float(v) for k, v in layer_ms.items()}}
 
 
 @torch.no_grad()
