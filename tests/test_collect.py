@@ -2,6 +2,8 @@
 import json
 import statistics
 
+import pytest
+
 from headprune.apps.collect import collect, main
 
 
@@ -34,3 +36,55 @@ def test_mean_over_seeds_merges_runs_into_one_curve(tmp_path, capsys):
     assert not list((tmp_path / "out").glob(".*tmp"))
     saved = json.loads((tmp_path / "out" / "runs.json").read_text())
     assert [["scores" in r for r in run["rounds"]] for run in saved][0] == [True, False]
+
+
+def test_unreadable_runs_are_skipped_and_listed(tmp_path, capsys):
+    """One truncated results.json (a run killed while writing, or still running) does not stop
+    the others; the skipped runs are named."""
+    _run(tmp_path / "sweep" / "0", ["metric=taylor"], 0.9, [0.88])
+    _run(tmp_path / "sweep" / "1", ["metric=random"], 0.9, [0.70])
+    broken = tmp_path / "sweep" / "1" / "results.json"
+    broken.write_text(broken.read_text()[:50])
+    _run(tmp_path / "sweep" / "2", ["metric=entropy"], 0.9, [0.80])
+    (tmp_path / "sweep" / "2" / "results.json").write_text("[]")
+    runs = main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert "collected 1 runs" in captured.out
+    assert str(broken) in captured.err and str(tmp_path / "sweep" / "2" / "results.json") in captured.err
+    assert runs == 0
+    assert "metric=taylor" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_nothing_collected_exits_non_zero(tmp_path, capsys):
+    _run(tmp_path / "sweep" / "0", ["metric=taylor"], 0.9, [0.88])
+    (tmp_path / "sweep" / "0" / "results.json").write_text("{")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out")])
+    assert exit_.value.code not in (0, None)
+    assert str(tmp_path / "sweep" / "0" / "results.json") in capsys.readouterr().err + str(exit_.value.code)
+
+
+def test_null_values_render_as_a_dash(tmp_path):
+    """results.json writes null for a non-finite accuracy, baseline or perplexity."""
+    _run(tmp_path / "sweep" / "0", ["metric=taylor"], 0.9, [0.88, 0.80])
+    path = tmp_path / "sweep" / "0" / "results.json"
+    saved = json.loads(path.read_text())
+    saved["baseline"]["val"]["acc"] = None
+    saved["rounds"][0]["val"]["acc"] = None
+    saved["final"]["val"]["acc"] = None
+    path.write_text(json.dumps(saved))
+    _run(tmp_path / "sweep" / "1", ["metric=random"], 0.9, [0.70])
+    collect([tmp_path / "sweep"], tmp_path / "out")
+    results = (tmp_path / "out" / "results.md").read_text()
+    assert "| metric=taylor | – | 0.200 | – | – | target |" in results
+    curves = (tmp_path / "out" / "curves.md").read_text()
+    assert "| metric=taylor | – | – | 80.00 |" in curves
+    lm = tmp_path / "lm" / "0"
+    _run(lm, ["model=tiny_gpt2"], 0.9, [0.88])
+    saved = json.loads((lm / "results.json").read_text())
+    saved["baseline"]["val"] = {"loss": 3.0, "ppl": None}
+    saved["rounds"][0]["val"] = {"loss": 3.0, "ppl": 20.0}
+    saved["final"]["val"] = {"loss": 3.0, "ppl": None}
+    (lm / "results.json").write_text(json.dumps(saved))
+    collect([tmp_path / "lm"], tmp_path / "out_lm")
+    assert "| model=tiny_gpt2 | – | 0.100 | – | – | target |" in (tmp_path / "out_lm" / "results.md").read_text()

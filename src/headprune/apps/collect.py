@@ -9,6 +9,11 @@ runs that differ only in those overrides into one label: mean, sample standard d
 count per point, drawn as a line with a +-1 std band.
 Causal-LM runs (validation `ppl` instead of `acc`) get `ppl` columns, a perplexity table and
 `perplexity_vs_sparsity.png`.
+
+A results.json that cannot be read (truncated by a kill, a run still writing it, not a results
+object) is skipped and named on stderr; the command fails only when no run could be read. A null
+value (results.json writes null for a non-finite accuracy, loss or perplexity) shows as "–" in the
+tables, an empty cell in runs.csv, and no point in curves and plots.
 """
 from __future__ import annotations
 
@@ -17,12 +22,18 @@ import csv
 import io
 import json
 import statistics
+import sys
 from pathlib import Path
 
 from headprune.atomic import write_json_atomic, write_text_atomic
 
 OVERRIDE_FILE = Path(".hydra") / "overrides.yaml"
 PLOT_FILES = {"acc": "accuracy_vs_sparsity.png", "ppl": "perplexity_vs_sparsity.png"}
+DASH = "–"  # a value results.json holds as null (non-finite) or lacks
+
+
+def _fmt(value, spec: str, scale: float = 1) -> str:
+    return DASH if value is None else format(scale * value, spec)
 
 
 def _metric(runs: list[dict]) -> str:
@@ -43,18 +54,41 @@ def _overrides(run_dir: Path) -> dict[str, str]:
     return out
 
 
-def load_runs(roots: list[Path]) -> list[dict]:
-    """Every results.json under `roots`, with its run dir and command-line overrides."""
-    runs = []
+def load_runs(roots: list[Path], skipped: list[str] | None = None) -> list[dict]:
+    """Every readable results.json under `roots`, with its run dir and command-line overrides.
+    Unreadable ones are appended to `skipped` as "path (why)"; none readable is an error."""
+    runs, skipped = [], skipped if skipped is not None else []
     for root in roots:
         for path in sorted(Path(root).rglob("results.json")):
-            data = json.loads(path.read_text())
+            data, why = _read_results(path)
+            if data is None:
+                skipped.append(f"{path} ({why})")
+                continue
             data["run_dir"] = str(path.parent)
             data["overrides"] = _overrides(path.parent)
             runs.append(data)
     if not runs:
-        raise FileNotFoundError(f"no results.json under {[str(r) for r in roots]}")
+        unreadable = f"; unreadable: {', '.join(skipped)}" if skipped else ""
+        raise FileNotFoundError(f"no readable results.json under {[str(r) for r in roots]}{unreadable}")
     return runs
+
+
+def _read_results(path: Path) -> tuple[dict | None, str]:
+    """(the results, "") or (None, why the file cannot be used)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        return None, f"not valid JSON, truncated or still being written: {err}"
+    except OSError as err:
+        return None, f"cannot be read: {err}"
+    if not isinstance(data, dict):
+        return None, f"holds a {type(data).__name__}, not a results object"
+    for key, kind in (("baseline", dict), ("rounds", list), ("final", dict)):
+        if not isinstance(data.get(key), kind):
+            return None, f"'{key}' is missing or not a {kind.__name__}"
+    if not isinstance(data["baseline"].get("val"), dict) or not all(isinstance(r, dict) for r in data["rounds"]):
+        return None, "'baseline.val' or a round is not an object"
+    return data, ""
 
 
 def label(run: dict, keys: list[str] | None = None, mean_over: list[str] = ()) -> str:
@@ -68,8 +102,9 @@ def curve_points(run: dict, metric: str, before_finetune: bool = False) -> list[
     """(sparsity, metric) from the baseline through every round: after each round's fine-tuning,
     or right after its pruning step with `before_finetune`."""
     key = "val_before_finetune" if before_finetune else "val"
-    pts = [(0.0, run["baseline"]["val"][metric])]
-    return pts + [(r["sparsity"], r[key][metric]) for r in run["rounds"] if metric in r.get(key, {})]
+    pts = [(0.0, run["baseline"]["val"].get(metric))]
+    pts += [(r.get("sparsity"), (r.get(key) or {}).get(metric)) for r in run["rounds"]]
+    return [(s, v) for s, v in pts if s is not None and v is not None]  # null: not finite, no point
 
 
 def curves(runs: list[dict], keys: list[str] | None = None, mean_over: list[str] = (),
@@ -79,12 +114,17 @@ def curves(runs: list[dict], keys: list[str] | None = None, mean_over: list[str]
     out: dict[str, dict[float, list[float]]] = {}
     for run in sorted(runs, key=lambda r: label(r, keys, mean_over)):
         points = out.setdefault(label(run, keys, mean_over), {})
+        for r in [{"sparsity": 0.0}, *run["rounds"]]:  # every sparsity reached, with a value or not
+            if r.get("sparsity") is not None:
+                points.setdefault(round(r["sparsity"], 4), [])
         for sparsity, value in curve_points(run, metric, before_finetune):
-            points.setdefault(round(sparsity, 4), []).append(value)
+            points[round(sparsity, 4)].append(value)
     return out
 
 
 def _spread(values: list[float], scale: float) -> str:
+    if not values:
+        return DASH
     mean = scale * statistics.fmean(values)
     if len(values) == 1:
         return f"{mean:.2f}"
@@ -145,11 +185,10 @@ def final_table(runs: list[dict], keys: list[str] | None = None) -> str:
     lines = ["| run | baseline acc | final sparsity | final acc | drop (points) | stop reason |",
              "|---|---|---|---|---|---|"]
     for run in sorted(runs, key=lambda r: label(r, keys)):
-        base, final = run["baseline"]["val"]["acc"], run["final"].get("val", {}).get("acc")
-        drop = f"{100 * (base - final):.2f}" if final is not None else ""
-        final_s = f"{100 * final:.2f}" if final is not None else ""
-        lines.append(f"| {label(run, keys)} | {100 * base:.2f} | {run['final'].get('sparsity', 0):.3f} | "
-                     f"{final_s} | {drop} | {run['final'].get('stop_reason', '')} |")
+        base, final = run["baseline"]["val"].get("acc"), (run["final"].get("val") or {}).get("acc")
+        drop = _fmt(None if base is None or final is None else base - final, ".2f", 100)
+        lines.append(f"| {label(run, keys)} | {_fmt(base, '.2f', 100)} | {_fmt(run['final'].get('sparsity', 0), '.3f')} | "
+                     f"{_fmt(final, '.2f', 100)} | {drop} | {run['final'].get('stop_reason', '')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -157,10 +196,10 @@ def _final_ppl_table(runs: list[dict], keys: list[str] | None = None) -> str:
     lines = ["| run | baseline ppl | final sparsity | final ppl | final / baseline | stop reason |",
              "|---|---|---|---|---|---|"]
     for run in sorted(runs, key=lambda r: label(r, keys)):
-        base, final = run["baseline"]["val"]["ppl"], run["final"].get("val", {}).get("ppl")
-        final_s, ratio = (f"{final:.3f}", f"{final / base:.3f}") if final is not None else ("", "")
-        lines.append(f"| {label(run, keys)} | {base:.3f} | {run['final'].get('sparsity', 0):.3f} | {final_s} | {ratio} | "
-                     f"{run['final'].get('stop_reason', '')} |")
+        base, final = run["baseline"]["val"].get("ppl"), (run["final"].get("val") or {}).get("ppl")
+        ratio = _fmt(final / base if base and final is not None else None, ".3f")
+        lines.append(f"| {label(run, keys)} | {_fmt(base, '.3f')} | {_fmt(run['final'].get('sparsity', 0), '.3f')} | "
+                     f"{_fmt(final, '.3f')} | {ratio} | {run['final'].get('stop_reason', '')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -172,7 +211,7 @@ def plot(runs: list[dict], path: Path, keys: list[str] | None = None, before_fin
     scale = 100 if metric == "acc" else 1
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, points in curves(runs, keys, mean_over, before_finetune).items():
-        xs = sorted(points)
+        xs = sorted(s for s in points if points[s])
         mean = [scale * statistics.fmean(points[s]) for s in xs]
         (line,) = ax.plot([100 * s for s in xs], mean, marker="o", ms=3, label=name)
         if any(len(points[s]) > 1 for s in xs):
@@ -189,8 +228,10 @@ def plot(runs: list[dict], path: Path, keys: list[str] | None = None, before_fin
 
 
 def collect(roots: list[Path], out: Path, keys: list[str] | None = None, before_finetune: bool = False,
-            mean_over: list[str] = ()) -> list[dict]:
-    runs = load_runs(roots)
+            mean_over: list[str] = (), skipped: list[str] | None = None) -> list[dict]:
+    """Write the tables, CSV, plot and runs.json of the readable runs under `roots` into `out`;
+    unreadable results.json files are appended to `skipped`."""
+    runs = load_runs(roots, skipped)
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("runs.csv", to_csv(rows(runs))), ("results.md", final_table(runs, keys)),
                        ("curves.md", curve_table(runs, keys, mean_over, before_finetune))):
@@ -198,14 +239,16 @@ def collect(roots: list[Path], out: Path, keys: list[str] | None = None, before_
     plot(runs, out / PLOT_FILES[_metric(runs)], keys, before_finetune, mean_over)
     # scores only of the first round (the unpruned model's importance map), to keep the file small;
     # the layer-sensitivity profile when a run measured one
-    write_json_atomic(out / "runs.json", [{k: r[k] for k in ("run_dir", "overrides", "baseline", "final", "model")}
+    write_json_atomic(out / "runs.json", [{k: r.get(k) for k in ("run_dir", "overrides", "baseline", "final", "model")}
                                           | {k: r[k] for k in ("layer_sensitivity",) if k in r}
                                           | {"rounds": [{k: v for k, v in x.items() if k != "scores" or i == 0}
                                                         for i, x in enumerate(r["rounds"])]} for r in runs])
     return runs
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """0 when at least one run was collected (unreadable ones are listed on stderr); exits with a
+    message naming them when none could be."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("roots", nargs="+", type=Path, help="run or sweep directories to search for results.json")
     parser.add_argument("--out", type=Path, required=True, help="folder for runs.csv, results.md and the plot")
@@ -215,11 +258,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mean-over", nargs="*", default=[], metavar="KEY",
                         help="override keys (e.g. metric.seed) whose runs are averaged into one curve")
     args = parser.parse_args(argv)
-    runs = collect(args.roots, args.out, args.label, args.before_finetune, args.mean_over)
+    skipped: list[str] = []
+    try:
+        runs = collect(args.roots, args.out, args.label, args.before_finetune, args.mean_over, skipped)
+    except FileNotFoundError as err:
+        raise SystemExit(f"headprune-collect: nothing collected: {err}") from None
+    if skipped:
+        print(f"skipped {len(skipped)} unreadable run(s):\n" + "\n".join(f"  {s}" for s in skipped), file=sys.stderr)
     print(f"collected {len(runs)} runs into {args.out}")
     print((args.out / "results.md").read_text())
     print((args.out / "curves.md").read_text())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
