@@ -187,7 +187,8 @@ def final_table(runs: list[dict], keys: list[str] | None = None) -> str:
     for run in sorted(runs, key=lambda r: label(r, keys)):
         base, final = run["baseline"]["val"].get("acc"), (run["final"].get("val") or {}).get("acc")
         drop = _fmt(None if base is None or final is None else base - final, ".2f", 100)
-        lines.append(f"| {label(run, keys)} | {_fmt(base, '.2f', 100)} | {_fmt(run['final'].get('sparsity', 0), '.3f')} | "
+        sparsity = _fmt(run["final"].get("sparsity", 0), ".3f")
+        lines.append(f"| {label(run, keys)} | {_fmt(base, '.2f', 100)} | {sparsity} | "
                      f"{_fmt(final, '.2f', 100)} | {drop} | {run['final'].get('stop_reason', '')} |")
     return "\n".join(lines) + "\n"
 
