@@ -1,12 +1,10 @@
 """Retraining-free pruning to a budget (Kwon et al. 2022): budget arithmetic, the latency table,
-mask rearrangement, least-squares mask tuning and the export that folds it in."""
-import copy
+mask rearrangement, and runs that tune and export (the tuning itself: tests/test_least_squares.py)."""
 
 import pytest
 import torch
 
 from headprune import HeadMask, fold, prune_to_budget
-from headprune.recovery.least_squares import LeastSquares, solve_scales, tune_scales
 from headprune.costs.tables import latency_costs
 from headprune.selection.budgets import FlopsBudget, KVBudget
 from headprune.costs.latency import latency_table
@@ -14,52 +12,6 @@ from headprune.selection.layer_policies import GlobalPolicy
 from headprune.selection.rearrange import rearrange_layer, removal_cost
 from tests.conftest import tiny_batch, tiny_bert
 from tests.test_surgery import inputs, tiny
-
-
-# -- least squares -----------------------------------------------------------------------------------
-def test_solver_recovers_planted_scales():
-    """A linear layer whose best scales are known: y = A m*, so with no damping and a wide range
-    the solver returns m* exactly and the reconstruction error is 0."""
-    g = torch.Generator().manual_seed(0)
-    contributions = torch.randn(500, 4, generator=g, dtype=torch.float64)  # (tokens x units, heads)
-    planted = torch.tensor([0.7, 1.3, 1.0, 0.9], dtype=torch.float64)
-    y = contributions @ planted
-    gram, cross = contributions.T @ contributions, contributions.T @ y
-    m, info = solve_scales(gram, cross, float(y @ y), scale_range=(0.1, 10.0), damp=0.0)
-    torch.testing.assert_close(m, planted)
-    assert info["error_tuned"] < 1e-20 < info["error_ones"] and not info["kept_ones"]
-    clamped, _ = solve_scales(gram, cross, float(y @ y), scale_range=(0.8, 1.2), damp=0.0)
-    assert float(clamped.min()) == 0.8 and float(clamped.max()) == 1.2
-    damped, _ = solve_scales(gram, cross, float(y @ y), scale_range=(0.1, 10.0), damp=1e6)
-    assert float((damped - 1).abs().max()) < 1e-3  # heavy damping stays at 1
-
-
-def test_clamped_scales_that_reconstruct_worse_keep_one():
-    contributions = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
-    y = torch.tensor([3.0, 1.0], dtype=torch.float64)  # best: m = (3, 1); clamped to 0.5..0.6 is worse than 1
-    m, info = solve_scales(contributions.T @ contributions, contributions.T @ y, float(y @ y), (0.5, 0.6), 0.0)
-    assert info["kept_ones"] and torch.equal(m, torch.ones(2, dtype=torch.float64))
-
-
-def test_mask_tuning_reconstructs_better_and_the_export_computes_the_same(tokenizer):
-    model = tiny_bert(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    dense = copy.deepcopy(model)
-    batches = [tiny_batch(tokenizer, 8, seed=s) for s in range(3)]
-    mask = HeadMask.for_model(model)
-    mask.prune([(0, 1), (1, 0), (1, 3), (2, 2), (2, 3)])
-    report = tune_scales(model, mask, dense, batches, LeastSquares(scale_range=[0.1, 5.0], damp=0.0))
-    for layer in report["layers"]:
-        assert layer["error_tuned"] <= layer["error_ones"] + 1e-12
-    assert any(not layer["kept_ones"] for layer in report["layers"])
-    scaled = mask.mask.clone()
-    assert ((scaled != 0) & (scaled != 1)).any()  # real-valued gates
-    batch = {k: v for k, v in tiny_batch(tokenizer).items() if k != "labels"}
-    with torch.no_grad():
-        masked_logits = model(**batch).logits
-    fold(model, mask)
-    assert sum(len(kept) for kept in model.headprune_layout) == 7
-    with torch.no_grad():
-        torch.testing.assert_close(model(**batch).logits, masked_logits, atol=1e-5, rtol=0)
 
 
 # -- rearrangement -----------------------------------------------------------------------------------

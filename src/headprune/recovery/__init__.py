@@ -2,19 +2,22 @@
 `recovery=` option, each owning its behaviour through hooks (`base.py`):
 - `finetune` (default): the task loss, for the schedule's fine-tuning epochs;
 - `distill`: the task loss mixed with distillation from the unpruned model (`distill.py`);
-- `least_squares`: no training, least-squares scales of the surviving heads (`least_squares.py`);
+- `least_squares`: no training, least-squares scales of the surviving heads and a bias per layer
+  (`least_squares.py`);
+- `bias_compensation`: no training, the removed heads' mean output as bias (FLAP, `bias_compensation.py`);
 - `none`: nothing (the schedule must have no epochs after pruning).
 """
 from __future__ import annotations
 
 from headprune.recovery.base import Recovery
+from headprune.recovery.bias_compensation import BiasCompensation
 from headprune.recovery.distill import Distill
 from headprune.recovery.finetune import Finetune
 from headprune.recovery.least_squares import LeastSquares
 from headprune.recovery.none import NoRecovery
 
 RECOVERIES: dict[str, type[Recovery]] = {"finetune": Finetune, "distill": Distill, "least_squares": LeastSquares,
-                                         "none": NoRecovery}
+                                         "bias_compensation": BiasCompensation, "none": NoRecovery}
 
 
 def make_recovery(recovery: Recovery | str | None) -> Recovery:
@@ -28,4 +31,4 @@ def make_recovery(recovery: Recovery | str | None) -> Recovery:
     return RECOVERIES[recovery]()
 
 
-__all__ = ["RECOVERIES", "Distill", "Finetune", "LeastSquares", "NoRecovery", "Recovery", "make_recovery"]
+__all__ = ["RECOVERIES", "BiasCompensation", "Distill", "Finetune", "LeastSquares", "NoRecovery", "Recovery", "make_recovery"]

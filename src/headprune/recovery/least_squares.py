@@ -1,20 +1,26 @@
-"""Mask tuning by least squares (Kwon et al. 2022): after heads are removed without retraining,
-give each surviving head a real-valued scale so that every attention sub-layer's output is as
-close as possible to the unpruned model's.
+"""Mask tuning by least squares (Kwon et al. 2022, `prune/rescale.py` of their code): after heads
+are removed without retraining, give each surviving head a real-valued scale, and the layer's
+attention output projection a bias, so that what enters each layer's next norm is as close as
+possible to the unpruned model's.
 
-Layer by layer, first to last, on calibration examples from the training file: with x_h the
-context of kept head h (the output projection's input, B x T x D per head) and W_h its columns of
-the output projection, the pruned sub-layer outputs sum_h m_h W_h x_h + b. The dense model's
-output at the same layer is y. The scales solve the damped least-squares problem
+Layer by layer, first to last, on calibration examples from the training file. At layer l, x_d
+is the dense model's block input and x_p the pruned model's, which comes from the already tuned
+pruned layers before it. What enters the next norm is the block input plus the attention
+output (BERT: the attention sub-layer's output before its LayerNorm; Llama, GPT-2: the residual
+stream after attention). The dense value x_d + o_d(x_d) is the target; the pruned one is
+x_p + sum_h m_h W_h x_h + b, with x_h the context of kept head h on x_p (B x T x D) and W_h its
+output-projection columns. So the scales m and the bias b fit y = x_d + o_d - x_p by damped
+least squares over the real tokens (`normal_equations.py`), damped toward m = 1 by
+lambda = `damp` x mean(diag G); the scales are clamped to `scale_range`, and a layer whose
+clamped fit reconstructs worse than ones with the dense bias keeps those. Kwon et al. fit one
+scalar bias and drop it; here the bias is a vector that is kept (`bias=false`: scales only).
 
-    min_m  sum over real tokens of || sum_h m_h W_h x_h + b - y ||^2  +  lambda || m - 1 ||^2,
-    (G + lambda I) m = r + lambda 1,   G_hg = <W_h x_h, W_g x_g>,  r_h = <W_h x_h, y - b>,
-
-with lambda = `damp` x mean(diag G), which keeps the solution near 1 where G is ill-conditioned.
-The scales are clamped to `scale_range`, and a layer whose clamped scales would reconstruct worse
-than all-ones keeps 1.0. Later layers are tuned on the inputs the tuned earlier layers give them.
-The scales live in the HeadMask (a gate value other than 0 or 1); the export folds them into the
-output-projection columns (`scale_heads`), so the exported model computes what was evaluated.
+Streaming: the dense and pruned hidden states of one layer are carried forward on every
+calibration batch (`blockwise.py`); per layer the dense block runs once, the pruned block once
+up to its output projection (the contexts) and once whole after the solve. Memory beyond the
+two carried states is one layer's normal equations. The scales live in the HeadMask (gate values
+other than 0 or 1) and fold into the output projection at export (`scale_heads`); the bias is the
+output projection's own (`out_bias.py`), so the export computes what was evaluated.
 """
 from __future__ import annotations
 
@@ -26,23 +32,26 @@ from typing import ClassVar, List
 import torch
 from torch import nn
 
-from headprune.distributed import all_reduce_sum
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.mask import HeadMask
 from headprune.recovery.base import Recovery
-from headprune.tasks import forward_logits, real_tokens, to_device
+from headprune.recovery.blockwise import Stop, capture, run_block
+from headprune.recovery.normal_equations import NormalEquations, solve_scales
+from headprune.recovery.out_bias import bias_refusal, output_bias
+from headprune.tasks import real_tokens, to_device
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class LeastSquares(Recovery):
-    """`recovery=least_squares`: after each round, tune the surviving heads' scales against the
-    unpruned model (`Pruner.dense`). Calibration examples are the scoring slice
-    (`data.score_samples`, from the training file)."""
+    """`recovery=least_squares`: after each round, tune the surviving heads' scales and each
+    layer's output bias against the unpruned model (`Pruner.dense`). Calibration examples are
+    the scoring slice (`data.score_samples`, from the training file)."""
 
     scale_range: List[float] = field(default_factory=lambda: [0.5, 2.0])
     damp: float = 0.01
+    bias: bool = True  # fit a bias per layer as well (folded into the output projection's bias)
 
     needs_dense: ClassVar[bool] = True
 
@@ -53,6 +62,13 @@ class LeastSquares(Recovery):
                              "high (a scale of 0 would prune the head)")
         if self.damp < 0:
             raise ValueError(f"recovery.damp={self.damp!r} must be >= 0")
+        if not isinstance(self.bias, bool):
+            raise ValueError(f"recovery.bias={self.bias!r} must be true or false")
+
+    def check_model(self, student: nn.Module) -> None:
+        refusal = self.bias and bias_refusal(student, "recovery=least_squares with recovery.bias=true")
+        if refusal:
+            raise ValueError(f"{refusal}; or set recovery.bias=false (scales only)")
 
     def resume(self, pruner) -> None:
         raise ValueError("recovery=least_squares tunes each round against the unpruned model's outputs, which a resumed "
@@ -69,127 +85,130 @@ class LeastSquares(Recovery):
                      record["mask_tuning"]["seconds"], record["val_after_mask_tuning"])
 
 
-def solve_scales(gram: torch.Tensor, cross: torch.Tensor, target_sq: float, scale_range=(0.5, 2.0),
-                 damp: float = 0.01) -> tuple[torch.Tensor, dict]:
-    """Scales m (h,) minimising ||A m - y||^2 + lambda ||m - 1||^2 given G = A^T A (h, h),
-    r = A^T y (h,) and ||y||^2, clamped to `scale_range`; all-ones when that reconstructs better.
-    Returns (m, {"error_ones", "error_tuned", "kept_ones"}) with errors ||A m - y||^2 / ||y||^2."""
-    gram, cross = gram.double(), cross.double()
-    h = gram.shape[0]
-    ones = torch.ones(h, dtype=torch.float64)
-    lam = damp * float(gram.diagonal().mean()) if h else 0.0
-    m = torch.linalg.solve(gram + lam * torch.eye(h, dtype=torch.float64), cross + lam * ones)
-    m = m.clamp(*scale_range)
+@dataclass
+class _Batch:
+    """One calibration batch carried through the layers: the block arguments, the real tokens
+    (B, T), and the dense and pruned models' hidden states entering the current layer (B, T, E)."""
 
-    def error(v: torch.Tensor) -> float:
-        return float(v @ gram @ v - 2 * v @ cross + target_sq) / max(target_sq, 1e-30)
-
-    e_ones, e_tuned = error(ones), error(m)
-    keep_ones = not e_tuned < e_ones
-    return (ones if keep_ones else m), {"error_ones": e_ones, "error_tuned": e_tuned, "kept_ones": keep_ones}
+    inputs: object
+    real: torch.Tensor
+    dense: torch.Tensor
+    pruned: torch.Tensor
 
 
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass once the layer being tuned has been seen."""
-
-
+@torch.no_grad()
 def tune_scales(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, settings: LeastSquares,
                 max_batches: int | None = None) -> dict:
-    """Set `mask`'s gates of every layer's alive heads to their least-squares scales (module
-    docstring), layer by layer. `dense`: the unpruned model (no HeadMask). Returns a report per
-    layer: the scales and the relative reconstruction error with ones and with the scales."""
-    adapter = get_adapter(model)
+    """Set `mask`'s gates of every layer's alive heads to their least-squares scales and (with
+    `settings.bias`) every layer's output bias (module docstring), layer by layer. `dense`: the
+    unpruned model (no HeadMask). Returns a report per layer (scales, relative reconstruction
+    errors with ones and tuned, the norm of the bias change) and the blocks run."""
+    if settings.bias and (refusal := bias_refusal(model, "recovery=least_squares with recovery.bias=true")):
+        raise ValueError(f"{refusal}; or set recovery.bias=false (scales only)")
     device = mask.mask.device
-    batches = [to_device(b, device) for i, b in enumerate(loader) if max_batches is None or i < max_batches]
-    if not batches:
+    raw = [to_device(b, device) for i, b in enumerate(loader) if max_batches is None or i < max_batches]
+    if not raw:
         raise ValueError("least-squares mask tuning got no calibration examples (data.score_samples=0?)")
-    targets = _dense_outputs(dense, batches)  # per layer: (N_real_tokens, E)
-    report = []
-    was_training = model.training
+    modes = model.training, dense.training
     model.eval()
-    try:
-        for layer in range(mask.num_layers):
-            kept = layer_heads(model, layer)
-            alive = [h for h in kept if float(mask.mask[layer, h]) > 0]
-            if not alive:
-                report.append({"layer": layer, "heads": [], "scales": []})
-                continue
-            with torch.no_grad():
-                mask.mask[layer, alive] = 1.0  # the contexts are collected ungated
-            gram, cross, target_sq = _normal_equations(model, adapter, layer, kept, alive, batches, targets[layer])
-            scales, info = solve_scales(gram, cross, target_sq, tuple(settings.scale_range), settings.damp)
-            with torch.no_grad():
-                mask.mask[layer, alive] = scales.to(mask.mask)
-            report.append({"layer": layer, "heads": alive, "scales": [round(float(s), 6) for s in scales], **info})
-    finally:
-        model.train(was_training)
-    return {"layers": report}
-
-
-@torch.no_grad()
-def _dense_outputs(dense: nn.Module, batches: list[dict]) -> list[torch.Tensor]:
-    """Every layer's attention output projection output on the real tokens, (N, E) per layer."""
-    adapter = get_adapter(dense)
-    outs: list[list[torch.Tensor]] = [[] for _ in adapter.blocks(dense)]
-    handles = []
-    current: dict = {}
-    for layer, block in enumerate(adapter.blocks(dense)):
-        def keep(module, args, out, layer=layer):
-            outs[layer].append(out[current["real"]].float().cpu())  # (N_b, E)
-        handles.append(adapter.out_proj(block).register_forward_hook(keep))
-    was_training = dense.training
     dense.eval()
     try:
-        for batch in batches:
-            current["real"] = real_tokens(batch)
-            forward_logits(dense, batch)
+        batches = []
+        for batch in raw:
+            inputs = capture(model, batch)
+            batches.append(_Batch(inputs, real_tokens(batch), capture(dense, batch).hidden, inputs.hidden))
+        runs = {"dense": 0, "pruned": 0, "pruned_to_out_proj": 0}
+        report = [_tune_layer(model, mask, dense, layer, batches, settings, runs) for layer in range(mask.num_layers)]
     finally:
-        for handle in handles:
-            handle.remove()
-        dense.train(was_training)
-    return [torch.cat(o) for o in outs]
+        model.train(modes[0])
+        dense.train(modes[1])
+    return {"layers": report, "block_runs": {k: v // len(batches) for k, v in runs.items()}}
 
 
-@torch.no_grad()
-def _normal_equations(model, adapter, layer: int, kept: list[int], alive: list[int], batches: list[dict],
-                      target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """G (h, h), r (h,), ||y - b||^2 over the calibration tokens for `alive` heads of `layer`."""
-    o = adapter.out_proj(adapter.blocks(model)[layer])
-    rows = adapter.head_rows(model, layer)
-    weights = torch.stack([rows[h]["o"].weight() for h in alive]).float()  # (h, D, E)
-    positions = [kept.index(h) for h in alive]
-    bias = o.bias.float() if getattr(o, "bias", None) is not None else None
-    h = len(alive)
-    gram = torch.zeros(h, h, dtype=torch.float64)
-    cross = torch.zeros(h, dtype=torch.float64)
-    target_sq, offset = 0.0, 0
-    current: dict = {}
+def _tune_layer(model, mask: HeadMask, dense, layer: int, batches: list[_Batch], settings: LeastSquares,
+                runs: dict) -> dict:
+    """Fit layer `layer` on every batch's carried states, then carry both models past it."""
+    adapter = get_adapter(model)
+    last = layer == mask.num_layers - 1
+    kept = layer_heads(model, layer)
+    alive = [h for h in kept if float(mask.mask[layer, h]) > 0]
+    dense_o = adapter.out_proj(adapter.blocks(dense)[layer])
+    out = {"layer": layer, "heads": alive, "scales": []}
+    if alive or settings.bias:
+        mask.mask[layer, alive] = 1.0  # the contexts are collected ungated
+        rows = adapter.head_rows(model, layer)
+        weights = torch.stack([rows[h]["o"].weight() for h in alive]) if alive else None  # (h, D, E)
+        hidden = batches[0].dense.shape[-1]
+        eq = NormalEquations(len(alive), hidden, mask.mask.device)
+        positions = [kept.index(h) for h in alive]
+        for b in batches:
+            o_d, next_dense = _dense_block(dense, layer, b, stop=last)
+            runs["dense"] += 1
+            target = (b.dense.float() + o_d.float() - b.pruned.float())[b.real]  # (N, E)
+            contexts = None
+            if alive:
+                x = _contexts(model, layer, b)  # (B, T, k * D)
+                runs["pruned_to_out_proj"] += 1
+                contexts = x[b.real].view(-1, len(kept), x.shape[-1] // len(kept))[:, positions]  # (N, h, D)
+            eq.add(contexts, weights, target)
+            b.dense = next_dense if next_dense is not None else b.dense
+        eq.all_reduce()
+        reference = dense_o.bias if getattr(dense_o, "bias", None) is not None else torch.zeros(hidden)
+        scales, bias, info = eq.solve(reference.detach(), tuple(settings.scale_range), settings.damp, settings.bias)
+        mask.mask[layer, alive] = scales.to(mask.mask)
+        if settings.bias:
+            output_bias(model, layer).copy_(bias)
+            info["bias_norm"] = round(float((bias - reference.to(bias)).norm()), 6)
+        out.update(scales=[round(float(s), 6) for s in scales], **info)
+    elif not last:
+        for b in batches:
+            b.dense = _dense_block(dense, layer, b, stop=False)[1]
+            runs["dense"] += 1
+    if not last:
+        for b in batches:
+            b.pruned = run_block(model, layer, b.inputs, b.pruned)
+            runs["pruned"] += 1
+    return out
 
-    def capture(module, args):  # after the HeadMask gate (1 on the alive heads, 0 on pruned ones)
-        x = args[0][current["real"]]  # (N_b, k * D)
-        current["x"] = x.view(x.shape[0], len(kept), -1)[:, positions].float()  # (N_b, h, D)
-        raise _Stop
 
-    handle = o.register_forward_pre_hook(capture)
+def _dense_block(dense, layer: int, b: _Batch, stop: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the dense output projection's output (B, T, E), the block's output or None with `stop`)."""
+    o = get_adapter(dense).out_proj(get_adapter(dense).blocks(dense)[layer])
+    seen = {}
+
+    def keep(module, args, output):
+        seen["o"] = output
+        if stop:
+            raise Stop
+
+    handle = o.register_forward_hook(keep)
     try:
-        for batch in batches:
-            current["real"] = real_tokens(batch)
-            try:
-                forward_logits(model, batch)
-            except _Stop:
-                pass
-            x = current.pop("x")
-            contributions = torch.einsum("nhd,hde->nhe", x, weights.to(x.device)).cpu().double()  # (N_b, h, E)
-            y = target[offset:offset + x.shape[0]].double()  # (N_b, E)
-            offset += x.shape[0]
-            if bias is not None:
-                y = y - bias.cpu().double()
-            gram += torch.einsum("nhe,nge->hg", contributions, contributions)
-            cross += torch.einsum("nhe,ne->h", contributions, y)
-            target_sq += float(y.pow(2).sum())
+        next_hidden = run_block(dense, layer, b.inputs, b.dense)
+    except Stop:
+        next_hidden = None
     finally:
         handle.remove()
-    # data parallel: every rank tuned on its shard of the calibration slice; sum the normal
-    # equations so every rank solves the same system (no-op in one process)
-    total = all_reduce_sum(torch.cat([gram.flatten(), cross, torch.tensor([target_sq], dtype=torch.float64)]))
-    return total[:h * h].view(h, h), total[h * h:h * h + h], float(total[-1])
+    return seen["o"], next_hidden
+
+
+def _contexts(model, layer: int, b: _Batch) -> torch.Tensor:
+    """The pruned block's output-projection input after the HeadMask gate, (B, T, k * D); the
+    block stops there."""
+    o = get_adapter(model).out_proj(get_adapter(model).blocks(model)[layer])
+    seen = {}
+
+    def capture_input(module, args):
+        seen["x"] = args[0]
+        raise Stop
+
+    handle = o.register_forward_pre_hook(capture_input)
+    try:
+        run_block(model, layer, b.inputs, b.pruned)
+    except Stop:
+        pass
+    finally:
+        handle.remove()
+    return seen["x"]
+
+
+__all__ = ["LeastSquares", "solve_scales", "tune_scales"]

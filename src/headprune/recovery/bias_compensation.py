@@ -1,0 +1,130 @@
+"""Bias compensation (FLAP, An et al. 2024, `compress` in `lib/prune.py` of their code): what the
+removed heads gave on average goes into the attention output projection's bias, so that the
+pruned layer's expected output matches the dense layer's.
+
+With x_h the context of head h (the output projection's input, D per head and token) and W_h its
+output-projection columns, the removed heads R of a layer added sum_{h in R} W_h x_h to its
+output. Replacing that by its mean over the calibration tokens,
+
+    b = b_dense + sum_{h in R} W_h mean_n(x_nh),
+
+keeps the layer's mean output: on the same inputs, mean_n(o_pruned) = mean_n(o_dense). As in
+FLAP the means are taken on the dense model's own inputs (one forward pass of the unpruned model,
+`Pruner.dense`, accumulating a (heads x D) sum per layer, so memory does not grow with the
+calibration set), and each round recomputes the bias from the dense model for every head removed
+so far. The bias is the output projection's own (`out_bias.py`: Llama gets `attention_bias=true`
+with zero Q/K/V biases), so export and a plain `from_pretrained` compute what was evaluated.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from headprune.distributed import all_reduce_sum
+from headprune.heads.adapters import get_adapter
+from headprune.heads.mask import HeadMask
+from headprune.recovery.base import Recovery
+from headprune.recovery.blockwise import Stop
+from headprune.recovery.out_bias import bias_refusal, output_bias
+from headprune.tasks import forward_logits, real_tokens, to_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BiasCompensation(Recovery):
+    """`recovery=bias_compensation`: after each round, the removed heads' mean output over the
+    calibration examples (the scoring slice, `data.score_samples`) becomes output bias."""
+
+    needs_dense: ClassVar[bool] = True
+
+    def check_model(self, student: nn.Module) -> None:
+        refusal = bias_refusal(student, "recovery=bias_compensation")
+        if refusal:
+            raise ValueError(refusal)
+
+    def resume(self, pruner) -> None:
+        raise ValueError("recovery=bias_compensation takes the removed heads' means from the unpruned model, which a "
+                         "resumed run no longer has; start the run again (it trains nothing, so it is short)")
+
+    def after_round(self, pruner, record: dict, loaders) -> None:
+        """Compensate, then record the report and the compensated model's validation metrics (under
+        `val_after_mask_tuning`, the key the Pruner takes a round's result from when nothing trains)."""
+        start = time.perf_counter()
+        report = compensate(pruner.model, pruner.mask, pruner.dense, loaders.score, pruner.max_batches)
+        record["bias_compensation"] = {**report, "seconds": round(time.perf_counter() - start, 3)}
+        if loaders.val is not None:
+            record["val_after_mask_tuning"] = pruner.evaluate(loaders.val)
+            log.info("round %d: bias compensation in %.1f s -> val %s", record["round"],
+                     record["bias_compensation"]["seconds"], record["val_after_mask_tuning"])
+
+
+@torch.no_grad()
+def compensate(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, max_batches: int | None = None) -> dict:
+    """Set every layer's output bias of `model` to the dense bias plus the mean output of the heads
+    `mask` has removed (module docstring). `dense`: the unpruned model (no HeadMask). Returns per
+    layer the removed heads and the norm of the added bias."""
+    refusal = bias_refusal(model, "recovery=bias_compensation")
+    if refusal:
+        raise ValueError(refusal)
+    adapter = get_adapter(dense)
+    means = context_means(dense, loader, mask.mask.device, max_batches)  # (L, H, D)
+    report = []
+    for layer, block in enumerate(adapter.blocks(dense)):
+        removed = [h for h in range(mask.num_heads) if float(mask.mask[layer, h]) == 0]
+        rows = adapter.head_rows(dense, layer)
+        o = adapter.out_proj(block)
+        shift = torch.zeros(rows[0]["o"].weight().shape[1], dtype=torch.float64, device=means.device)  # (E,)
+        for h in removed:
+            shift += means[layer, h] @ rows[h]["o"].weight().double()  # (D,) @ (D, E)
+        reference = o.bias.double() if getattr(o, "bias", None) is not None else torch.zeros_like(shift)
+        output_bias(model, layer).copy_(reference + shift)
+        report.append({"layer": layer, "removed": removed, "bias_norm": round(float(shift.norm()), 6)})
+    return {"layers": report}
+
+
+@torch.no_grad()
+def context_means(dense: nn.Module, loader, device, max_batches: int | None = None) -> torch.Tensor:
+    """Each head's mean context over the real tokens of `loader` in the dense model, (L, H, D):
+    one forward pass (ended at the last layer's output projection) with running sums."""
+    adapter = get_adapter(dense)
+    blocks = adapter.blocks(dense)
+    heads, head_dim = adapter.num_heads(dense.config), adapter.head_dim(dense.config)
+    sums = torch.zeros(len(blocks), heads * head_dim, dtype=torch.float64, device=device)  # (L, H * D)
+    current: dict = {}
+
+    def hook(layer: int):
+        def add(module, args):
+            sums[layer] += args[0][current["real"]].double().sum(0)  # (N, H * D) -> (H * D,)
+            if layer == len(blocks) - 1:
+                raise Stop
+        return add
+
+    handles = [adapter.out_proj(block).register_forward_pre_hook(hook(layer)) for layer, block in enumerate(blocks)]
+    was_training = dense.training
+    dense.eval()
+    tokens = torch.zeros((), dtype=torch.float64, device=device)
+    try:
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = to_device(batch, device)
+            current["real"] = real_tokens(batch)
+            tokens += current["real"].sum()
+            try:
+                forward_logits(dense, batch)
+            except Stop:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+        dense.train(was_training)
+    total = all_reduce_sum(torch.cat([sums.flatten(), tokens.view(1)]))  # data parallel: every rank's shard
+    if float(total[-1]) == 0:
+        raise ValueError("bias compensation got no calibration tokens (data.score_samples=0?)")
+    return (total[:-1] / total[-1]).view(len(blocks), heads, head_dim)

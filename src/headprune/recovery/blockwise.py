@@ -1,0 +1,94 @@
+"""Running a model one block at a time on calibration batches.
+
+A layer-by-layer reconstruction (least-squares mask tuning) needs each layer's inputs on every
+calibration batch. Re-running the model from the embeddings for every layer costs L^2 / 2
+blocks; keeping every layer's outputs costs L x tokens x hidden floats. Instead the hidden
+states of one layer are carried forward: `capture` runs the model only as far as its first block,
+with every block replaced by a pass-through that records what the model hands it (the embeddings,
+masks, rotary position embeddings, ...), and `run_block` then runs one real block on carried
+hidden states with those arguments. Cache arguments are dropped, so a block may run twice on the
+same input (once up to its output projection, once whole) without seeing its own keys again.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from headprune.heads.adapters import get_adapter
+from headprune.tasks import MODEL_INPUTS
+
+CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+class Stop(Exception):
+    """Raised by a hook to end a forward pass once what it needed has been seen."""
+
+
+@dataclass
+class BlockInputs:
+    """What one calibration batch feeds the blocks: the embeddings (B, T, E) that enter block 0,
+    and per block the arguments after the hidden states by name (masks, position embeddings)."""
+
+    hidden: torch.Tensor  # (B, T, E)
+    kwargs: list[dict]
+
+
+@torch.no_grad()
+def capture(model: nn.Module, batch: dict) -> BlockInputs:
+    """Run `model` on `batch` up to its first block and record every block's inputs (module
+    docstring); no block computes anything."""
+    blocks = get_adapter(model).blocks(model)
+    seen: list[tuple[tuple, dict]] = []
+
+    def pass_through(*args, **kwargs):
+        hidden, kwargs = _by_name(blocks[len(seen)], args, kwargs)
+        seen.append((hidden, kwargs))
+        if len(seen) == len(blocks):
+            raise Stop
+        return hidden
+
+    for block in blocks:
+        block.forward = pass_through  # the instance attribute shadows the class's forward
+    try:
+        model(**{k: batch[k] for k in MODEL_INPUTS if k in batch})
+    except Stop:
+        pass
+    finally:
+        for block in blocks:
+            del block.forward
+    if len(seen) != len(blocks):
+        raise RuntimeError(f"{type(model).__name__}: capture saw {len(seen)} of {len(blocks)} blocks; the model's "
+                           "forward does not call each block once on its hidden states")
+    return BlockInputs(seen[0][0], [kwargs for _, kwargs in seen])
+
+
+def run_block(model: nn.Module, layer: int, inputs: BlockInputs, hidden: torch.Tensor) -> torch.Tensor:
+    """Block `layer` of `model` on `hidden` (B, T, E) with the batch's recorded arguments."""
+    out = get_adapter(model).blocks(model)[layer](hidden, **inputs.kwargs[layer])
+    return out[0] if isinstance(out, tuple) else out  # (B, T, E)
+
+
+def _by_name(block: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict]:
+    """(hidden states, every other argument by name with caches dropped) of one block call
+    (GPT-2 passes its cache positionally)."""
+    signature = inspect.signature(type(block).forward)
+    bound = signature.bind(block, *args, **kwargs).arguments
+    names = list(signature.parameters)
+    named: dict = {}
+    for name, value in bound.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise RuntimeError(f"{type(block).__name__} got {len(value)} unnamed extra arguments; cannot replay them")
+        elif name != names[0]:  # not self
+            named[name] = value
+    hidden = named.pop(names[1])
+    named = {k: (None if k in CACHE_KWARGS else v) for k, v in named.items()}
+    if "use_cache" in named:
+        named["use_cache"] = False
+    return hidden, named
