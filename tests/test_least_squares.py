@@ -257,4 +257,3 @@ def test_tuning_streams_blocks_once_per_layer_and_holds_one_layer(monkeypatch):
     hidden_bytes = sum(b["input_ids"].numel() for b in batches) * 32 * 4  # one layer's (B, T, E) float32, all batches
     assert small["peak"] > 2 * hidden_bytes  # both models' carried states at least
     assert large["peak"] < 1.25 * small["peak"], (small["peak"], large["peak"])
-    print("peak bytes", small["peak"], large["peak"], "one layer", hidden_bytes)
