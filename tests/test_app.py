@@ -70,7 +70,7 @@ def test_tiny_iterative_run_writes_every_round(cfg_factory, tmp_path):
     cfg = cfg_factory("model=tiny_bert", "callbacks=none", "logger=csv", "data.max_train_samples=64",
                       "data.score_samples=32", "data.max_validation_samples=64", "schedule.target_sparsity=0.5",
                       "schedule.step=0.25", "schedule.baseline_epochs=1", "schedule.epochs_per_round=1",
-                      "trainer.enable_progress_bar=false", "layer_policy=uniform")
+                      "layer_policy=uniform")
     run(cfg)
     res = _results(tmp_path)
     assert [r["round"] for r in res["rounds"]] == [1, 2]
@@ -120,7 +120,7 @@ def test_wandb_logger_offline(cfg_factory, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = cfg_factory("model=tiny_bert", "logger=wandb", "callbacks=none", "data.max_train_samples=32",
                       "data.score_samples=16", "data.max_validation_samples=32", "schedule=one_shot",
-                      "schedule.target_sparsity=0.25", "trainer.enable_progress_bar=false")
+                      "schedule.target_sparsity=0.25")
     res = run(cfg)
     keys = {k for data in logged for k in data}
     assert {"prune/val_acc", "prune/sparsity", "prune/heads_layer_0", "prune/head_mask"} <= keys, keys
@@ -188,7 +188,7 @@ def test_console_script_fast_dev_run(tmp_path, data_dir):
 
 
 TINY_RUN = ["model=tiny_bert", "callbacks=none", "logger=none", "data.max_train_samples=64", "data.score_samples=32",
-            "data.max_validation_samples=64", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0"]
+            "data.max_validation_samples=64", "trainer.num_sanity_val_steps=0"]
 
 
 @pytest.mark.parametrize("policy", ["global", "uniform", "sensitivity", "depth_prior"])

@@ -22,7 +22,7 @@ TINY_GPT2 = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides
              "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32",
              "+model.config_overrides.n_positions=64", "data.block_size=32", "data.max_train_samples=48", "data.score_samples=16", "data.max_validation_samples=16",
              "data.batch_size=8", "data.eval_batch_size=8", "logger=none", "callbacks=none",
-             "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0"]
+             "trainer.num_sanity_val_steps=0"]
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from tests.conftest import compose_train
 from tests.test_faults import Crash
 
 TINY = ["model=tiny_bert", "callbacks=none", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
-        "data.max_validation_samples=64", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
+        "data.max_validation_samples=64", "trainer.num_sanity_val_steps=0",
         "diagnostics.enabled=false", "recovery=distill"]
 ITERATIVE = ["schedule=iterative", "schedule.target_sparsity=0.5", "schedule.step=0.25", "schedule.baseline_epochs=1",
              "schedule.epochs_per_round=1"]

@@ -18,7 +18,7 @@ from headprune.apps.train import run
 from tests.conftest import compose_train
 
 BASE = ["model=tiny_bert", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
-        "data.max_validation_samples=64", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
+        "data.max_validation_samples=64", "trainer.num_sanity_val_steps=0",
         "schedule=iterative", "schedule.target_sparsity=0.5", "schedule.step=0.25", "schedule.baseline_epochs=1",
         "schedule.epochs_per_round=1", "export=false"]
 
@@ -128,7 +128,7 @@ def test_ddp_ranks_agree_and_match_single_process(tmp_path, data_dir):
     single process scoring the whole slice."""
     common = ["model=tiny_bert", "logger=none", "callbacks=none", "data.max_train_samples=64",
               "data.score_samples=32", "data.max_validation_samples=32", "data.eval_batch_size=8",
-              "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0", "schedule=iterative",
+              "trainer.num_sanity_val_steps=0", "schedule=iterative",
               "schedule.target_sparsity=0.5", "schedule.step=0.25", "schedule.baseline_epochs=0",
               "schedule.epochs_per_round=1", "export=false", f"data.data_dir={data_dir}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")

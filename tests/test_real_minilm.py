@@ -35,7 +35,7 @@ def test_minilm_prune_and_finetune_round_on_sst2_slice(data_dir, tmp_path):
             f"paths.output_dir={tmp_path}", f"data.data_dir={data_dir}", "data.max_train_samples=96",
             "data.score_samples=32", "data.max_validation_samples=64", "data.max_length=48",
             "schedule=one_shot", "schedule.target_sparsity=0.25", "schedule.baseline_epochs=1",
-            "schedule.epochs_per_round=1", "callbacks=none", "logger=none", "trainer.enable_progress_bar=false",
+            "schedule.epochs_per_round=1", "callbacks=none", "logger=none",
             "trainer.num_sanity_val_steps=0"])
     GlobalHydra.instance().clear()
     res = run(cfg)

@@ -10,7 +10,7 @@ from headprune.heads.optimizer_state import carry_optimizer_state
 from tests.conftest import compose_train, tiny_batch, tiny_bert
 
 TINY = ["model=tiny_bert", "callbacks=none", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
-        "data.max_validation_samples=64", "trainer.enable_progress_bar=false", "trainer.num_sanity_val_steps=0",
+        "data.max_validation_samples=64", "trainer.num_sanity_val_steps=0",
         "+model.config_overrides.hidden_dropout_prob=0.0", "+model.config_overrides.attention_probs_dropout_prob=0.0",
         "schedule=iterative", "schedule.target_sparsity=0.5", "schedule.step=0.25", "schedule.baseline_epochs=1",
         "schedule.epochs_per_round=1", "diagnostics.enabled=false"]

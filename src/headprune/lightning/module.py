@@ -55,7 +55,6 @@ class HeadPruneModule(L.LightningModule):
         if l0_penalty > 0:
             self.head_mask.stochastic = HardConcreteGates(self.head_mask.num_layers, self.head_mask.num_heads)
         if task == "classification":
-            self.train_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
             self.val_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
         else:
             self.val_token_loss = MeanMetric()  # per-token mean over the epoch (and ranks)
