@@ -1,0 +1,194 @@
+"""Zero-shot accuracy of a causal LM through lm-eval-harness, with chance level beside it.
+
+Why lm-eval: its prompts, choices and log-likelihood scoring are what the papers report, so a
+pruned model's numbers are comparable with theirs. The model object is wrapped as is
+(`HFLM(pretrained=model, tokenizer=tokenizer)`), so masked and physically pruned models
+evaluate without saving them.
+
+Local tasks (`LOCAL_TASKS`) are shipped YAML files in `evaluation/tasks/` over data we have
+(`sst2_local`: SST-2 validation, 872 sentences). Their `data_files` is a placeholder: at run
+time the data is converted from `<data_dir>` into a cache folder and the YAML is written there
+with the real path (`prepare_local_tasks`), so that folder is a complete lm-eval task folder
+(also usable as `lm_eval --include_path <folder>`). Any other name (hellaswag, piqa, arc_easy,
+winogrande, boolq, ...) is passed to lm-eval, which needs the network (or a datasets cache)
+to fetch its data; when it cannot, the error names the task.
+
+lm-eval is an optional extra (`pip install 'headprune[llm]'`): it is imported inside the
+functions. It seeds random / numpy / torch; the caller's generator states are restored.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from headprune.atomic import write_text_atomic
+from headprune.data.textdata import label_key, read_table
+
+
+def _sst2_jsonl(data_dir: Path) -> str:
+    """SST-2 validation as JSON lines {"sentence", "label" (0 negative, 1 positive)}."""
+    path = data_dir / "sst2" / "validation.tsv"
+    if not path.is_file():
+        raise FileNotFoundError(f"zero_shot task 'sst2_local' needs {path} (data_dir={str(data_dir)!r}); "
+                                "allowed: a data_dir holding sst2/validation.tsv (see ../shared/data/README.md)")
+    table = read_table(path, "sentence", "label")
+    rows = []
+    for i, (sentence, label) in enumerate(zip(table.texts, table.labels)):
+        if label_key(label) not in ("0", "1"):
+            raise ValueError(f"{path} row {i + 2}: label {label!r}; allowed: 0, 1")
+        rows.append(json.dumps({"sentence": sentence, "label": int(label_key(label))}))
+    return "\n".join(rows) + "\n"
+
+
+@dataclass(frozen=True)
+class LocalTask:
+    """A shipped task: its YAML file, the placeholder its `data_files` holds, and how the data
+    file is made from the data folder."""
+
+    yaml: str
+    placeholder: str
+    make_data: Callable[[Path], str]
+
+
+LOCAL_TASKS = {"sst2_local": LocalTask("sst2_local.yaml", "SST2_LOCAL_JSONL", _sst2_jsonl)}
+
+
+def task_dir():
+    """The shipped task folder (a Traversable: a plain folder in a source or wheel install)."""
+    return resources.files("headprune.evaluation") / "tasks"
+
+
+def default_cache_dir() -> Path:
+    """Where prepared local tasks go: $HEADPRUNE_CACHE_DIR, else $XDG_CACHE_HOME/headprune, else
+    ~/.cache/headprune; then zero_shot/."""
+    root = os.environ.get("HEADPRUNE_CACHE_DIR")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headprune"
+    return Path(root) / "zero_shot"
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    """Rewrite only on a change: the datasets cache keys a data file by its modification time."""
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        write_text_atomic(path, text)
+
+
+def prepare_local_tasks(names: Sequence[str], data_dir: str | Path | None = None,
+                        cache_dir: str | Path | None = None) -> Path:
+    """Write the data and YAML of the local tasks `names` into `cache_dir` and return that
+    folder (an lm-eval include path). `data_dir`: the shared data folder (None:
+    $HEADPRUNE_DATA_DIR)."""
+    unknown = [n for n in names if n not in LOCAL_TASKS]
+    if unknown:
+        raise ValueError(f"tasks={unknown!r} are not local tasks; allowed: {', '.join(LOCAL_TASKS)}")
+    data_dir = data_dir or os.environ.get("HEADPRUNE_DATA_DIR")
+    if not data_dir:
+        raise ValueError(f"local tasks {list(names)} need data: set data_dir= or HEADPRUNE_DATA_DIR to the shared "
+                         "data folder (e.g. ../shared/data)")
+    folder = Path(cache_dir or default_cache_dir()).expanduser().resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        task = LOCAL_TASKS[name]
+        data_file = folder / f"{name}.jsonl"
+        _write_if_changed(data_file, task.make_data(Path(data_dir).expanduser().resolve()))
+        template = (task_dir() / task.yaml).read_text(encoding="utf-8")
+        if task.placeholder not in template:
+            raise ValueError(f"{task.yaml}: data_files placeholder {task.placeholder!r} not found")
+        _write_if_changed(folder / task.yaml, template.replace(task.placeholder, json.dumps(str(data_file))))
+    return folder
+
+
+@contextlib.contextmanager
+def _rng_kept():
+    """Restore the random, numpy and torch generator states that lm-eval reseeds."""
+    import numpy as np
+
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng():
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)
+
+
+def _load_task(manager, name: str):
+    """The lm-eval Task `name` (its dataset fetched now), or an error naming the task."""
+    try:
+        loaded = manager.load([name])["tasks"]
+    except KeyError:
+        raise ValueError(f"zero_shot task {name!r} is neither a local task ({', '.join(LOCAL_TASKS)}) nor an "
+                         "lm-eval task name (e.g. hellaswag, piqa, arc_easy, winogrande, boolq)") from None
+    except Exception as err:  # noqa: BLE001 - any fetch failure; the cause is quoted in the message
+        offline = [v for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if os.environ.get(v)]
+        hint = f" ({' and '.join(offline)} set)" if offline else ""
+        raise RuntimeError(f"zero_shot task {name!r}: lm-eval could not load its data{hint}; it needs the network or a "
+                           f"datasets cache. Cause: {type(err).__name__}: {str(err)[:300]}") from None
+    if len(loaded) != 1:
+        raise ValueError(f"zero_shot task {name!r} is a group of {len(loaded)} tasks ({', '.join(loaded)}); "
+                         "allowed: single tasks (list its members)")
+    return next(iter(loaded.values()))
+
+
+def chance_level(task, limit: int | None = None) -> float | None:
+    """Mean of 1 / number of choices over the documents evaluated (the first `limit`); None
+    for tasks that are not multiple choice."""
+    if task.OUTPUT_TYPE != "multiple_choice":
+        return None
+    docs = list(task.eval_docs)[:limit] if limit is not None else list(task.eval_docs)
+    return sum(1.0 / len(task.doc_to_choice(doc)) for doc in docs) / len(docs)
+
+
+def zero_shot(model: nn.Module, tokenizer, tasks: Sequence[str] = ("sst2_local",),
+              data_dir: str | Path | None = None, limit: int | None = None, batch_size: int = 8,
+              cache_dir: str | Path | None = None) -> dict[str, dict]:
+    """{task: {"acc", "acc_stderr", "chance", "n"}} for each of `tasks` (local tasks and lm-eval
+    task names), zero-shot, without a chat template. `limit`: the first `limit` documents of
+    each task (None: all). The model is evaluated in eval mode; its training flag and the
+    caller's random generator states (which lm-eval and its imports touch) are restored."""
+    tasks = list(tasks)
+    if not tasks or not all(isinstance(t, str) for t in tasks):
+        raise ValueError(f"tasks={tasks!r}: allowed: a non-empty list of task names")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"limit={limit!r} must be None or an integer >= 1")
+    local = [t for t in tasks if t in LOCAL_TASKS]
+    include = prepare_local_tasks(local, data_dir, cache_dir) if local else None
+    was_training = model.training
+    model.eval()
+    try:
+        with _rng_kept():
+            return _evaluate(model, tokenizer, tasks, include, limit, batch_size)
+    finally:
+        model.train(was_training)
+
+
+def _evaluate(model: nn.Module, tokenizer, tasks: list[str], include: Path | None, limit: int | None,
+              batch_size: int) -> dict[str, dict]:
+    """`zero_shot`'s lm-eval run; `include`: the prepared local task folder (None: no local task)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(include) if include else None,
+                          include_defaults=any(t not in LOCAL_TASKS for t in tasks))
+    loaded = {name: _load_task(manager, name) for name in tasks}
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    out = simple_evaluate(model=lm, tasks=list(loaded.values()), task_manager=manager, limit=limit, log_samples=False)
+    results = {}
+    for name, task in loaded.items():
+        row = out["results"][task.task_name]
+        if "acc,none" not in row:
+            raise ValueError(f"zero_shot task {name!r} reports no accuracy (metrics: "
+                             f"{sorted(k for k in row if k != 'alias')}); allowed: tasks with metric acc")
+        results[name] = {"acc": row["acc,none"], "acc_stderr": row.get("acc_stderr,none"),
+                         "chance": chance_level(task, limit), "n": out["n-samples"][task.task_name]["effective"]}
+    return results

@@ -1,0 +1,141 @@
+"""Zero-shot through lm-eval: the shipped SST-2 task prepared from the shared data, offline,
+accuracy equal to a direct log-likelihood comparison on a tiny model, chance level, errors
+naming the task, and the real SmolLM2 on 64 sentences."""
+import json
+import random
+
+import pytest
+import torch
+import transformers as tf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from headprune.evaluation import LOCAL_TASKS, chance_level, prepare_local_tasks, zero_shot
+from headprune.evaluation.zero_shot import task_dir
+from tests.test_perplexity import smollm2
+
+PROMPT = "{}\nQuestion: Is this sentence positive or negative?\nAnswer:"  # as in sst2_local.yaml
+
+
+def tiny_tokenizer():
+    """A byte-level HF tokenizer (one token per byte, no merges) with BOS/EOS/pad and a chat template."""
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({s: 256 + i for i, s in enumerate(("<s>", "</s>", "<pad>"))})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    return tok
+
+
+def tiny_chat_lm(tok, seed: int = 0):
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                            num_hidden_layers=2, intermediate_size=64, max_position_embeddings=512,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return tf.LlamaForCausalLM(config).eval()
+
+
+def sst2_rows(data_dir, n):
+    lines = (data_dir / "sst2" / "validation.tsv").read_text(encoding="utf-8").splitlines()[1:n + 1]
+    return [(s, int(label)) for s, label in (line.split("\t") for line in lines)]
+
+
+def direct_acc(model, tok, rows) -> float:
+    """Share of sentences whose label's choice (" negative" / " positive") has the higher summed
+    log-likelihood after the prompt."""
+    right = 0
+    for sentence, label in rows:
+        context = tok.encode(PROMPT.format(sentence), add_special_tokens=False)
+        scores = []
+        for choice in (" negative", " positive"):
+            ids = torch.tensor([context + tok.encode(choice, add_special_tokens=False)])  # (1, T)
+            with torch.no_grad():
+                logp = model(input_ids=ids).logits[0, :-1].log_softmax(-1)  # (T-1, V)
+            scores.append(logp[len(context) - 1:].gather(1, ids[0, len(context):, None]).sum().item())
+        right += int(scores.index(max(scores)) == label)
+    return right / len(rows)
+
+
+def test_the_shipped_task_is_found_beside_the_module():
+    assert set(LOCAL_TASKS) == {"sst2_local"}
+    assert "SST2_LOCAL_JSONL" in (task_dir() / "sst2_local.yaml").read_text()
+
+
+def test_prepare_writes_the_data_and_a_task_pointing_at_it(data_dir, tmp_path):
+    folder = prepare_local_tasks(["sst2_local"], data_dir, tmp_path)
+    rows = [json.loads(line) for line in (folder / "sst2_local.jsonl").read_text().splitlines()]
+    assert len(rows) == 872 and {r["label"] for r in rows} == {0, 1}
+    assert [(r["sentence"], r["label"]) for r in rows[:5]] == sst2_rows(data_dir, 5)
+    task_yaml = (folder / "sst2_local.yaml").read_text()
+    assert json.dumps(str(folder / "sst2_local.jsonl")) in task_yaml and "SST2_LOCAL_JSONL" not in task_yaml
+    stamp = (folder / "sst2_local.jsonl").stat().st_mtime_ns
+    prepare_local_tasks(["sst2_local"], data_dir, tmp_path)
+    assert (folder / "sst2_local.jsonl").stat().st_mtime_ns == stamp  # unchanged data is not rewritten
+
+
+def test_prepare_errors_name_what_is_missing(tmp_path, monkeypatch):
+    with pytest.raises(FileNotFoundError, match="sst2/validation.tsv"):
+        prepare_local_tasks(["sst2_local"], tmp_path, tmp_path / "cache")
+    monkeypatch.delenv("HEADPRUNE_DATA_DIR", raising=False)
+    with pytest.raises(ValueError, match="HEADPRUNE_DATA_DIR"):
+        prepare_local_tasks(["sst2_local"], None, tmp_path / "cache")
+    with pytest.raises(ValueError, match="allowed: sst2_local"):
+        prepare_local_tasks(["sst2"], tmp_path, tmp_path / "cache")
+
+
+def test_tiny_model_zero_shot_offline_equals_direct_log_likelihoods(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tok = tiny_tokenizer()
+    model = tiny_chat_lm(tok).train()
+    random.seed(7)
+    torch.manual_seed(7)
+    want_next = (random.random(), torch.rand(1))
+    random.seed(7)
+    torch.manual_seed(7)
+    result = zero_shot(model, tok, tasks=["sst2_local"], data_dir=data_dir, limit=24, batch_size=5,
+                       cache_dir=tmp_path)
+    assert (random.random(), torch.rand(1)) == want_next  # lm-eval's reseeding is undone
+    assert model.training
+    row = result["sst2_local"]
+    assert set(row) == {"acc", "acc_stderr", "chance", "n"}
+    assert (row["n"], row["chance"]) == (24, 0.5)
+    assert row["acc"] == pytest.approx(direct_acc(model.eval(), tok, sst2_rows(data_dir, 24)))
+    assert row["acc_stderr"] == pytest.approx((row["acc"] * (1 - row["acc"]) / 23) ** 0.5)
+
+
+def test_chance_level_is_the_mean_of_one_over_the_choices():
+    class Task:
+        OUTPUT_TYPE = "multiple_choice"
+        eval_docs = [{"k": 2}, {"k": 4}, {"k": 5}]
+
+        def doc_to_choice(self, doc):
+            return ["x"] * doc["k"]
+
+    assert chance_level(Task()) == pytest.approx((1 / 2 + 1 / 4 + 1 / 5) / 3)
+    assert chance_level(Task(), limit=2) == pytest.approx((1 / 2 + 1 / 4) / 2)
+    Task.OUTPUT_TYPE = "generate_until"
+    assert chance_level(Task()) is None
+
+
+def test_hub_tasks_offline_and_unknown_tasks_fail_naming_the_task(monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # offline even where a network exists
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    tok = tiny_tokenizer()
+    with pytest.raises(RuntimeError, match=r"zero_shot task 'hellaswag': lm-eval could not load its data"):
+        zero_shot(tiny_chat_lm(tok), tok, tasks=["hellaswag"], limit=2)
+    with pytest.raises(ValueError, match=r"zero_shot task 'no_such_task' is neither a local task"):
+        zero_shot(tiny_chat_lm(tok), tok, tasks=["no_such_task"], limit=2)
+
+
+@pytest.mark.real_model
+def test_smollm2_sst2_local_on_64_sentences(data_dir, tmp_path):
+    model, tokenizer = smollm2()
+    row = zero_shot(model, tokenizer, tasks=["sst2_local"], data_dir=data_dir, limit=64, batch_size=16,
+                    cache_dir=tmp_path)["sst2_local"]
+    assert (row["n"], row["chance"]) == (64, 0.5)
+    assert 0.5 < row["acc"] <= 1.0 and 0 < row["acc_stderr"] < 0.1
