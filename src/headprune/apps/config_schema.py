@@ -69,6 +69,7 @@ def schema_for_class(name: str, cls, kind: str):
 
 def register_schemas() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent)."""
+    from headprune.apps.evaluations import EvaluationSettings
     from headprune.recovery import RECOVERIES
     from headprune.selection.budgets import BUDGETS
     from headprune.scoring import METRICS
@@ -84,5 +85,6 @@ def register_schemas() -> None:
         cs.store(group="schema/schedule", name=name, node=schema_for_class(name, cls, "Schedule"))
     for name, cls in RECOVERIES.items():
         cs.store(group="schema/recovery", name=name, node=schema_for_class(name, cls, "Recovery"))
+    cs.store(group="schema", name="evaluation", node=EvaluationSettings)
     for name, cls in BUDGETS.items():
         cs.store(group="schema/budget", name=name, node=schema_for_class(name, cls, "Budget"))

@@ -6,8 +6,9 @@ LM; lower is better) so Hydra sweepers can optimise it.
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 from functools import partial
-from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -17,7 +18,8 @@ from lightning.pytorch.callbacks import Checkpoint
 from omegaconf import DictConfig, OmegaConf
 
 from headprune.apps.components import build, instantiate_group
-from headprune.apps import run_dir
+from headprune.apps import evaluations, run_dir
+from headprune.apps.evaluations import EvaluationSettings
 from headprune.apps.config_paths import config_dir
 from headprune.apps.config_schema import register_schemas
 from headprune.apps.objectives import objectives
@@ -55,12 +57,18 @@ def run(cfg: DictConfig) -> dict:
         task = _task(cfg)
         schedule.check_metrics(VAL_METRICS[task], task)
         check_settings(cfg, schedule, layer_policy, recovery, budget)
+        evaluation = evaluations.settings(cfg)
+        evaluation.check(task)
         run_dir.refuse_to_overwrite(output_dir, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
         if ckpt_path:
             finished = check_resume(cfg, ckpt_path, output_dir, schedule.total_epochs())
             if finished is not None:
                 return finished
+        start = time.perf_counter()
         setup = _setup(cfg, output_dir, schedule, metric, layer_policy, recovery, budget, task)
+        setup.evaluation = evaluation
+        evaluation.check_model(setup.module.model, setup.datamodule)
+        setup.stages["load"] = round(time.perf_counter() - start, 3)
         log_file = run_dir.prepare(output_dir, cfg)
     finally:
         buffered.release(into=log_file)
@@ -82,6 +90,8 @@ class Setup:
     pruner: Pruner
     pruning: HeadPruning
     baseline_params: dict
+    evaluation: EvaluationSettings = field(default_factory=EvaluationSettings)
+    stages: dict = field(default_factory=dict)  # seconds per stage, for results.json
 
 
 def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, recovery, budget, task: str) -> Setup:
@@ -125,10 +135,15 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
     epochs = schedule.total_epochs()
     log.info("schedule: %d baseline epoch(s), %d round(s) to %s, %d epoch(s) per round -> %d epochs",
              schedule.baseline_epochs, schedule.num_rounds, budget.describe(schedule), schedule.epochs_per_round, epochs)
+    stages = setup.stages
+    results.data["stages"] = stages
     try:
         trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                                          max_epochs=max(epochs, 1),
                                          enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks))
+        if setup.evaluation.enabled and trainer.is_global_zero:
+            _evaluate(results, "dense", setup, cfg)
+        start = time.perf_counter()
         if epochs == 0 and not trainer.fast_dev_run:
             pruning.run_without_training(module, datamodule)
         else:
@@ -136,12 +151,17 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
             if "val" not in results.data["final"]:  # resumed at its last epoch (killed during the export)
                 log.info("the checkpoint is at the run's last epoch: finishing the run")
                 pruning.finish(module, datamodule, trainer=trainer)
+        stages["train_and_prune"] = round(time.perf_counter() - start, 3)
         if cfg.get("export", True) and trainer.is_global_zero:
+            start = time.perf_counter()
             export_pruned(module, output_dir / "export", results, setup.baseline_params, tokenizer=setup.tokenizer)
+            stages["export"] = round(time.perf_counter() - start, 3)
             measured = budget.after_export(pruner.dense, module.model, results.data.get("rounds", []))
             if measured:
                 results.data["final"].update(measured)
-                results.save()
+            if setup.evaluation.enabled:
+                _evaluate(results, "pruned", setup, cfg)
+            results.save()
     finally:
         finish_wandb(loggers)  # a failed job in a sweep still finishes its wandb run
     final = results.data["final"]
@@ -149,6 +169,16 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
     log.info("baseline val %s %s -> final val %s %s at sparsity %.2f (results: %s)", name, base_value,
              *headline(final["val"]), final["sparsity"], results.path)
     return results.data
+
+
+def _evaluate(results: RunResults, which: str, setup: Setup, cfg: DictConfig) -> None:
+    """results.json `evaluation.<which>`: the LLM evaluations of the model as it is now."""
+    start = time.perf_counter()
+    block = results.data.setdefault("evaluation", {"settings": evaluations.describe(setup.evaluation)})
+    block[which] = evaluations.evaluate_llm(setup.module.model, setup.tokenizer, setup.datamodule, setup.evaluation,
+                                            cfg.data.get("data_dir"))
+    setup.stages[f"evaluate_{which}"] = round(time.perf_counter() - start, 3)
+    results.save()
 
 
 def _with_eos_ids(metric, metric_cfg: DictConfig, model, tokenizer):

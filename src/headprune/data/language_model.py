@@ -128,6 +128,8 @@ class TextLMDataModule(L.LightningDataModule):
         self.train_set = Blocks(ids, train, self.block_size)
         self.score_set = Blocks(ids, starts["score"], self.block_size)
         self.val_set = Blocks(ids, validation, self.block_size)
+        # the held-out tail as one token run (perplexity windows of any length over the same tokens)
+        self.held_out_ids = ids[round((1 - self.validation_share) * len(ids)):]  # (N_val,)
         self._loaded = True
         log.info("%s: %d tokens -> %d train, %d score, %d validation blocks of %d tokens", self.name or "text",
                  len(ids), len(train), len(starts["score"]), len(validation), self.block_size)

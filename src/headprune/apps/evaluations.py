@@ -1,0 +1,102 @@
+"""The LLM field's evaluations of a causal LM run (`evaluation:` in train.yaml), on the dense
+model before pruning and on the exported one, written to results.json `evaluation`:
+
+- perplexity in non-overlapping windows of each `perplexity_seqs` length over the first
+  `perplexity_tokens` tokens of the held-out text (the data module's validation tail: the same
+  tokens for every arm of an experiment), `bos` saying whether each window starts with BOS;
+- zero-shot accuracy on `zero_shot_tasks` through lm-eval-harness, with chance level
+  (`sst2_local` ships with headprune; any lm-eval task name runs where a network is available);
+- greedy answers to fixed chat prompts (`generate`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvaluationSettings:
+    """`evaluation:` settings (typed: a misspelt field fails at compose)."""
+
+    enabled: bool = False
+    perplexity_seqs: List[int] = field(default_factory=lambda: [128, 2048])
+    perplexity_tokens: int = 8192
+    bos: bool = True
+    batch_size: int = 4
+    zero_shot_tasks: List[str] = field(default_factory=lambda: ["sst2_local"])
+    zero_shot_limit: Optional[int] = None
+    generate: bool = True
+    max_new_tokens: int = 32
+
+    def check(self, task: str) -> None:
+        if not self.enabled:
+            return
+        if task != "causal_lm":
+            raise ValueError(f"evaluation.enabled=true evaluates causal LMs, but model.task={task}; allowed: "
+                             "evaluation.enabled=false, or a model.task=causal_lm run")
+        for seq in self.perplexity_seqs:
+            if not isinstance(seq, int) or not 2 <= seq <= self.perplexity_tokens:
+                raise ValueError(f"evaluation.perplexity_seqs: {seq!r} must be an integer in 2..perplexity_tokens "
+                                 f"({self.perplexity_tokens})")
+        if self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ValueError("evaluation.batch_size and evaluation.max_new_tokens must be >= 1")
+        if self.zero_shot_limit is not None and self.zero_shot_limit < 1:
+            raise ValueError(f"evaluation.zero_shot_limit={self.zero_shot_limit} must be >= 1 or null")
+
+    def check_model(self, model, datamodule) -> None:
+        """The longest window fits the model's positions and the held-out text."""
+        if not self.enabled:
+            return
+        positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        longest = max(self.perplexity_seqs) + int(self.bos)
+        if positions and longest > positions:
+            raise ValueError(f"evaluation.perplexity_seqs: {max(self.perplexity_seqs)} tokens (+ BOS) exceed the model's "
+                             f"{positions} positions; allowed: at most {positions - int(self.bos)}")
+        held = len(datamodule.held_out_ids)
+        if held < self.perplexity_tokens:
+            raise ValueError(f"evaluation.perplexity_tokens={self.perplexity_tokens} exceeds the {held} held-out tokens "
+                             f"of data={datamodule.name}; allowed: at most {held}")
+
+
+def settings(cfg: DictConfig) -> EvaluationSettings:
+    block = cfg.get("evaluation")
+    return EvaluationSettings(**OmegaConf.to_container(block, resolve=True)) if block else EvaluationSettings()
+
+
+def evaluate_llm(model, tokenizer, datamodule, options: EvaluationSettings, data_dir: str | None) -> dict:
+    """Every evaluation of the module docstring on `model`, with the seconds each took."""
+    from headprune.evaluation.generation import generate_answers
+    from headprune.evaluation.perplexity import Windows, perplexity
+    from headprune.evaluation.zero_shot import zero_shot
+
+    out: dict = {"perplexity": {}, "seconds": {}}
+    ids = datamodule.held_out_ids[:options.perplexity_tokens]
+    bos = tokenizer.bos_token_id if options.bos else None
+    start = time.perf_counter()
+    for seq in options.perplexity_seqs:
+        n = len(ids) // seq
+        out["perplexity"][f"seq{seq}"] = perplexity(model, Windows(ids[:n * seq].view(n, seq), seq, bos),
+                                                    options.batch_size)
+    out["seconds"]["perplexity"] = round(time.perf_counter() - start, 3)
+    if options.zero_shot_tasks:
+        start = time.perf_counter()
+        out["zero_shot"] = zero_shot(model, tokenizer, options.zero_shot_tasks, data_dir=data_dir,
+                                     limit=options.zero_shot_limit, batch_size=options.batch_size)
+        out["seconds"]["zero_shot"] = round(time.perf_counter() - start, 3)
+    if options.generate:
+        start = time.perf_counter()
+        out["generation"] = generate_answers(model, tokenizer, max_new_tokens=options.max_new_tokens)
+        out["seconds"]["generation"] = round(time.perf_counter() - start, 3)
+    log.info("evaluation: %s", {k: v["ppl"] for k, v in out["perplexity"].items()}
+             | {k: v["acc"] for k, v in out.get("zero_shot", {}).items()})
+    return out
+
+
+def describe(options: EvaluationSettings) -> dict:
+    return asdict(options)

@@ -1,0 +1,45 @@
+"""The LLM track through headprune-train: the `evaluation:` block (perplexity at several window
+lengths over the same held-out tokens, on the dense model and on the export), the time per
+stage, and its checks at start."""
+import json
+
+import pytest
+
+from headprune.apps.train import run
+from tests.conftest import compose_train
+
+TINY_LM = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides.n_layer=2",
+           "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32", "data.max_train_samples=32",
+           "data.score_samples=16", "data.max_validation_samples=8", "schedule=one_shot", "schedule.target_sparsity=0.5",
+           "schedule.baseline_epochs=1", "schedule.epochs_per_round=0", "logger=none", "diagnostics.enabled=false",
+           "evaluation.enabled=true", "evaluation.perplexity_seqs=[64,128]", "evaluation.perplexity_tokens=1024",
+           "evaluation.zero_shot_tasks=[]", "evaluation.generate=false"]
+
+
+def test_dense_and_pruned_models_are_evaluated_on_the_same_tokens(tmp_path, data_dir):
+    res = run(compose_train(tmp_path, data_dir, *TINY_LM))
+    saved = json.loads((tmp_path / "results.json").read_text())
+    ev = saved["evaluation"]
+    assert ev["settings"]["perplexity_seqs"] == [64, 128] and set(ev) == {"settings", "dense", "pruned"}
+    for which in ("dense", "pruned"):
+        p = ev[which]["perplexity"]
+        assert (p["seq64"]["windows"], p["seq128"]["windows"]) == (16, 8)
+        assert p["seq64"]["tokens"] == p["seq128"]["tokens"] == 1024 and p["seq64"]["bos"] is True
+    assert ev["dense"]["perplexity"]["seq128"]["ppl"] != ev["pruned"]["perplexity"]["seq128"]["ppl"]
+    assert set(saved["stages"]) == {"load", "evaluate_dense", "train_and_prune", "export", "evaluate_pruned"}
+    assert res["final"]["sparsity"] == 0.5
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("evaluation.perplexity_seqs=[512]", r"evaluation.perplexity_seqs: 512 tokens \(\+ BOS\) exceed the model's 256"),
+    ("evaluation.perplexity_tokens=10000000", r"evaluation.perplexity_tokens=10000000 exceeds the \d+ held-out tokens"),
+])
+def test_evaluation_settings_are_checked_before_anything_runs(override, pattern, tmp_path, data_dir):
+    with pytest.raises(ValueError, match=pattern):
+        run(compose_train(tmp_path, data_dir, *TINY_LM, override))
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_evaluation_is_for_causal_lms(tmp_path, data_dir):
+    with pytest.raises(ValueError, match="evaluation.enabled=true evaluates causal LMs, but model.task=classification"):
+        run(compose_train(tmp_path, data_dir, "model=tiny_bert", "evaluation.enabled=true"))
