@@ -14,10 +14,12 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+# The shared helpers live in tests/helpers.py; these names stay importable from here for the
+# test modules that still import them as `from tests.conftest import ...`.
+from tests.helpers import compose_train, tiny_batch, tiny_bert  # noqa: E402,F401
+
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("HEADPRUNE_DATA_DIR") or REPO.parent / "shared" / "data").resolve()
-
-TINY = dict(num_hidden_layers=3, num_attention_heads=4, hidden_size=32, intermediate_size=64)
 
 
 @pytest.fixture(scope="session")
@@ -37,35 +39,9 @@ def tokenizer():
     return load_tokenizer("minilm")
 
 
-def compose_train(out, data_dir, *overrides):
-    """The train config as `headprune-train` would compose it, writing to `out`, reading `data_dir`."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from headprune.apps.config_paths import config_dir
-
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            return compose("train", overrides=[f"paths.output_dir={out}", f"data.data_dir={data_dir}", *overrides])
-    finally:
-        GlobalHydra.instance().clear()
-
-
-def tiny_bert(attn: str = "sdpa", seed: int = 0, num_labels: int = 2, **overrides):
-    from headprune.models import build_model
-
-    cfg = dict(TINY, **overrides)
-    model = build_model("minilm", num_labels=num_labels, random_init=True, attn_implementation=attn,
-                        config_overrides=cfg, seed=seed)
-    return model.eval()
-
-
-def tiny_batch(tokenizer, n: int = 6, seed: int = 0) -> dict:
-    texts = ["a gripping , funny film", "dull and lifeless", "the plot makes no sense at all",
-             "wonderful performances from the whole cast", "i wanted to leave", "not bad",
-             "an instant classic", "tedious"][:n]
-    enc = tokenizer(texts, padding=True, return_tensors="pt")
-    g = torch.Generator().manual_seed(seed)
-    enc["labels"] = torch.randint(0, 2, (len(texts),), generator=g)
-    return dict(enc)
+@pytest.fixture
+def cfg_factory(tmp_path, data_dir):
+    """cfg_factory(*overrides): the train config writing to this test's tmp_path (compose_train)."""
+    def make(*overrides):
+        return compose_train(tmp_path, data_dir, *overrides)
+    return make

@@ -176,6 +176,7 @@ def test_pruned_dir_benchmarks_the_exported_model(tmp_path):
     assert rows["masked"]["kv_ratio"] == 1.0 and (tmp_path / "bench.json").is_file()
 
 
+@pytest.mark.slow
 def test_console_entry_point_quick(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
     cmd = [sys.executable, "-m", "headprune.apps.bench", "bench.quick=true", "bench.decoder.enabled=false",

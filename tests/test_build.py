@@ -1,4 +1,5 @@
-"""The real pretrained MiniLM on a small slice of SST-2 (../shared/data)."""
+"""models/build.py with the real pretrained MiniLM (loaded offline) on a small slice of SST-2
+(../shared/data)."""
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -11,7 +12,7 @@ from headprune.models import build_model, load_tokenizer
 from headprune.scoring.taylor import taylor_importance
 from headprune.apps.train import run
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 
 def test_minilm_loads_offline_and_taylor_ranks_its_heads(data_dir):

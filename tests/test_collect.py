@@ -88,3 +88,26 @@ def test_null_values_render_as_a_dash(tmp_path):
     (lm / "results.json").write_text(json.dumps(saved))
     collect([tmp_path / "lm"], tmp_path / "out_lm")
     assert "| model=tiny_gpt2 | – | 0.100 | – | – | target |" in (tmp_path / "out_lm" / "results.md").read_text()
+
+
+def _fake_run(folder, val_before, vals):
+    rounds = [{"round": i + 1, "sparsity": 0.25 * (i + 1), "val_before_finetune": v, "val": v}
+              for i, v in enumerate(vals)]
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text(json.dumps({"baseline": {"val": val_before}, "rounds": rounds, "model": {},
+                                                     "final": {"sparsity": 0.5, "val": vals[-1], "stop_reason": "x"}}))
+
+
+def test_collect_reports_perplexity_for_lm_runs_and_accuracy_otherwise(tmp_path):
+    from headprune.apps.collect import collect
+
+    _fake_run(tmp_path / "lm" / "0", {"loss": 1.0, "ppl": 2.72}, [{"loss": 1.1, "ppl": 3.0}, {"loss": 1.2, "ppl": 3.32}])
+    collect([tmp_path / "lm"], tmp_path / "out_lm")
+    assert "| 2.720 | 0.500 | 3.320 | 1.221 |" in (tmp_path / "out_lm" / "results.md").read_text()
+    assert "ppl_before_finetune" in (tmp_path / "out_lm" / "runs.csv").read_text()
+    assert (tmp_path / "out_lm" / "perplexity_vs_sparsity.png").is_file()
+
+    _fake_run(tmp_path / "cls" / "0", {"acc": 0.9, "loss": 0.3}, [{"acc": 0.88, "loss": 0.35}])
+    collect([tmp_path / "cls"], tmp_path / "out_cls")
+    assert "ppl" not in (tmp_path / "out_cls" / "runs.csv").read_text().splitlines()[0]
+    assert (tmp_path / "out_cls" / "accuracy_vs_sparsity.png").is_file()

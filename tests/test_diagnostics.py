@@ -20,7 +20,7 @@ from headprune.scoring.taylor import taylor_importance
 from headprune.selection.layer_policies import GlobalPolicy
 from headprune.selection.schedules import OneShot
 from headprune.apps.train import _diagnostics_options
-from tests.conftest import tiny_batch, tiny_bert
+from tests.helpers import tiny_batch, tiny_bert
 
 from headprune.heads.surgery import prune_heads
 

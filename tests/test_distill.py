@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 from headprune.apps.train import run
 from headprune.recovery.distill import Distill, distill_loss, hidden_mse, kd_loss
-from tests.conftest import compose_train
-from tests.test_faults import Crash
+from tests.helpers import Crash, compose_train
 
 TINY = ["model=tiny_bert", "callbacks=none", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
         "data.max_validation_samples=64", "trainer.num_sanity_val_steps=0",
@@ -69,12 +68,13 @@ def test_distill_run_saves_its_teacher_once_and_times_it(tmp_path, data_dir):
     assert res["pruning"]["physical_effective"] is True and res["final"]["sparsity"] == 0.5
 
 
+@pytest.mark.slow
 def test_distill_changes_training_and_resumes_exactly(tmp_path, data_dir):
     """A crash after round 2 prunes: the resumed run reloads the teacher saved when round 1 pruned
     and ends where an uninterrupted run ends; fine-tuning without distillation ends elsewhere."""
     callbacks = ["callbacks=default"]
     whole = run(_cfg(tmp_path / "whole", data_dir, *callbacks))
-    crash = ["+callbacks.crash._target_=tests.test_faults.CrashAfterEpoch", "+callbacks.crash.epoch=2"]
+    crash = ["+callbacks.crash._target_=tests.helpers.CrashAfterEpoch", "+callbacks.crash.epoch=2"]
     with pytest.raises(Crash):
         run(_cfg(tmp_path / "broken", data_dir, *callbacks, *crash))
     ckpt = torch.load(tmp_path / "broken" / "checkpoints" / "last.ckpt", weights_only=False)

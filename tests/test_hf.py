@@ -1,22 +1,17 @@
-"""Pruned models survive saving: save_pruned/load_pruned, Lightning checkpoints, and the
-export at the end of `headprune-train`."""
+"""deploy/hf.py: pruned models survive save_pruned/load_pruned (uneven heads, other dtypes, a
+kill while saving, the umask), damaged or edited folders are named, and uniform GQA layouts load
+with plain transformers."""
 import json
+import os
+import stat
 
-import lightning as L
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
-from torch.utils.data import DataLoader
-from transformers import AutoConfig, AutoModelForSequenceClassification
+import transformers as tf
 
-import headprune.apps.train
-from headprune import HeadMask, count_params, head_layout, load_pruned, prune_heads, save_pruned
-from headprune.heads.surgery import apply_layout
-from headprune.apps.config_paths import config_dir
-from headprune.lightning.module import HeadPruneModule
-from tests.conftest import tiny_batch, tiny_bert
-from tests.test_surgery import PRUNE, inputs, tiny
+from headprune import count_params, heads_of_kv_groups, load_pruned, prune_heads, save_pruned
+from headprune.atomic import write_json_atomic
+from tests.helpers import PRUNE, inputs, tiny, tiny_bert
 
 
 @torch.no_grad()
@@ -53,111 +48,6 @@ def test_save_load_round_trip(family, tmp_path):
 def test_tokenizer_is_saved_when_given(tmp_path, tokenizer):
     save_pruned(prune_heads(tiny_bert(), {1: [0]}), tmp_path, tokenizer=tokenizer)
     assert (tmp_path / "tokenizer_config.json").is_file()
-
-
-def test_lightning_checkpoint_after_physical_pruning_reloads(tmp_path, tokenizer):
-    batch = tiny_batch(tokenizer)
-    examples = [{k: v[i] for k, v in batch.items()} for i in range(len(batch["labels"]))]
-    module = HeadPruneModule(tiny_bert(), num_labels=2)
-    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", default_root_dir=tmp_path)
-    trainer.fit(module, DataLoader(examples, batch_size=3))
-
-    module.head_mask.prune([(0, 1), (1, 0), (1, 1), (1, 2), (1, 3), (2, 3)])
-    prune_heads(module.model, module.head_mask.pruned())
-    trainer.save_checkpoint(tmp_path / "pruned.ckpt")
-
-    fresh = HeadPruneModule.load_from_checkpoint(tmp_path / "pruned.ckpt", model=tiny_bert(seed=1), num_labels=2)
-    assert fresh.model.headprune_layout == [[0, 2, 3], [], [0, 1, 2]]
-    torch.testing.assert_close(logits(fresh.eval().model, batch), logits(module.eval().model, batch), atol=0, rtol=0)
-
-
-@pytest.fixture
-def train_cfg(tmp_path, data_dir):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        yield compose("train", overrides=[f"paths.output_dir={tmp_path}", f"data.data_dir={data_dir}",
-                                          "model=tiny_bert", "debug=fast", "data.max_train_samples=64",
-                                          "data.score_samples=32", "schedule.step=0.25"])
-    GlobalHydra.instance().clear()
-
-
-def test_train_run_exports_the_pruned_model(train_cfg, tmp_path, tokenizer, monkeypatch):
-    seen = {}
-    export = headprune.apps.train.export_pruned
-
-    def spy(module, *args, **kwargs):  # the trained model as evaluated, just before the export
-        seen["state"] = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
-        seen["mask"] = module.head_mask.mask.clone()
-        seen["layout"] = head_layout(module.model)  # heads already removed during fit (pruning.physical)
-        export(module, *args, **kwargs)
-
-    monkeypatch.setattr(headprune.apps.train, "export_pruned", spy)
-    assert train_cfg.export is True  # the default; `export=false` skips it
-    res = headprune.apps.train.run(train_cfg)
-    saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["final"]["export_dir"] == str(tmp_path / "export") == res["final"]["export_dir"]
-    n_pruned = len(saved["final"]["pruned"])
-    assert n_pruned > 0
-    head_params = 3 * (32 * 8 + 8) + 8 * 32  # one head's Q, K, V rows with biases, and O columns
-    for key in ("attention", "total"):
-        assert saved["baseline"]["params"][key] - saved["final"]["params"][key] == n_pruned * head_params
-
-    export_dir = tmp_path / "export"
-    masked = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(export_dir)).eval()
-    apply_layout(masked, seen["layout"])
-    masked.load_state_dict(seen["state"])
-    HeadMask.for_model(masked).mask.copy_(seen["mask"])
-    batch = tiny_batch(tokenizer)
-    torch.testing.assert_close(logits(load_pruned(export_dir), batch), logits(masked, batch), atol=1e-5, rtol=0)
-
-
-@pytest.mark.parametrize("family", ["bert", "gpt2"])  # Linear and Conv1D output projections
-def test_scale_heads_equals_fractional_mask(family):
-    from headprune.heads.surgery import scale_heads
-
-    model = tiny(family)
-    batch = inputs()
-    layers, heads = len(HeadMask.for_model(model, attach=False).mask), model.config.num_attention_heads
-    factors = torch.rand(layers, heads, generator=torch.Generator().manual_seed(0))
-    factors[1, 2] = 0.0  # removed physically below
-    mask = HeadMask.for_model(model)
-    mask.mask.copy_(factors)
-    with torch.no_grad():
-        gated = model(**batch).logits
-    mask.detach()
-    prune_heads(model, {1: [2]})  # scaling follows the physical layout
-    scale_heads(model, factors)
-    with torch.no_grad():
-        scaled = model(**batch).logits
-    assert torch.allclose(gated, scaled, atol=1e-5)
-    with pytest.raises(ValueError, match="do not match"):
-        scale_heads(model, torch.ones(layers + 1, heads))
-
-
-def test_export_folds_learned_l0_gates(tmp_path, tokenizer):
-    """The exported model computes what the gated model evaluated: closed gates removed, open
-    ones scaled into the output projection."""
-    from headprune.lightning.module import HeadPruneModule
-    from headprune.results import RunResults
-    from headprune.apps.train import export_pruned
-
-    module = HeadPruneModule(tiny_bert(), num_labels=2, l0_penalty=0.1).eval()
-    gates = module.head_mask.stochastic
-    with torch.no_grad():
-        gates.log_alpha.copy_(torch.tensor([[5.0, 0.0, -5.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-5.0, -0.5, 5.0, 5.0]]))
-    module.head_mask.prune([(1, 3)])
-    det = gates.deterministic()
-    assert det[0, 2] == 0 and 0 < det[0, 1] < 1 and det[1, 0] == 1
-    batch = {k: v for k, v in tiny_batch(tokenizer).items() if k != "labels"}
-    with torch.no_grad():
-        evaluated = module.model(**batch).logits
-    results = RunResults(tmp_path)
-    export_pruned(module, tmp_path / "export", results, baseline_params={})
-    assert results.data["final"]["l0_gates_folded"] == {"closed_heads": 2, "heads_per_layer": [3, 3, 3]}
-    reloaded = load_pruned(tmp_path / "export").eval()
-    with torch.no_grad():
-        assert torch.allclose(reloaded(**batch).logits, evaluated, atol=1e-5)
 
 
 def _killed_while_writing(model, monkeypatch):
@@ -244,3 +134,72 @@ def test_an_edited_layout_is_refused(layer, kept, pattern, tmp_path):
     _edit_layout(tmp_path, layer, kept)
     with pytest.raises(ValueError, match=pattern):
         load_pruned(tmp_path)
+
+
+def test_save_pruned_refuses_a_folder_with_files_unless_told(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")  # an old tokenizer
+    model = prune_heads(tiny("bert"), PRUNE)
+    with pytest.raises(FileExistsError, match=r"is not empty.*overwrite=True"):
+        save_pruned(model, tmp_path)
+    save_pruned(model, tmp_path, overwrite=True)
+    assert not (tmp_path / "tokenizer.json").exists() and (tmp_path / "headprune_layout.json").is_file()
+
+
+def test_written_files_respect_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path / "m")
+        write_json_atomic(tmp_path / "results.json", {"a": 1})
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "m" / "headprune_layout.json", tmp_path / "results.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+@pytest.mark.parametrize("damage,pattern", [
+    ("missing", r"holds weights of a pruned model but no headprune_layout\.json"),
+    ("truncated", r"headprune_layout\.json is not valid JSON"),
+    ("no_key", r"headprune_layout\.json has no 'layout' entry"),
+])
+def test_load_pruned_names_a_damaged_layout_file(damage, pattern, tmp_path):
+    save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path)
+    layout = tmp_path / "headprune_layout.json"
+    if damage == "missing":
+        layout.unlink()
+    elif damage == "truncated":
+        layout.write_text(layout.read_text()[:20])
+    else:
+        layout.write_text('{"model_type": "bert"}')
+    with pytest.raises(ValueError, match=pattern):
+        load_pruned(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"holds no model \(no config\.json\)"):
+        load_pruned(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_uniform_gqa_layouts_load_with_plain_transformers(family, tmp_path):
+    """The same KV groups' worth of heads in every layer: save_pruned writes a standard checkpoint
+    (config with the new head counts) that AutoModelForCausalLM loads with no headprune code."""
+    model = tiny(family)
+    prune_heads(model, heads_of_kv_groups(model, {0: [0], 1: [1], 2: [0]}))
+    saved = save_pruned(model, tmp_path)
+    assert saved.plain_hf and not (tmp_path / "headprune_layout.json").exists()
+    assert model.config.num_attention_heads == 4  # the live model's config still describes the original
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert (plain.config.num_attention_heads, plain.config.num_key_value_heads) == (2, 1)
+    batch = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(**batch).logits, model(**batch).logits, atol=1e-6, rtol=0)
+    provenance = json.loads((tmp_path / "headprune_export.json").read_text())
+    assert provenance["kept_heads"] == [[2, 3], [0, 1], [2, 3]]
+
+
+@pytest.mark.parametrize("family,heads,why", [
+    ("llama", PRUNE, "a layer has no heads"),
+    ("llama", {0: [0]}, "a KV group partly kept"),
+    ("llama", {0: [0, 1]}, "layers keep different numbers of heads"),
+    ("bert", {0: [0]}, "config has no head_dim of its own"),
+])
+def test_other_layouts_say_they_need_load_pruned(family, heads, why, tmp_path):
+    saved = save_pruned(prune_heads(tiny(family), heads), tmp_path)
+    assert not saved.plain_hf and why in saved.why and (tmp_path / "headprune_layout.json").is_file()

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from headprune.costs.latency import latency_table
-from tests.conftest import tiny_bert
+from tests.helpers import tiny_bert
 
 
 def _bad(saved: dict, kind: str) -> str:

@@ -1,35 +1,13 @@
+"""selection/layer_policies.py: which heads each policy picks, and property tests over random
+score tensors (hypothesis): every policy prunes exactly the budget or raises ShortfallError,
+never breaks its constraints, never re-picks a pruned head."""
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from headprune.selection.layer_policies import GlobalPolicy, UniformPolicy, layer_normalized
-from headprune.selection.schedules import Iterative, OneShot
-
-
-def test_iterative_sparsities_and_epochs():
-    s = Iterative(target_sparsity=0.5, step=0.1, baseline_epochs=2, epochs_per_round=1)
-    assert s.sparsities() == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
-    assert s.total_epochs() == 7
-    assert [s.heads_after(i, 72) for i in range(5)] == [7, 14, 22, 29, 36]
-    assert Iterative(target_sparsity=0.25, step=0.1).sparsities() == pytest.approx([0.1, 0.2, 0.25])
-    assert Iterative(target_sparsity=0.0).sparsities() == []
-
-
-def test_one_shot():
-    s = OneShot(target_sparsity=0.7, baseline_epochs=0, epochs_per_round=0)
-    assert s.sparsities() == [0.7] and s.total_epochs() == 0
-
-
-@pytest.mark.parametrize("bad", [1.0, 1.2, -0.1])
-def test_target_sparsity_outside_range_names_field(bad):
-    with pytest.raises(ValueError, match=r"schedule\.target_sparsity=.*\[0, 1\)"):
-        Iterative(target_sparsity=bad)
-
-
-def test_bad_step_and_epochs_name_field():
-    with pytest.raises(ValueError, match=r"schedule\.step=0"):
-        Iterative(step=0)
-    with pytest.raises(ValueError, match=r"schedule\.epochs_per_round=-1"):
-        OneShot(epochs_per_round=-1)
+from headprune.selection.layer_policies import (LAYER_POLICIES, GlobalPolicy, ShortfallError, UniformPolicy,
+                                                capacity, depth_weights, layer_normalized)
 
 
 def test_global_picks_lowest_and_respects_minimum():
@@ -72,37 +50,6 @@ def test_uniform_spreads_evenly():
         assert picked == lowest
 
 
-def test_sensitivity_profile_masks_the_weakest_heads_of_one_layer(tokenizer):
-    from headprune.tasks import evaluate
-    from headprune.heads.mask import HeadMask
-    from headprune.selection.sensitivity import layer_sensitivity, sensitivity_profile
-    from tests.conftest import tiny_batch, tiny_bert
-
-    model = tiny_bert()
-    mask = HeadMask.for_model(model)
-    batches = [tiny_batch(tokenizer, seed=s) for s in range(2)]
-    scores = torch.arange(12, dtype=torch.float).reshape(3, 4).flip(1)  # head 3 weakest in every layer
-    mask.mask[2, 3] = 0.0  # a pruned head is never "masked" again
-    before = mask.mask.clone()
-    rows = sensitivity_profile(model, mask, scores, batches, shares=[0.25, 1.0])
-    assert [(r["layer"], r["share"], r["heads_masked"]) for r in rows] == [
-        (None, 0.0, 0), (0, 0.25, 1), (0, 1.0, 4), (1, 0.25, 1), (1, 1.0, 4), (2, 0.25, 1), (2, 1.0, 3)]
-    base = evaluate(model, batches)
-    trial = mask.mask.clone()
-    trial[1, 3] = 0.0
-    with mask.override(trial):
-        masked = evaluate(model, batches)
-    assert rows[0]["loss"] == pytest.approx(base["loss"])
-    assert rows[3]["loss"] == pytest.approx(masked["loss"])
-    assert rows[3]["loss_change"] == pytest.approx(masked["loss"] - base["loss"])
-    assert rows[3]["loss_change"] != 0.0
-    assert torch.equal(mask.mask, before)
-    rises = layer_sensitivity(model, mask, scores, batches, share=0.25)
-    assert rises == pytest.approx([r["loss_change"] for r in rows[1::2]])
-    with pytest.raises(ValueError, match=r"layer_policy\.share"):
-        sensitivity_profile(model, mask, scores, batches, shares=[0.0])
-
-
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_depth_prior_keeps_more_of_a_heavier_layer_whatever_the_sign_of_the_scores(sign):
     """Layer 1 has weight 2: with the same scores in both layers it must lose fewer heads, for
@@ -119,11 +66,74 @@ def test_depth_prior_keeps_more_of_a_heavier_layer_whatever_the_sign_of_the_scor
     assert per_layer[0] > per_layer[1], (sign, chosen)
 
 
-def test_one_rule_for_the_last_head():
-    from headprune.selection.schedules import OneShot
+@st.composite
+def situations(draw):
+    layers = draw(st.integers(1, 6))
+    heads = draw(st.integers(1, 8))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(layers, heads, generator=g)
+    if draw(st.booleans()):
+        scores = (scores * 3).round()  # many ties
+    alive = torch.rand(layers, heads, generator=g) > draw(st.floats(0.0, 0.6))
+    min_heads = draw(st.integers(0, 2))
+    max_prune = draw(st.one_of(st.none(), st.integers(0, heads)))
+    n_prune = draw(st.integers(0, layers * heads))
+    return scores, alive, n_prune, min_heads, max_prune
 
-    OneShot(target_sparsity=0.99).check_model(total_heads=144)  # round(142.56) = 143: one head left
-    with pytest.raises(ValueError, match=r"removes all 12 heads of this model.*at most 0\.9167"):
-        OneShot(target_sparsity=0.99).check_model(total_heads=12)
-    with pytest.raises(ValueError, match=r"at least one head must remain"):
-        OneShot(target_sparsity=1.0)
+
+def _options(name, layers, seed=0):
+    if name == "sensitivity":
+        g = torch.Generator().manual_seed(seed)
+        return {"sensitivity": (torch.rand(layers, generator=g) - 0.2).tolist()}
+    if name == "depth_prior":
+        return {"protect_first": 1 if layers > 2 else 0, "protect_last": 1 if layers > 2 else 0,
+                "weights": [2.0, 1.0, 2.0]}
+    return {}
+
+
+@pytest.mark.parametrize("name", sorted(LAYER_POLICIES))
+@settings(max_examples=120, deadline=None)
+@given(case=situations())
+def test_policy_budget_and_constraints(name, case):
+    scores, alive, n_prune, min_heads, max_prune = case
+    layers, heads = alive.shape
+    options = _options(name, layers)
+    sensitivity = options.pop("sensitivity", None)
+    policy = LAYER_POLICIES[name](min_heads_per_layer=min_heads, max_prune_per_layer=max_prune, **options)
+    caps = capacity(alive, min_heads, max_prune)
+    if name == "depth_prior" and layers > 2:
+        caps[0] = caps[-1] = 0
+    try:
+        chosen = policy(scores, alive, n_prune, sensitivity=sensitivity)
+    except ShortfallError as err:
+        assert n_prune > sum(caps) and err.available == sum(caps)
+        assert "min_heads_per_layer" in str(err)
+        return
+    assert len(chosen) == n_prune
+    assert len(set(chosen)) == n_prune
+    assert all(alive[l, h] for l, h in chosen), "re-picked an already pruned head"
+    after = alive.clone()
+    for l, h in chosen:
+        after[l, h] = False
+    for layer in range(layers):
+        lost_now = int(alive[layer].sum() - after[layer].sum())
+        assert lost_now <= caps[layer]
+        if lost_now:
+            assert int(after[layer].sum()) >= min_heads
+            if max_prune is not None:
+                assert heads - int(after[layer].sum()) <= max_prune
+
+
+def test_depth_weights():
+    assert depth_weights(5, weights=[2.0, 1.0, 2.0]) == [2.0, 1.5, 1.0, 1.5, 2.0]
+    w = depth_weights(4, protect_first=1, protect_last=1)
+    assert w[0] == w[-1] == float("inf") and w[1:3] == [1.0, 1.0]
+
+
+def test_sensitivity_policy_prefers_insensitive_layers():
+    scores = torch.rand(3, 8, generator=torch.Generator().manual_seed(0))
+    alive = torch.ones(3, 8, dtype=torch.bool)
+    chosen = LAYER_POLICIES["sensitivity"]()(scores, alive, 9, sensitivity=[1.0, 0.1, 1.0])
+    per_layer = [sum(1 for l, _ in chosen if l == i) for i in range(3)]
+    assert per_layer[1] > per_layer[0] and per_layer[1] > per_layer[2]

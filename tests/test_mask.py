@@ -3,7 +3,7 @@ import torch
 
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
-from tests.conftest import tiny_batch, tiny_bert
+from tests.helpers import tiny_batch, tiny_bert
 
 
 def _inputs(batch):
@@ -79,7 +79,7 @@ def test_unsupported_architecture_lists_supported():
 def test_masking_equals_zeroing_output_projection_columns_in_decoders(family, attn):
     """GPT-2 (Conv1D c_proj, weight (in, out): a head owns D rows) and Llama with grouped-query
     attention (4 query heads sharing 2 KV heads): masking a head = zeroing its O inputs."""
-    from tests.test_surgery import inputs, tiny
+    from tests.helpers import inputs, tiny
 
     model = tiny(family, attn)
     batch = inputs()

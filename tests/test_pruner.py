@@ -11,7 +11,7 @@ from headprune.results import RunResults
 from headprune.selection.budgets import FlopsBudget, KVBudget, LatencyBudget, allocate
 from headprune.selection.layer_policies import GlobalPolicy, SensitivityPolicy, UniformPolicy
 from headprune.selection.schedules import Iterative, OneShot
-from tests.conftest import tiny_batch, tiny_bert
+from tests.helpers import tiny_batch, tiny_bert
 
 
 def _loaders(tokenizer) -> Loaders:

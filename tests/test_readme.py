@@ -2,7 +2,7 @@
 import re
 from pathlib import Path
 
-from tests.conftest import tiny_batch
+from tests.helpers import tiny_batch
 
 README = (Path(__file__).resolve().parent.parent / "README.md").read_text()
 

@@ -7,7 +7,7 @@ from headprune.scoring.taylor import taylor_importance
 from headprune.selection.layer_policies import GlobalPolicy, SensitivityPolicy
 from headprune.selection.schedules import Iterative
 from headprune.tasks import forward_logits, per_example_loss
-from tests.conftest import tiny_batch, tiny_bert
+from tests.helpers import tiny_batch, tiny_bert
 
 
 def test_hand_written_prune_and_finetune_loop(tokenizer):

@@ -1,72 +1,10 @@
-"""Property tests over random score tensors: every policy prunes exactly the budget or raises
-ShortfallError, never breaks its constraints, never re-picks a pruned head; schedules are
-monotone and end at the target."""
+"""selection/schedules.py: each schedule's sparsities and epochs, bad values named, and property
+tests (hypothesis): schedules are monotone and end at the target."""
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headprune.selection.layer_policies import (LAYER_POLICIES, ShortfallError, capacity, depth_weights)
 from headprune.selection.schedules import Cubic, Iterative, OneShot, UntilThreshold
-
-
-@st.composite
-def situations(draw):
-    layers = draw(st.integers(1, 6))
-    heads = draw(st.integers(1, 8))
-    seed = draw(st.integers(0, 2**16))
-    g = torch.Generator().manual_seed(seed)
-    scores = torch.rand(layers, heads, generator=g)
-    if draw(st.booleans()):
-        scores = (scores * 3).round()  # many ties
-    alive = torch.rand(layers, heads, generator=g) > draw(st.floats(0.0, 0.6))
-    min_heads = draw(st.integers(0, 2))
-    max_prune = draw(st.one_of(st.none(), st.integers(0, heads)))
-    n_prune = draw(st.integers(0, layers * heads))
-    return scores, alive, n_prune, min_heads, max_prune
-
-
-def _options(name, layers, seed=0):
-    if name == "sensitivity":
-        g = torch.Generator().manual_seed(seed)
-        return {"sensitivity": (torch.rand(layers, generator=g) - 0.2).tolist()}
-    if name == "depth_prior":
-        return {"protect_first": 1 if layers > 2 else 0, "protect_last": 1 if layers > 2 else 0,
-                "weights": [2.0, 1.0, 2.0]}
-    return {}
-
-
-@pytest.mark.parametrize("name", sorted(LAYER_POLICIES))
-@settings(max_examples=120, deadline=None)
-@given(case=situations())
-def test_policy_budget_and_constraints(name, case):
-    scores, alive, n_prune, min_heads, max_prune = case
-    layers, heads = alive.shape
-    options = _options(name, layers)
-    sensitivity = options.pop("sensitivity", None)
-    policy = LAYER_POLICIES[name](min_heads_per_layer=min_heads, max_prune_per_layer=max_prune, **options)
-    caps = capacity(alive, min_heads, max_prune)
-    if name == "depth_prior" and layers > 2:
-        caps[0] = caps[-1] = 0
-    try:
-        chosen = policy(scores, alive, n_prune, sensitivity=sensitivity)
-    except ShortfallError as err:
-        assert n_prune > sum(caps) and err.available == sum(caps)
-        assert "min_heads_per_layer" in str(err)
-        return
-    assert len(chosen) == n_prune
-    assert len(set(chosen)) == n_prune
-    assert all(alive[l, h] for l, h in chosen), "re-picked an already pruned head"
-    after = alive.clone()
-    for l, h in chosen:
-        after[l, h] = False
-    for layer in range(layers):
-        lost_now = int(alive[layer].sum() - after[layer].sum())
-        assert lost_now <= caps[layer]
-        if lost_now:
-            assert int(after[layer].sum()) >= min_heads
-            if max_prune is not None:
-                assert heads - int(after[layer].sum()) <= max_prune
 
 
 @settings(max_examples=200, deadline=None)
@@ -103,15 +41,38 @@ def test_until_threshold_rule():
         UntilThreshold(threshold=0)
 
 
-def test_depth_weights():
-    assert depth_weights(5, weights=[2.0, 1.0, 2.0]) == [2.0, 1.5, 1.0, 1.5, 2.0]
-    w = depth_weights(4, protect_first=1, protect_last=1)
-    assert w[0] == w[-1] == float("inf") and w[1:3] == [1.0, 1.0]
+def test_iterative_sparsities_and_epochs():
+    s = Iterative(target_sparsity=0.5, step=0.1, baseline_epochs=2, epochs_per_round=1)
+    assert s.sparsities() == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.5])
+    assert s.total_epochs() == 7
+    assert [s.heads_after(i, 72) for i in range(5)] == [7, 14, 22, 29, 36]
+    assert Iterative(target_sparsity=0.25, step=0.1).sparsities() == pytest.approx([0.1, 0.2, 0.25])
+    assert Iterative(target_sparsity=0.0).sparsities() == []
 
 
-def test_sensitivity_policy_prefers_insensitive_layers():
-    scores = torch.rand(3, 8, generator=torch.Generator().manual_seed(0))
-    alive = torch.ones(3, 8, dtype=torch.bool)
-    chosen = LAYER_POLICIES["sensitivity"]()(scores, alive, 9, sensitivity=[1.0, 0.1, 1.0])
-    per_layer = [sum(1 for l, _ in chosen if l == i) for i in range(3)]
-    assert per_layer[1] > per_layer[0] and per_layer[1] > per_layer[2]
+def test_one_shot():
+    s = OneShot(target_sparsity=0.7, baseline_epochs=0, epochs_per_round=0)
+    assert s.sparsities() == [0.7] and s.total_epochs() == 0
+
+
+@pytest.mark.parametrize("bad", [1.0, 1.2, -0.1])
+def test_target_sparsity_outside_range_names_field(bad):
+    with pytest.raises(ValueError, match=r"schedule\.target_sparsity=.*\[0, 1\)"):
+        Iterative(target_sparsity=bad)
+
+
+def test_bad_step_and_epochs_name_field():
+    with pytest.raises(ValueError, match=r"schedule\.step=0"):
+        Iterative(step=0)
+    with pytest.raises(ValueError, match=r"schedule\.epochs_per_round=-1"):
+        OneShot(epochs_per_round=-1)
+
+
+def test_one_rule_for_the_last_head():
+    from headprune.selection.schedules import OneShot
+
+    OneShot(target_sparsity=0.99).check_model(total_heads=144)  # round(142.56) = 143: one head left
+    with pytest.raises(ValueError, match=r"removes all 12 heads of this model.*at most 0\.9167"):
+        OneShot(target_sparsity=0.99).check_model(total_heads=12)
+    with pytest.raises(ValueError, match=r"at least one head must remain"):
+        OneShot(target_sparsity=1.0)

@@ -1,4 +1,4 @@
-"""Every head-importance metric: the shared contract, then each metric against a direct computation."""
+"""scoring/: every head-importance metric: the shared contract, then each metric against a direct computation."""
 import math
 
 import pytest
@@ -19,7 +19,7 @@ from headprune.scoring.fisher import fisher_importance
 from headprune.scoring.l0 import l0_gates_importance
 from headprune.scoring.lrp import conservative_backward, head_relevance, lrp_importance
 from headprune.scoring.magnitude import magnitude_importance
-from tests.conftest import tiny_batch, tiny_bert
+from tests.helpers import tiny_batch, tiny_bert
 
 from headprune.heads.surgery import prune_heads
 

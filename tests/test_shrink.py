@@ -7,7 +7,7 @@ import torch
 from headprune import load_pruned, prune_heads
 from headprune.apps.train import run
 from headprune.heads.optimizer_state import carry_optimizer_state
-from tests.conftest import compose_train, tiny_batch, tiny_bert
+from tests.helpers import compose_train, tiny_batch, tiny_bert
 
 TINY = ["model=tiny_bert", "callbacks=none", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
         "data.max_validation_samples=64", "trainer.num_sanity_val_steps=0",

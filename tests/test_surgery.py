@@ -1,52 +1,19 @@
-"""Physical head removal: the pruned model computes what the masked model computes, for every
-supported family, with uneven heads per layer and a layer with no heads left."""
+"""heads/surgery.py: physical head removal. The pruned model computes what the masked model
+computes, for every supported family, with uneven heads per layer and a layer with no heads left;
+scale_heads equals a fractional mask. (Saving and loading pruned models: test_hf.py; the
+adapters' head rows: test_adapters.py.)"""
 import copy
-import os
-import stat
 
 import pytest
 import torch
 import transformers as tf
-from transformers.pytorch_utils import Conv1D
 
-from headprune import HeadMask, count_params, heads_of_kv_groups, kv_group_heads, load_pruned, prune_heads, save_pruned
-from headprune.atomic import write_json_atomic
+from headprune import HeadMask, count_params, heads_of_kv_groups, kv_group_heads, prune_heads
 from headprune.heads.adapters import get_adapter
-
-V, HIDDEN, HEADS, D = 100, 32, 4, 8
-SMALL = dict(vocab_size=V, hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3,
-             intermediate_size=64, max_position_embeddings=64)
-GQA = dict(SMALL, num_key_value_heads=2)
-FAMILIES = {  # name -> (config, task)
-    "bert": (lambda: tf.BertConfig(**SMALL), "cls"),
-    "roberta": (lambda: tf.RobertaConfig(**SMALL), "cls"),
-    "distilbert": (lambda: tf.DistilBertConfig(vocab_size=V, dim=HIDDEN, n_heads=HEADS, n_layers=3, hidden_dim=64,
-                                               max_position_embeddings=64), "cls"),
-    "gpt2": (lambda: tf.GPT2Config(vocab_size=V, n_embd=HIDDEN, n_head=HEADS, n_layer=3, n_positions=64,
-                                   bos_token_id=1, eos_token_id=2), "lm"),
-    "llama": (lambda: tf.LlamaConfig(**GQA), "lm"),
-    "mistral": (lambda: tf.MistralConfig(**GQA, sliding_window=4), "lm"),
-    "qwen2": (lambda: tf.Qwen2Config(**GQA), "lm"),  # Q/K/V biases
-}
-DECODERS = [name for name, (_, task) in FAMILIES.items() if task == "lm"]
-# Layer 0 loses every head (also the cache layer models read lengths from); layer 1 one head
-# (for GQA: an uneven group, so its KV head stays); layer 2 two heads (for GQA: a whole group).
-PRUNE = {0: [0, 1, 2, 3], 1: [1], 2: [2, 3]}
-
-
-def tiny(family: str, attn: str = "sdpa", seed: int = 0):
-    make_config, task = FAMILIES[family]
-    auto = tf.AutoModelForSequenceClassification if task == "cls" else tf.AutoModelForCausalLM
-    torch.manual_seed(seed)
-    return auto.from_config(make_config(), attn_implementation=attn).eval()
-
-
-def inputs(batch: int = 3, tokens: int = 9, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(3, V, (batch, tokens), generator=g)  # (B, T)
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[0, :3] = 0  # left padding for one row
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
+from tests.helpers import D, DECODERS, FAMILIES, HEADS, HIDDEN, PRUNE, V, inputs, tiny
+# Still imported from here by test_least_squares.py, test_bias_compensation.py and
+# test_retraining_free.py until they import tests.helpers:
+from tests.helpers import GQA  # noqa: F401
 
 
 def pairs(heads: dict) -> list:
@@ -195,43 +162,6 @@ def test_unsupported_architecture_says_how_to_add_one():
         prune_heads(model, {0: [0]})
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_head_rows_partition_every_projection(family):
-    """The adapter's head rows cover each Q/K/V/O feature of a layer exactly once (KV rows once per
-    KV head, shared by the query heads of a GQA group), in the family's own weight layout."""
-    model = tiny(family)
-    prune_heads(model, {1: [1]})
-    adapter = get_adapter(model)
-    for layer in range(3):
-        rows = adapter.head_rows(model, layer)
-        covered: dict = {}
-        for parts in rows.values():
-            for r in parts.values():
-                covered.setdefault((id(r.module), r.outputs), (r.module, r.outputs, set()))[2].update(r.index)
-        for module, outputs, index in covered.values():
-            conv = isinstance(module, Conv1D)  # weight (in, out); Linear (out, in)
-            width = module.weight.shape[int(conv) if outputs else int(not conv)]
-            assert sorted(index) == list(range(width)), (layer, outputs, width)
-        group = adapter.group_size(model.config)
-        for head, parts in rows.items():
-            same_group = [h for h in rows if h // group == head // group]
-            assert all(rows[h]["k"] == parts["k"] and rows[h]["v"] == parts["v"] for h in same_group)
-
-
-def test_gpt2_head_rows_are_its_fused_qkv_slices():
-    model = tiny("gpt2")
-    attn = model.transformer.h[0].attn
-    rows = get_adapter(model).head_rows(model, 0)
-    x = torch.randn(1, 2, HIDDEN)
-    full = attn.c_attn(x)  # (1, 2, 3E)
-    for head in range(HEADS):
-        for part, offset in (("q", 0), ("k", HIDDEN), ("v", 2 * HIDDEN)):
-            r = rows[head][part]
-            assert r.module is attn.c_attn and (r.start, r.stop) == (offset + head * D, offset + (head + 1) * D)
-            torch.testing.assert_close(full[..., r.start:r.stop], x @ r.weight().t() + attn.c_attn.bias[r.start:r.stop])
-        assert rows[head]["o"].weight().shape == (D, HIDDEN)
-
-
 # -- bad requests are named ---------------------------------------------------------------------------
 @pytest.mark.parametrize("heads,pattern", [
     ([1, 2], r"heads: 1 is not a \(layer, head\) pair"),
@@ -250,41 +180,24 @@ def test_kv_groups_of_a_layer_that_does_not_exist_are_refused():
         heads_of_kv_groups(tiny("llama"), {7: [0]})
 
 
-def test_save_pruned_refuses_a_folder_with_files_unless_told(tmp_path):
-    (tmp_path / "tokenizer.json").write_text("{}")  # an old tokenizer
-    model = prune_heads(tiny("bert"), PRUNE)
-    with pytest.raises(FileExistsError, match=r"is not empty.*overwrite=True"):
-        save_pruned(model, tmp_path)
-    save_pruned(model, tmp_path, overwrite=True)
-    assert not (tmp_path / "tokenizer.json").exists() and (tmp_path / "headprune_layout.json").is_file()
+@pytest.mark.parametrize("family", ["bert", "gpt2"])  # Linear and Conv1D output projections
+def test_scale_heads_equals_fractional_mask(family):
+    from headprune.heads.surgery import scale_heads
 
-
-def test_written_files_respect_the_umask(tmp_path):
-    old = os.umask(0o022)
-    try:
-        save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path / "m")
-        write_json_atomic(tmp_path / "results.json", {"a": 1})
-    finally:
-        os.umask(old)
-    for path in (tmp_path / "m" / "headprune_layout.json", tmp_path / "results.json"):
-        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
-
-
-@pytest.mark.parametrize("damage,pattern", [
-    ("missing", r"holds weights of a pruned model but no headprune_layout\.json"),
-    ("truncated", r"headprune_layout\.json is not valid JSON"),
-    ("no_key", r"headprune_layout\.json has no 'layout' entry"),
-])
-def test_load_pruned_names_a_damaged_layout_file(damage, pattern, tmp_path):
-    save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path)
-    layout = tmp_path / "headprune_layout.json"
-    if damage == "missing":
-        layout.unlink()
-    elif damage == "truncated":
-        layout.write_text(layout.read_text()[:20])
-    else:
-        layout.write_text('{"model_type": "bert"}')
-    with pytest.raises(ValueError, match=pattern):
-        load_pruned(tmp_path)
-    with pytest.raises(FileNotFoundError, match=r"holds no model \(no config\.json\)"):
-        load_pruned(tmp_path / "nowhere")
+    model = tiny(family)
+    batch = inputs()
+    layers, heads = len(HeadMask.for_model(model, attach=False).mask), model.config.num_attention_heads
+    factors = torch.rand(layers, heads, generator=torch.Generator().manual_seed(0))
+    factors[1, 2] = 0.0  # removed physically below
+    mask = HeadMask.for_model(model)
+    mask.mask.copy_(factors)
+    with torch.no_grad():
+        gated = model(**batch).logits
+    mask.detach()
+    prune_heads(model, {1: [2]})  # scaling follows the physical layout
+    scale_heads(model, factors)
+    with torch.no_grad():
+        scaled = model(**batch).logits
+    assert torch.allclose(gated, scaled, atol=1e-5)
+    with pytest.raises(ValueError, match="do not match"):
+        scale_heads(model, torch.ones(layers + 1, heads))

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each case starts the CLI in a subprocess
+
 BASE = ["model=tiny_bert", "debug=fast", "logger=none", "data.max_train_samples=32", "data.score_samples=16",
         "data.max_validation_samples=32"]
 

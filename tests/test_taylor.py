@@ -5,7 +5,7 @@ from headprune.heads.mask import HeadMask
 from headprune.tasks import forward_logits, per_example_loss
 from headprune.scoring import score_heads
 from headprune.scoring.taylor import taylor_importance
-from tests.conftest import tiny_batch, tiny_bert
+from tests.helpers import tiny_batch, tiny_bert
 
 
 def _direct_taylor(model, batch) -> torch.Tensor:

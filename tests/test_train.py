@@ -1,39 +1,41 @@
-"""The Hydra app: every config composes, the pipeline runs end to end on a tiny model, and bad
-values fail with a message naming the field."""
+"""apps/train.py, the Hydra app: every config composes, the pipeline runs end to end on a tiny
+model (a classifier, and a causal LM: model=tiny_gpt2 data=tinyshakespeare, perplexity in
+results.json, every metric scoring an LM), the export at the end of a run reloads with the trained
+model's logits, and bad values fail with a message naming the field. (Multirun sweeps:
+test_sweeps.py; start-time checks: test_preflight.py; the run dir: test_run_dir.py.)"""
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
+import torch
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
+import headprune.apps.train as train_app
+from headprune import HeadMask, head_layout, load_pruned
 from headprune.apps.config_paths import config_dir
 from headprune.apps.train import run
+from headprune.data.language_model import TextLMDataModule
+from headprune.heads.surgery import apply_layout
+from headprune.lightning.module import HeadPruneModule
+from headprune.models import load_tokenizer
+from headprune.models.byte_tokenizer import ByteTokenizer
 from headprune.recovery import RECOVERIES, Recovery
 from headprune.selection.budgets import BUDGETS, Budget
 from headprune.selection.layer_policies import LAYER_POLICIES, LayerPolicy
 from headprune.selection.schedules import SCHEDULES, Schedule
+from headprune.tasks import evaluate
+from tests.helpers import tiny_batch, tiny_bert
 
 CONF = config_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 BUILT = {"schedule": Schedule, "metric": None, "layer_policy": LayerPolicy, "recovery": Recovery, "budget": Budget}
 TYPED = {"schedule": SCHEDULES, "layer_policy": LAYER_POLICIES, "recovery": RECOVERIES, "budget": BUDGETS}
-
-
-@pytest.fixture
-def cfg_factory(tmp_path, data_dir):
-    def make(*overrides):
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            return compose("train", overrides=[f"paths.output_dir={tmp_path}",
-                                               f"data.data_dir={data_dir}", *overrides])
-    yield make
-    GlobalHydra.instance().clear()
 
 
 def _options(group):
@@ -96,43 +98,6 @@ def test_no_training_prunes_model_as_given(cfg_factory, tmp_path):
     assert res["rounds"][0]["val"] == res["rounds"][0]["val_before_finetune"]
 
 
-def test_wandb_logger_offline(cfg_factory, tmp_path, monkeypatch):
-    """What headprune hands to wandb (per-round metrics, the mask heatmap, the run summary) is
-    caught at wandb's public API (`Run.log`, `run.summary.update`), in this process, as the
-    calls happen: nothing depends on how fast wandb's writer flushes its file. End to end, the
-    offline run's folder and record file exist after the run."""
-    from wandb.sdk.wandb_run import Run
-    from wandb.sdk.wandb_summary import Summary
-
-    logged, summarised = [], []
-    run_log, summary_update = Run.log, Summary.update
-
-    def spy_log(self, data, *args, **kwargs):
-        logged.append(dict(data))
-        return run_log(self, data, *args, **kwargs)
-
-    def spy_update(self, d=None, **kwargs):
-        summarised.append(dict(d or {}))
-        return summary_update(self, d, **kwargs)
-
-    monkeypatch.setattr(Run, "log", spy_log)
-    monkeypatch.setattr(Summary, "update", spy_update)
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    cfg = cfg_factory("model=tiny_bert", "logger=wandb", "callbacks=none", "data.max_train_samples=32",
-                      "data.score_samples=16", "data.max_validation_samples=32", "schedule=one_shot",
-                      "schedule.target_sparsity=0.25")
-    res = run(cfg)
-    keys = {k for data in logged for k in data}
-    assert {"prune/val_acc", "prune/sparsity", "prune/heads_layer_0", "prune/head_mask"} <= keys, keys
-    (round_metrics,) = [d for d in logged if "prune/val_acc" in d]
-    assert round_metrics["prune/val_acc"] == res["rounds"][0]["val"]["acc"]
-    summary = {k: v for d in summarised for k, v in d.items()}
-    assert summary["final/sparsity"] == 0.25
-    assert summary["final/acc_drop"] == pytest.approx(res["baseline"]["val"]["acc"] - res["final"]["val"]["acc"])
-    (offline,) = (tmp_path / "wandb").glob("offline-run-*")
-    assert list(offline.glob("run-*.wandb")), "no offline run record file"
-
-
 @pytest.mark.parametrize("override,error,pattern", [
     ("schedule.target_sparsity=1.2", ValueError, r"schedule\.target_sparsity=1\.2 is outside \[0, 1\)"),
     ("schedule.target_sparsity=-0.1", ValueError, r"schedule\.target_sparsity=-0\.1 is outside \[0, 1\)"),
@@ -178,6 +143,7 @@ def test_unknown_group_option_lists_choices(override, group, cfg_factory):
         cfg_factory(override)
 
 
+@pytest.mark.slow
 def test_console_script_fast_dev_run(tmp_path, data_dir):
     env = dict(os.environ, HEADPRUNE_DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "headprune.apps.train", "model=tiny_bert", "debug=fast", "data.max_train_samples=32",
@@ -244,6 +210,7 @@ def test_budget_shortfall_is_explained(cfg_factory, tmp_path, caplog):
     assert res["final"]["stop_reason"] == "constrained: the layer policy's limits let 6 of the 11 heads the target asks for go"
 
 
+@pytest.mark.slow
 def test_help_lists_group_choices(data_dir):
     proc = subprocess.run([sys.executable, "-m", "headprune.apps.train", "--help"], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -321,32 +288,139 @@ def test_l0_gates_learned_in_finetune_from_the_metric_config(cfg_factory, tmp_pa
     assert "l0_gates_folded" not in run(cfg)["final"]  # frozen-model gates: trained and removed at scoring time
 
 
-@pytest.mark.parametrize("sweeper,extra,values", [
-    ("headprune_optuna", [], 1),
-    ("headprune_optuna_pareto", ["objectives=[val_acc,kept_share]"], 2),
+# -- the export at the end of a run --------------------------------------------------------------
+@torch.no_grad()
+def logits(model, batch: dict) -> torch.Tensor:
+    return model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+
+
+@pytest.fixture
+def train_cfg(cfg_factory):
+    return cfg_factory("model=tiny_bert", "debug=fast", "data.max_train_samples=64", "data.score_samples=32",
+                       "schedule.step=0.25")
+
+
+def test_train_run_exports_the_pruned_model(train_cfg, tmp_path, tokenizer, monkeypatch):
+    seen = {}
+    export = train_app.export_pruned
+
+    def spy(module, *args, **kwargs):  # the trained model as evaluated, just before the export
+        seen["state"] = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        seen["mask"] = module.head_mask.mask.clone()
+        seen["layout"] = head_layout(module.model)  # heads already removed during fit (pruning.physical)
+        export(module, *args, **kwargs)
+
+    monkeypatch.setattr(train_app, "export_pruned", spy)
+    assert train_cfg.export is True  # the default; `export=false` skips it
+    res = train_app.run(train_cfg)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["final"]["export_dir"] == str(tmp_path / "export") == res["final"]["export_dir"]
+    n_pruned = len(saved["final"]["pruned"])
+    assert n_pruned > 0
+    head_params = 3 * (32 * 8 + 8) + 8 * 32  # one head's Q, K, V rows with biases, and O columns
+    for key in ("attention", "total"):
+        assert saved["baseline"]["params"][key] - saved["final"]["params"][key] == n_pruned * head_params
+
+    export_dir = tmp_path / "export"
+    masked = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(export_dir)).eval()
+    apply_layout(masked, seen["layout"])
+    masked.load_state_dict(seen["state"])
+    HeadMask.for_model(masked).mask.copy_(seen["mask"])
+    batch = tiny_batch(tokenizer)
+    torch.testing.assert_close(logits(load_pruned(export_dir), batch), logits(masked, batch), atol=1e-5, rtol=0)
+
+
+def test_export_folds_learned_l0_gates(tmp_path, tokenizer):
+    """The exported model computes what the gated model evaluated: closed gates removed, open
+    ones scaled into the output projection."""
+    from headprune.results import RunResults
+
+    module = HeadPruneModule(tiny_bert(), num_labels=2, l0_penalty=0.1).eval()
+    gates = module.head_mask.stochastic
+    with torch.no_grad():
+        gates.log_alpha.copy_(torch.tensor([[5.0, 0.0, -5.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-5.0, -0.5, 5.0, 5.0]]))
+    module.head_mask.prune([(1, 3)])
+    det = gates.deterministic()
+    assert det[0, 2] == 0 and 0 < det[0, 1] < 1 and det[1, 0] == 1
+    batch = {k: v for k, v in tiny_batch(tokenizer).items() if k != "labels"}
+    with torch.no_grad():
+        evaluated = module.model(**batch).logits
+    results = RunResults(tmp_path)
+    train_app.export_pruned(module, tmp_path / "export", results, baseline_params={})
+    assert results.data["final"]["l0_gates_folded"] == {"closed_heads": 2, "heads_per_layer": [3, 3, 3]}
+    reloaded = load_pruned(tmp_path / "export").eval()
+    with torch.no_grad():
+        assert torch.allclose(reloaded(**batch).logits, evaluated, atol=1e-5)
+
+
+# -- a causal LM (model=tiny_gpt2 data=tinyshakespeare) -----------------------------------------
+TINY_GPT2 = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides.n_layer=2",
+             "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32",
+             "+model.config_overrides.n_positions=64", "data.block_size=32", "data.max_train_samples=48", "data.score_samples=16", "data.max_validation_samples=16",
+             "data.batch_size=8", "data.eval_batch_size=8", "logger=none", "callbacks=none",
+             "trainer.num_sanity_val_steps=0"]
+
+
+
+def test_fast_dev_run_reports_perplexity(cfg_factory, tmp_path):
+    run(cfg_factory(*TINY_GPT2, "debug=fast"))
+    res = _results(tmp_path)
+    assert res["model"] == {"layers": 2, "heads": 4}
+    for val in (res["baseline"]["val"], res["rounds"][0]["val"], res["final"]["val"]):
+        assert set(val) == {"loss", "ppl"} and val["ppl"] == pytest.approx(math.exp(val["loss"]))
+    assert res["baseline"]["val"]["ppl"] > 50  # random init over 258 tokens
+    assert res["final"]["params"]["total"] < res["baseline"]["params"]["total"]
+
+
+def test_pruned_export_reloads_with_the_trained_models_logits(cfg_factory, tmp_path, monkeypatch):
+    saved, save_pruned = {}, train_app.save_pruned
+
+    def keep_model(model, directory, **kwargs):  # the trained model, pruned in place
+        saved["model"] = model
+        return save_pruned(model, directory, **kwargs)
+
+    monkeypatch.setattr(train_app, "save_pruned", keep_model)
+    run(cfg_factory(*TINY_GPT2, "schedule=iterative", "schedule.target_sparsity=0.5", "schedule.step=0.25",
+                    "schedule.baseline_epochs=1", "schedule.epochs_per_round=1", "optim.optimizer.lr=1e-3"))
+    res = _results(tmp_path)
+    assert [r["sparsity"] for r in res["rounds"]] == [0.25, 0.5] and res["final"]["stop_reason"] == "target_reached"
+    assert res["final"]["val"]["ppl"] < res["baseline"]["val"]["ppl"] * 2
+
+    export = tmp_path / "export"
+    loaded = load_pruned(export).eval()
+    assert [len(kept) for kept in head_layout(loaded)] == res["final"]["heads_per_layer"]
+    assert isinstance(load_tokenizer(str(export)), ByteTokenizer)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    trained = saved["model"].eval()
+    with torch.no_grad():
+        assert torch.equal(trained(input_ids=ids).logits, loaded(input_ids=ids).logits)
+    dm = TextLMDataModule(ByteTokenizer(), file="tinyshakespeare/input.txt", data_dir=res["config"]["data"]["data_dir"],
+                          block_size=32, score_samples=16, max_validation_samples=16, eval_batch_size=8)
+    dm.setup()
+    assert evaluate(loaded, dm.val_dataloader())["ppl"] == pytest.approx(res["final"]["val"]["ppl"], rel=1e-5)
+
+
+@pytest.mark.parametrize("metric", ["taylor", "fisher", "lrp", "entropy", "confidence", "magnitude", "l0_gates"])
+def test_every_metric_scores_a_causal_lm(metric, cfg_factory, tmp_path):
+    extra = ["metric.steps=2"] if metric == "l0_gates" else []
+    res = run(cfg_factory(*TINY_GPT2, f"metric={metric}", *extra, "schedule=one_shot", "schedule.target_sparsity=0.5",
+                          "schedule.baseline_epochs=0", "schedule.epochs_per_round=0", "export=false",
+                          "diagnostics.enabled=false"))
+    (round1,) = res["rounds"]
+    scores = torch.tensor(round1["scores"])
+    assert scores.shape == (2, 4) and torch.isfinite(scores).all()
+    assert round1["n_pruned"] == 4 and set(round1["val"]) == {"loss", "ppl"}
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (["schedule=until_threshold"], r"schedule\.metric='acc' is not reported by a model\.task=causal_lm run "
+                                   r"\(its validation metrics: loss, ppl\)"),
+    (["data=sst2"], r"model\.task=causal_lm does not fit data=sst2.*allowed: model\.task=classification"),
+    (["data.block_size=128"], r"data\.block_size=128 exceeds the model's 64 positions"),
+    (["model.random_init=false"], r"model\.pretrained='byte-gpt2' is a built-in config without weights"),
 ])
-def test_optuna_sweep_of_three_trials_is_collected(sweeper, extra, values, tmp_path, data_dir):
-    """The ready Optuna configs run offline on the tiny model (one objective, then accuracy against
-    the share of heads kept), and headprune-collect gathers the trials like any sweep."""
-    import yaml
-
-    from headprune.apps.collect import load_runs
-
-    env = dict(os.environ, HEADPRUNE_DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "headprune.apps.train", "-m", f"hydra/sweeper={sweeper}", "hydra.sweeper.n_trials=3",
-           *extra, "model=tiny_bert", "debug=fast", "logger=none", "data.max_train_samples=32", "data.score_samples=16",
-           "data.max_validation_samples=32", f"hydra.sweep.dir={tmp_path}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
-    best = summary.get("best_value", None) if values == 1 else [s["values"] for s in summary["solutions"]]
-    assert best is not None and (values == 1 or all(len(v) == 2 for v in best))
-    runs = load_runs([tmp_path])
-    assert len(runs) == 3 and all(r["overrides"]["metric"] in ("taylor", "fisher", "lrp", "magnitude") for r in runs)
-
-
-def test_objectives_are_checked_at_start(cfg_factory):
-    with pytest.raises(ValueError, match=r"objectives: 'speed' is not allowed; allowed: headline"):
-        run(cfg_factory("model=tiny_bert", "debug=fast", "objectives=[speed]"))
-    with pytest.raises(ValueError, match=r"latency_share is measured under budget=latency only"):
-        run(cfg_factory("model=tiny_bert", "debug=fast", "objectives=[val_acc,latency_share]"))
+def test_bad_causal_lm_settings_name_the_field(overrides, pattern, cfg_factory):
+    other_data = overrides[0].startswith("data=")
+    base = [o for o in TINY_GPT2 if not (other_data and o.startswith("data"))]
+    with pytest.raises(ValueError, match=pattern):
+        run(cfg_factory(*base, "debug=fast", *overrides))

@@ -1,0 +1,169 @@
+"""Helpers shared by the test modules: tiny models and batches, the composed train config, the
+CLI runner, and the callbacks test overrides name as Hydra `_target_`s (`tests.helpers.<Name>`).
+
+Test modules import from here, never from one another; conftest.py holds only fixtures and the
+environment it sets before torch is imported."""
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import transformers as tf
+from lightning.pytorch.callbacks import Callback
+
+REPO = Path(__file__).resolve().parent.parent
+
+# -- the tiny random-init MiniLM (model=tiny_bert) ----------------------------------------------------
+TINY = dict(num_hidden_layers=3, num_attention_heads=4, hidden_size=32, intermediate_size=64)
+
+
+def tiny_bert(attn: str = "sdpa", seed: int = 0, num_labels: int = 2, **overrides):
+    from headprune.models import build_model
+
+    cfg = dict(TINY, **overrides)
+    model = build_model("minilm", num_labels=num_labels, random_init=True, attn_implementation=attn,
+                        config_overrides=cfg, seed=seed)
+    return model.eval()
+
+
+def tiny_batch(tokenizer, n: int = 6, seed: int = 0) -> dict:
+    texts = ["a gripping , funny film", "dull and lifeless", "the plot makes no sense at all",
+             "wonderful performances from the whole cast", "i wanted to leave", "not bad",
+             "an instant classic", "tedious"][:n]
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    g = torch.Generator().manual_seed(seed)
+    enc["labels"] = torch.randint(0, 2, (len(texts),), generator=g)
+    return dict(enc)
+
+
+# -- one tiny model per supported family (heads/adapters.py) ----------------------------------------
+V, HIDDEN, HEADS, D = 100, 32, 4, 8
+SMALL = dict(vocab_size=V, hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3,
+             intermediate_size=64, max_position_embeddings=64)
+GQA = dict(SMALL, num_key_value_heads=2)
+FAMILIES = {  # name -> (config, task)
+    "bert": (lambda: tf.BertConfig(**SMALL), "cls"),
+    "roberta": (lambda: tf.RobertaConfig(**SMALL), "cls"),
+    "distilbert": (lambda: tf.DistilBertConfig(vocab_size=V, dim=HIDDEN, n_heads=HEADS, n_layers=3, hidden_dim=64,
+                                               max_position_embeddings=64), "cls"),
+    "gpt2": (lambda: tf.GPT2Config(vocab_size=V, n_embd=HIDDEN, n_head=HEADS, n_layer=3, n_positions=64,
+                                   bos_token_id=1, eos_token_id=2), "lm"),
+    "llama": (lambda: tf.LlamaConfig(**GQA), "lm"),
+    "mistral": (lambda: tf.MistralConfig(**GQA, sliding_window=4), "lm"),
+    "qwen2": (lambda: tf.Qwen2Config(**GQA), "lm"),  # Q/K/V biases
+}
+DECODERS = [name for name, (_, task) in FAMILIES.items() if task == "lm"]
+# Layer 0 loses every head (also the cache layer models read lengths from); layer 1 one head
+# (for GQA: an uneven group, so its KV head stays); layer 2 two heads (for GQA: a whole group).
+PRUNE = {0: [0, 1, 2, 3], 1: [1], 2: [2, 3]}
+
+
+def tiny(family: str, attn: str = "sdpa", seed: int = 0):
+    make_config, task = FAMILIES[family]
+    auto = tf.AutoModelForSequenceClassification if task == "cls" else tf.AutoModelForCausalLM
+    torch.manual_seed(seed)
+    return auto.from_config(make_config(), attn_implementation=attn).eval()
+
+
+def inputs(batch: int = 3, tokens: int = 9, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, V, (batch, tokens), generator=g)  # (B, T)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0  # left padding for one row
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+# -- the train app -----------------------------------------------------------------------------------
+def compose_train(out, data_dir, *overrides):
+    """The train config as `headprune-train` would compose it, writing to `out`, reading `data_dir`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from headprune.apps.config_paths import config_dir
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            return compose("train", overrides=[f"paths.output_dir={out}", f"data.data_dir={data_dir}", *overrides])
+    finally:
+        GlobalHydra.instance().clear()
+
+
+TRAIN_CLI = [sys.executable, "-m", "headprune.apps.train"]
+
+
+def cli_env(**extra) -> dict:
+    """The environment a CLI run in a subprocess gets: offline hub, one thread per process."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
+
+
+def results(run_dir) -> dict:
+    return json.loads((Path(run_dir) / "results.json").read_text())
+
+
+def files(folder) -> dict:
+    """Every file under `folder` with its bytes: equal before and after means nothing was written."""
+    return {p: p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
+
+
+# -- callbacks that provoke faults (named in overrides as `+callbacks.x._target_=tests.helpers.X`) ---
+class Crash(RuntimeError):
+    pass
+
+
+class CrashAfterEpoch(Callback):
+    """Simulates a preempted job: raises at the end of epoch `epoch` (1-based), before that
+    epoch's checkpoint is written."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch + 1 == self.epoch:
+            raise Crash(f"simulated crash after epoch {self.epoch}")
+
+
+class LrBomb(Callback):
+    """Sets the learning rate to 1e30 when epoch `epoch` (1-based) starts: the next steps blow up."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch + 1 == self.epoch:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = 1e30
+            trainer.lr_scheduler_configs.clear()  # keep it there
+
+
+class NaNOnRank(Callback):
+    """Poisons one embedding row on rank `rank` before step `step`: only that rank's loss is NaN."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.model.get_input_embeddings().weight[batch["input_ids"][0, 1]] = float("nan")
+
+
+def strict_json(path) -> dict:
+    """results.json parsed as strict JSON: NaN or Infinity in it is a failure."""
+    def refuse(constant):
+        raise AssertionError(f"{path} holds {constant}")
+    return json.loads(Path(path).read_text(), parse_constant=refuse)
+
+
+# The tiny two-round iterative run the fault tests provoke (tests/test_callbacks.py, test_resume.py,
+# test_checkpoints.py, test_run_dir.py, test_preflight.py, test_distributed.py).
+TINY_ITERATIVE = ["model=tiny_bert", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
+                  "data.max_validation_samples=64", "trainer.num_sanity_val_steps=0",
+                  "schedule=iterative", "schedule.target_sparsity=0.5", "schedule.step=0.25",
+                  "schedule.baseline_epochs=1", "schedule.epochs_per_round=1", "export=false"]
+
+
+def compose_iterative(out, data_dir, *overrides):
+    """compose_train with TINY_ITERATIVE first."""
+    return compose_train(out, data_dir, *TINY_ITERATIVE, *overrides)
