@@ -43,3 +43,9 @@ def test_evaluation_settings_are_checked_before_anything_runs(override, pattern,
 def test_evaluation_is_for_causal_lms(tmp_path, data_dir):
     with pytest.raises(ValueError, match="evaluation.enabled=true evaluates causal LMs, but model.task=classification"):
         run(compose_train(tmp_path, data_dir, "model=tiny_bert", "evaluation.enabled=true"))
+
+
+def test_arms_may_skip_the_dense_evaluation(tmp_path, data_dir):
+    run(compose_train(tmp_path, data_dir, *TINY_LM, "evaluation.dense=false"))
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert set(saved["evaluation"]) == {"settings", "pruned"} and "evaluate_dense" not in saved["stages"]

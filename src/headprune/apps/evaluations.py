@@ -25,6 +25,7 @@ class EvaluationSettings:
     """`evaluation:` settings (typed: a misspelt field fails at compose)."""
 
     enabled: bool = False
+    dense: bool = True  # evaluate the dense model too (an experiment's arms share one dense run)
     perplexity_seqs: List[int] = field(default_factory=lambda: [128, 2048])
     perplexity_tokens: int = 8192
     bos: bool = True

@@ -141,7 +141,7 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
         trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
                                          max_epochs=max(epochs, 1),
                                          enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks))
-        if setup.evaluation.enabled and trainer.is_global_zero:
+        if setup.evaluation.enabled and setup.evaluation.dense and trainer.is_global_zero:
             _evaluate(results, "dense", setup, cfg)
         start = time.perf_counter()
         if epochs == 0 and not trainer.fast_dev_run:
