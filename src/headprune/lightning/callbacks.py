@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 
 import lightning as L
 import torch
@@ -23,6 +22,7 @@ from headprune.heads.optimizer_state import reset_optimizer_state
 from headprune.lightning import loggers
 from headprune.lightning.diagnose import diagnose
 from headprune.lightning.shrink import shrink, shrink_supported
+from headprune.lightning.train_clock import TrainClock
 from headprune.selection.pruner import Loaders, Pruner
 
 log = logging.getLogger(__name__)
@@ -43,19 +43,19 @@ class HeadPruning(Callback):
         self.check_consistency = check_consistency
         self.physical = self._physical = physical
         self._pending_rng: dict | None = None
-        self._train = {"seconds": 0.0, "samples": 0}  # training since the last record
-        self._epoch_start: float | None = None
+        self.clock = TrainClock()  # training since the last record
         self._rollback: dict | None = None
         self._rollback_epoch = 0
 
     # -- state (so a resumed fit knows which rounds are done) --------------------------------
     def state_dict(self) -> dict:
-        return {**self.pruner.state_dict(), "train": dict(self._train),
+        return {**self.pruner.state_dict(), "train": self.clock.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.pruner.load_state_dict(state_dict)
-        self._train = dict(state_dict.get("train", self._train))
+        if "train" in state_dict:
+            self.clock.load_state_dict(state_dict["train"])
         self._pending_rng = state_dict.get("rng")  # restored when training restarts, for exact resume
 
     # -- Lightning hooks ---------------------------------------------------------------------
@@ -75,22 +75,22 @@ class HeadPruning(Callback):
         # the last checkpoint holds (pruning and checkpointing happen at epoch ends)
         self._rollback = {k: v.detach().to("cpu", copy=True) for k, v in pl_module.state_dict().items()}
         self._rollback_epoch = trainer.current_epoch
-        self._epoch_start = time.perf_counter()
+        self.clock.start()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._stop_clock()
+            self.clock.stop()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking:
             return
-        self._stop_clock()
+        self.clock.stop()
         if self.check_consistency:
             check_ranks(pl_module.model, pl_module.head_mask, f"epoch {trainer.current_epoch + 1}")
         self.step(pl_module, trainer.datamodule, completed_epochs=trainer.current_epoch + 1, trainer=trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        self._train["samples"] += int(batch["input_ids"].shape[0])
+        self.clock.samples += int(batch["input_ids"].shape[0])
         bad = getattr(pl_module, "nonfinite_loss", None)
         if bad is None or self.pruner.stop_reason is not None:
             return
@@ -122,7 +122,7 @@ class HeadPruning(Callback):
                 return
             loaders = self._loaders(datamodule, trainer)
             if not p.results.data["baseline"]:
-                p.record_baseline(loaders, **self._take_train_time())
+                p.record_baseline(loaders, **self.clock.take(self.pruner.recovery.take_train_stats()))
             elif "val" not in p.rounds[-1]:
                 if self._record_finetuned(loaders, trainer):
                     return
@@ -152,7 +152,7 @@ class HeadPruning(Callback):
                           select=bool(self.schedule.selection_samples()))
 
     def _record_finetuned(self, loaders: Loaders, trainer) -> bool:
-        stopped = self.pruner.record_finetuned(loaders, **self._take_train_time())
+        stopped = self.pruner.record_finetuned(loaders, **self.clock.take(self.pruner.recovery.take_train_stats()))
         loggers.log_round(trainer, self.pruner.rounds[-1])
         if stopped and trainer is not None:
             trainer.should_stop = True
@@ -190,19 +190,3 @@ class HeadPruning(Callback):
         self._physical = self.physical and supported
         data["pruning"] = {"physical": self.physical, "physical_effective": self._physical,
                            **({"why_not": why} if self.physical and not supported else {})}
-
-    def _stop_clock(self) -> None:
-        if self._epoch_start is not None:
-            self._train["seconds"] += time.perf_counter() - self._epoch_start
-            self._epoch_start = None
-
-    def _take_train_time(self) -> dict:
-        """Wall time and throughput of the training batches since the last record, and what the
-        recovery adds (the distillation teacher's share of it); {} when nothing trained."""
-        seconds, samples = self._train["seconds"], self._train["samples"]
-        self._train = {"seconds": 0.0, "samples": 0}
-        extra = self.pruner.recovery.take_train_stats()
-        if not samples:
-            return {}
-        return {"train_seconds": round(seconds, 3), "train_samples_per_s": round(samples / max(seconds, 1e-9), 2),
-                **extra}
