@@ -68,9 +68,9 @@ def task_dir():
 
 
 def default_cache_dir() -> Path:
-    """Where prepared local tasks go: $HEADPRUNE_CACHE_DIR, else $XDG_CACHE_HOME/headprune, else
+    """Where prepared local tasks go: $HEADPRUNE_CACHE, else $XDG_CACHE_HOME/headprune, else
     ~/.cache/headprune; then zero_shot/."""
-    root = os.environ.get("HEADPRUNE_CACHE_DIR")
+    root = os.environ.get("HEADPRUNE_CACHE")
     if not root:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "headprune"
     return Path(root) / "zero_shot"
