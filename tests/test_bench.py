@@ -76,6 +76,7 @@ def test_committed_bench_tables_are_rendered_from_its_json():
 
 
 # -- the app's outputs ------------------------------------------------------------------------
+@pytest.mark.slow  # the module-scoped quick_run bench takes ~30 s
 def test_quick_run_writes_json_markdown_and_plot(quick_run):
     out, results = quick_run
     for name in ("bench.json", "bench.md", "bench.png"):
@@ -87,6 +88,7 @@ def test_quick_run_writes_json_markdown_and_plot(quick_run):
     assert list((out / "wandb").glob("offline-run-*")), "no offline wandb run written"
 
 
+@pytest.mark.slow  # the module-scoped quick_run bench takes ~30 s
 def test_train_step_rows_compare_pruned_with_masked_at_each_sparsity(quick_run):
     results = quick_run[1]
     rows = results["train_step"]
@@ -103,6 +105,7 @@ def test_train_step_rows_compare_pruned_with_masked_at_each_sparsity(quick_run):
     assert "## Training step" in (quick_run[0] / "bench.md").read_text()
 
 
+@pytest.mark.slow  # the module-scoped quick_run bench takes ~30 s
 def test_onnxruntime_rows_time_exported_dense_and_pruned_models(quick_run):
     results = quick_run[1]
     rows = results["onnxruntime"]
@@ -114,6 +117,7 @@ def test_onnxruntime_rows_time_exported_dense_and_pruned_models(quick_run):
     assert summary["torch_forward_ratio_50"] > 0 and "## ONNX Runtime forward" in (quick_run[0] / "bench.md").read_text()
 
 
+@pytest.mark.slow  # the module-scoped quick_run bench takes ~30 s
 def test_encoder_rows_cover_every_variant_with_every_field(quick_run):
     rows = quick_run[1]["encoder"]
     assert {(r["batch"], r["seq"]) for r in rows} == {(2, 8)}
@@ -129,6 +133,7 @@ def test_encoder_rows_cover_every_variant_with_every_field(quick_run):
     assert dense["forward_ratio"] == dense["attention_ratio"] == dense["theoretical_attention_ratio"] == 1.0
 
 
+@pytest.mark.slow  # the module-scoped quick_run bench takes ~30 s
 def test_encoder_theoretical_ratios(quick_run):
     """Removing s of every head scales every attention FLOP by (1 - s); masking removes none."""
     for r in quick_run[1]["encoder"]:
@@ -141,6 +146,7 @@ def test_encoder_theoretical_ratios(quick_run):
             assert 1.0 < r["theoretical_attention_ratio"] < 1 / (1 - r["sparsity"])
 
 
+@pytest.mark.slow  # the module-scoped quick_run bench takes ~30 s
 def test_decoder_rows_and_exact_kv_cache_ratios(quick_run):
     rows = quick_run[1]["decoder"]
     assert {r["model"] for r in rows} == {"gpt2_tiny", "llama_gqa_tiny"}
@@ -164,6 +170,7 @@ def test_decoder_rows_and_exact_kv_cache_ratios(quick_run):
     assert quick_run[1]["summary"]["decoder"]["llama_gqa_tiny"]["kv_exact"] is True
 
 
+@pytest.mark.slow
 def test_pruned_dir_benchmarks_the_exported_model(tmp_path):
     model = build_decoder({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64,
                            "vocab_size": 128, "bos_token_id": 0, "eos_token_id": 0})

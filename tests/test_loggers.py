@@ -10,7 +10,6 @@ from headprune.apps.config_paths import config_dir
 from headprune.apps.train import run
 
 
-
 def test_wandb_falls_back_to_offline_when_not_logged_in(monkeypatch, tmp_path, caplog):
     from headprune.lightning import loggers
 

@@ -361,7 +361,6 @@ TINY_GPT2 = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides
              "trainer.num_sanity_val_steps=0"]
 
 
-
 def test_fast_dev_run_reports_perplexity(cfg_factory, tmp_path):
     run(cfg_factory(*TINY_GPT2, "debug=fast"))
     res = _results(tmp_path)
