@@ -45,3 +45,11 @@ def cfg_factory(tmp_path, data_dir):
     def make(*overrides):
         return compose_train(tmp_path, data_dir, *overrides)
     return make
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """A real_model test is a slow test: `pytest -m "not slow"` leaves the pretrained models out."""
+    for item in items:
+        if item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.slow)

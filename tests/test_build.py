@@ -12,7 +12,7 @@ from headprune.models import build_model, load_tokenizer
 from headprune.scoring.taylor import taylor_importance
 from headprune.apps.train import run
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+pytestmark = pytest.mark.real_model  # real_model tests are slow too (conftest.py)
 
 
 def test_minilm_loads_offline_and_taylor_ranks_its_heads(data_dir):
