@@ -1,0 +1,142 @@
+"""The llm_kv experiment's tables, from the runs' results.json.
+
+    python experiments/llm_kv/collect.py --runs experiments/llm_kv/runs --out experiments/llm_kv
+
+Copies each finished run (`<runs>/<arm>_<budget>/results.json`, with `wall.json`'s wall time and
+threads added) to `<out>/results/<arm>_<budget>.json`; the tables are then built from
+`<out>/results/*.json` alone: `results.md` (per budget and arm: KV cache kept, perplexity at seq
+128 and 2048 and their change from dense, SST-2 zero-shot accuracy, seconds per stage; the three
+random seeds as mean and spread beside every arm), `answers.md` (the greedy chat answers, dense
+and each arm side by side) and `llm_kv.csv` (one row per run).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from headprune.apps.collect import to_csv
+from headprune.atomic import write_json_atomic, write_text_atomic
+
+ARMS = {"random": "random scores (mean of 3 seeds)", "magnitude": "weight magnitude", "taylor": "Taylor",
+        "fisher": "Fisher", "fisher_re": "Fisher + rearrangement",
+        "fisher_re_ls": "Fisher + rearrangement + least squares (scales, bias)",
+        "fisher_re_bias": "Fisher + rearrangement + bias compensation"}
+BUDGETS = {"kv67": "2 of 3 KV groups kept", "kv34": "1 of 3 KV groups kept"}
+
+
+def gather(runs: Path, out: Path) -> None:
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    for run in sorted(p for p in runs.iterdir() if p.is_dir() and (p / "results.json").is_file()):
+        res = json.loads((run / "results.json").read_text())
+        if "export_dir" not in res["final"] or "pruned" not in res.get("evaluation", {}):
+            continue  # unfinished
+        if (run / "wall.json").is_file():
+            res["wall"] = json.loads((run / "wall.json").read_text())
+        write_json_atomic(out / "results" / f"{run.name}.json", res)
+
+
+def split_name(stem: str) -> tuple[str, str, int | None]:
+    """(arm, budget tag, random seed or None): random_s1_kv67 -> (random, kv67, 1)."""
+    arm, budget = stem.rsplit("_", 1)
+    if arm.startswith("random_s"):
+        return "random", budget, int(arm.removeprefix("random_s"))
+    return arm, budget, None
+
+
+def row(stem: str, res: dict) -> dict:
+    arm, budget, seed = split_name(stem)
+    (r,) = res["rounds"]
+    ev = res["evaluation"]["pruned"]
+    zs = ev.get("zero_shot", {}).get("sst2_local", {})
+    stages = {"score": r["score_seconds"], "rearrange": (r.get("rearranged") or {}).get("seconds"),
+              "tuning": (r.get("mask_tuning") or {}).get("seconds")}
+    return {"run": stem, "budget": budget, "arm": arm, "seed": seed,
+            "kv_share": r["budget"]["predicted_share"], "kv_groups_per_layer": r["budget"]["kept_units_per_layer"][0],
+            "heads_kept": sum(res["final"]["heads_per_layer"]),
+            "ppl128": ev["perplexity"]["seq128"]["ppl"], "ppl2048": ev["perplexity"]["seq2048"]["ppl"],
+            "sst2_acc": zs.get("acc"), "sst2_n": zs.get("n"), "wall_seconds": (res.get("wall") or {}).get("wall_seconds"),
+            **{f"{k}_seconds": v for k, v in stages.items()}}
+
+
+def load(results: Path) -> tuple[dict | None, list[dict], dict]:
+    """(dense evaluation, rows, answers per run) from the result files."""
+    dense, rows, answers = None, [], {}
+    for path in sorted(results.glob("*.json")):
+        res = json.loads(path.read_text())
+        if dense is None and "dense" in res["evaluation"]:
+            dense = res["evaluation"]["dense"]
+        rows.append(row(path.stem, res))
+        answers[path.stem] = res["evaluation"]["pruned"].get("generation", [])
+    return dense, rows, answers
+
+
+def _fmt(x, digits=2):
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _change(x, base):
+    return "–" if x is None or base is None else f"{100 * (x / base - 1):+.1f}%"
+
+
+def table(dense: dict, rows: list[dict]) -> str:
+    d128, d2048 = dense["perplexity"]["seq128"]["ppl"], dense["perplexity"]["seq2048"]["ppl"]
+    dz = dense.get("zero_shot", {}).get("sst2_local", {})
+    lines = [f"Dense: perplexity {d128:.2f} (seq 128), {d2048:.2f} (seq 2048); SST-2 zero-shot "
+             f"{_fmt(dz.get('acc'), 3)} on {dz.get('n')} sentences (chance {_fmt(dz.get('chance'), 2)}).", ""]
+    for budget, title in BUDGETS.items():
+        group = [r for r in rows if r["budget"] == budget]
+        if not group:
+            continue
+        lines += [f"### {title} (KV cache {group[0]['kv_share']:.3f} of dense, {group[0]['heads_kept']} of 270 heads)", "",
+                  "| arm | ppl seq 128 | change | ppl seq 2048 | change | SST-2 acc | score s | tuning s | wall s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for arm, name in ARMS.items():
+            runs = [r for r in group if r["arm"] == arm]
+            if not runs:
+                continue
+            if arm == "random":
+                p128, p2048 = ([r[k] for r in runs] for k in ("ppl128", "ppl2048"))
+                acc = [r["sst2_acc"] for r in runs if r["sst2_acc"] is not None]
+                spread = lambda v: f" ± {statistics.stdev(v):.1f}" if len(v) > 1 else ""  # noqa: E731
+                lines.append(f"| {name} | {statistics.mean(p128):.2f}{spread(p128)} | {_change(statistics.mean(p128), d128)} "
+                             f"| {statistics.mean(p2048):.2f}{spread(p2048)} | {_change(statistics.mean(p2048), d2048)} "
+                             f"| {_fmt(statistics.mean(acc) if acc else None, 3)} | – | – | – |")
+                continue
+            (r,) = runs
+            lines.append(f"| {name} | {r['ppl128']:.2f} | {_change(r['ppl128'], d128)} | {r['ppl2048']:.2f} "
+                         f"| {_change(r['ppl2048'], d2048)} | {_fmt(r['sst2_acc'], 3)} | {_fmt(r['score_seconds'], 0)} "
+                         f"| {_fmt(r['tuning_seconds'], 0)} | {_fmt(r['wall_seconds'], 0)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def answers_table(dense: dict, answers: dict) -> str:
+    prompts = [a["prompt"] for a in dense.get("generation", [])]
+    lines = []
+    for i, prompt in enumerate(prompts):
+        lines += [f"### {prompt}", "", "| model | answer |", "|---|---|",
+                  f"| dense | {dense['generation'][i]['answer'].replace('|', '/').replace(chr(10), ' ')} |"]
+        for run, gen in answers.items():
+            if i < len(gen):
+                lines.append(f"| {run} | {gen[i]['answer'].replace('|', '/').replace(chr(10), ' ')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=Path, default=None, help="the run folders (skip to rebuild from results/)")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if args.runs is not None and args.runs.is_dir():
+        gather(args.runs, args.out)
+    dense, rows, answers = load(args.out / "results")
+    write_text_atomic(args.out / "results.md", table(dense, rows) + "\n")
+    write_text_atomic(args.out / "answers.md", answers_table(dense, answers) + "\n")
+    write_text_atomic(args.out / "llm_kv.csv", to_csv(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# SmolLM2-135M-Instruct pruned to a KV-cache budget without retraining (issue 24), experiment=llm_kv:
+# calibration 16 x 512 tokens of Tiny Shakespeare's training part, whole KV groups, the same layout in
+# every layer (layer_policy=uniform), then perplexity at seq 128 and 2048 over the same 8,192 held-out
+# tokens, SST-2 zero-shot (first 200 validation sentences) and greedy chat answers.
+# Arms, at 2 of 3 KV groups kept (budget.target=0.67) and at 1 of 3 (budget.target=0.34):
+#   random_s{0,1,2}  random scores (3 seeds), no tuning
+#   magnitude        weight magnitude, no tuning
+#   taylor           Taylor (first-order) importance, no tuning
+#   fisher           Fisher information of the head mask, no tuning
+#   fisher_re        + mask rearrangement by the block Fisher
+#   fisher_re_ls     + least-squares scales and bias (Kwon et al.), streamed layer by layer
+#   fisher_re_bias   + bias compensation (FLAP) instead
+# The dense model is evaluated once, in the first run (`dense.json`). One torch thread per run; run
+# from the repository root with HEADPRUNE_DATA_DIR pointing at ../shared/data:
+#   bash experiments/llm_kv/run.sh [kv67|kv34|collect]   (no argument: all)
+set -euo pipefail
+OUT=${OUT:-experiments/llm_kv/runs}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+declare -A ARM=(
+    [random_s0]="metric=random metric.seed=0 pruning.rearrange=false recovery=none"
+    [random_s1]="metric=random metric.seed=1 pruning.rearrange=false recovery=none"
+    [random_s2]="metric=random metric.seed=2 pruning.rearrange=false recovery=none"
+    [magnitude]="metric=magnitude pruning.rearrange=false recovery=none"
+    [taylor]="metric=taylor pruning.rearrange=false recovery=none"
+    [fisher]="metric=fisher pruning.rearrange=false recovery=none"
+    [fisher_re]="metric=fisher pruning.rearrange=true recovery=none"
+    [fisher_re_ls]="metric=fisher pruning.rearrange=true recovery=least_squares"
+    [fisher_re_bias]="metric=fisher pruning.rearrange=true recovery=bias_compensation"
+)
+# two streams side by side: ORDER="fisher_re_ls fisher_re fisher taylor" ... & ORDER="..." DENSE=false ...
+ORDER=${ORDER:-"fisher_re_ls fisher_re_bias fisher_re fisher taylor magnitude random_s0 random_s1 random_s2"}
+one() {  # one <run name> <overrides...>
+    local dir=$OUT/$1; shift
+    [ -f "$dir/results.json" ] && grep -q '"export_dir"' "$dir/results.json" && return 0
+    local start end
+    start=$(date +%s.%N)
+    headprune-train experiment=llm_kv hydra.run.dir=$dir overwrite=true "$@"
+    end=$(date +%s.%N)
+    python -c "import json; json.dump({'wall_seconds': round($end - $start, 1), 'threads': $OMP_NUM_THREADS}, open('$dir/wall.json', 'w'))"
+}
+budget() {  # budget <tag> <budget.target>
+    local dense=${DENSE:-true}
+    for arm in $ORDER; do
+        one "${arm}_$1" ${ARM[$arm]} budget.target=$2 evaluation.dense=$dense
+        dense=false
+    done
+}
+collect() { python experiments/llm_kv/collect.py --runs $OUT --out experiments/llm_kv; }
+case ${1:-all} in
+    kv67) budget kv67 0.67 ;;
+    kv34) budget kv34 0.34 ;;
+    collect) collect ;;
+    all) budget kv67 0.67; budget kv34 0.34; collect ;;
+esac
