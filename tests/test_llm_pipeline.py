@@ -49,3 +49,34 @@ def test_arms_may_skip_the_dense_evaluation(tmp_path, data_dir):
     run(compose_train(tmp_path, data_dir, *TINY_LM, "evaluation.dense=false"))
     saved = json.loads((tmp_path / "results.json").read_text())
     assert set(saved["evaluation"]) == {"settings", "pruned"} and "evaluate_dense" not in saved["stages"]
+
+
+@pytest.mark.real_model
+def test_smollm2_prunes_whole_kv_groups_tunes_and_exports_a_plain_checkpoint(tmp_path, data_dir):
+    """The real SmolLM2-135M-Instruct on a few hundred tokens: Fisher of the next-token loss, 2 of
+    3 KV groups kept in every layer, least-squares tuning with bias, folded and saved: plain
+    transformers (no headprune code) loads the export and computes the tuned model's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from headprune import HeadMask, fold, prune_to_budget, save_pruned
+    from headprune.models.build import build_model, load_tokenizer
+    from headprune.selection.layer_policies import UniformPolicy
+
+    model, tok = build_model("smollm2", task="causal_lm"), load_tokenizer("smollm2")
+    text = (data_dir / "tinyshakespeare" / "input.txt").read_text()[:4000]
+    ids = torch.tensor(tok.encode(text, add_special_tokens=False)[:384]).view(3, 128)  # (B, T)
+    calib = [{"input_ids": ids[:2]}]
+    mask = HeadMask.for_model(model)
+    report = prune_to_budget(model, calib, {"kind": "kv", "target": 0.67}, metric="fisher", mask=mask,
+                             policy=UniformPolicy(), recovery="least_squares")
+    assert report["round"]["budget"]["kept_units_per_layer"] == [2] * 30
+    with torch.no_grad():
+        tuned = model(input_ids=ids[2:]).logits
+    fold(model, mask)
+    saved = save_pruned(model, tmp_path / "export", tokenizer=tok)
+    assert saved.plain_hf
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert (plain.config.num_attention_heads, plain.config.num_key_value_heads) == (6, 2)
+    with torch.no_grad():
+        assert float((plain(input_ids=ids[2:]).logits - tuned).abs().max()) <= 1e-4
