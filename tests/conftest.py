@@ -14,9 +14,6 @@ os.environ.setdefault("WANDB_SILENT", "true")
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# The shared helpers live in tests/helpers.py; these names stay importable from here for the
-# test modules that still import them as `from tests.conftest import ...`.
-from tests.helpers import compose_train, tiny_batch, tiny_bert  # noqa: E402,F401
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("HEADPRUNE_DATA_DIR") or REPO.parent / "shared" / "data").resolve()
@@ -42,6 +39,8 @@ def tokenizer():
 @pytest.fixture
 def cfg_factory(tmp_path, data_dir):
     """cfg_factory(*overrides): the train config writing to this test's tmp_path (compose_train)."""
+    from tests.helpers import compose_train
+
     def make(*overrides):
         return compose_train(tmp_path, data_dir, *overrides)
     return make

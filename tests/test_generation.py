@@ -5,8 +5,7 @@ import torch
 
 from headprune.evaluation import PROMPTS, generate_answers
 from headprune.evaluation.generation import chat_inputs
-from tests.test_perplexity import smollm2
-from tests.test_zero_shot import tiny_chat_lm, tiny_tokenizer
+from tests.helpers import smollm2, tiny_chat_lm, tiny_tokenizer
 
 
 def greedy(model, tok, prompt: str, max_new_tokens: int) -> str:

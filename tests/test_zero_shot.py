@@ -6,35 +6,12 @@ import random
 
 import pytest
 import torch
-import transformers as tf
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from headprune.evaluation import LOCAL_TASKS, chance_level, prepare_local_tasks, zero_shot
 from headprune.evaluation.zero_shot import task_dir
-from tests.test_perplexity import smollm2
+from tests.helpers import smollm2, tiny_chat_lm, tiny_tokenizer
 
 PROMPT = "{}\nQuestion: Is this sentence positive or negative?\nAnswer:"  # as in sst2_local.yaml
-
-
-def tiny_tokenizer():
-    """A byte-level HF tokenizer (one token per byte, no merges) with BOS/EOS/pad and a chat template."""
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({s: 256 + i for i, s in enumerate(("<s>", "</s>", "<pad>"))})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tok = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-                         "{% if add_generation_prompt %}<s>assistant:{% endif %}")
-    return tok
-
-
-def tiny_chat_lm(tok, seed: int = 0):
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                            num_hidden_layers=2, intermediate_size=64, max_position_embeddings=512,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    return tf.LlamaForCausalLM(config).eval()
 
 
 def sst2_rows(data_dir, n):
@@ -119,6 +96,7 @@ def test_chance_level_is_the_mean_of_one_over_the_choices():
     assert chance_level(Task()) is None
 
 
+@pytest.mark.slow
 def test_hub_tasks_offline_and_unknown_tasks_fail_naming_the_task(monkeypatch):
     import datasets
     import huggingface_hub
