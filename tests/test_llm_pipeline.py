@@ -81,3 +81,13 @@ def test_smollm2_prunes_whole_kv_groups_tunes_and_exports_a_plain_checkpoint(tmp
     assert (plain.config.num_attention_heads, plain.config.num_key_value_heads) == (6, 2)
     with torch.no_grad():
         assert float((plain(input_ids=ids[2:]).logits - tuned).abs().max()) <= 1e-4
+
+
+def test_a_data_setting_another_data_option_has_is_named(tmp_path, data_dir):
+    """experiment=retraining_free sets data.max_length (SST-2's); with a text corpus the run says so
+    instead of a TypeError from the data module, and writes nothing."""
+    with pytest.raises(ValueError, match=r"data.max_length is not a setting of data=tinyshakespeare.*"
+                                         r"'~data.max_length'.*experiment=llm_kv"):
+        run(compose_train(tmp_path, data_dir, "experiment=retraining_free", "model=tiny_gpt2",
+                          "model.pretrained=byte-gpt2", "data=tinyshakespeare", "budget=kv", "budget.target=0.5"))
+    assert not (tmp_path / "results.json").exists()

@@ -1,6 +1,8 @@
 """Lightning components built from Hydra config groups (loggers, callbacks), shared by the apps."""
 from __future__ import annotations
 
+import re
+
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -14,6 +16,13 @@ def build(node: DictConfig, **kwargs):
     except InstantiationException as err:
         if isinstance(err.__cause__, (ValueError, OSError)):
             raise err.__cause__ from None
+        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(err.__cause__))
+        if isinstance(err.__cause__, TypeError) and unexpected:
+            group, field = node._key() or "config", unexpected.group(1)
+            raise ValueError(f"{group}.{field} is not a setting of {group}={node.get('name') or node._target_} "
+                             f"(another option of that group has it, e.g. set by an experiment); allowed: remove it "
+                             f"with '~{group}.{field}', or choose an experiment made for this {group} (a causal LM: "
+                             "experiment=llm_kv)") from None
         raise
 
 
