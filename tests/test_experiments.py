@@ -114,3 +114,28 @@ def test_retraining_free_tables_match_results(tmp_path):
     expected = {(arm, f"heads {s}") for arm in collect.ARMS for s in ("0.5", "0.6", "0.7", "0.8")}
     expected |= {(arm, f"latency {t} seq{q}") for arm in collect.ARMS for t in ("0.9", "0.8", "0.7") for q in (64, 128)}
     assert budgets == expected
+
+
+def test_llm_kv_tables_match_results(tmp_path, monkeypatch):
+    """experiments/llm_kv: results.md, answers.md and llm_kv.csv are what collect.py makes of the
+    committed result files, and the README quotes that results.md."""
+    collect = _script(EXP / "llm_kv" / "collect.py")
+    shutil.copytree(EXP / "llm_kv" / "results", tmp_path / "results")
+    monkeypatch.setattr(sys, "argv", ["collect.py", "--out", str(tmp_path)])
+    collect.main()
+    for name in ("results.md", "answers.md", "llm_kv.csv"):
+        assert (tmp_path / name).read_text() == (EXP / "llm_kv" / name).read_text(), name
+    assert (tmp_path / "results.md").read_text() in (EXP / "llm_kv" / "README.md").read_text()
+
+
+def test_retraining_free_rerun_table_matches_results(tmp_path, monkeypatch):
+    """experiments/retraining_free/streaming_ls.md is what streaming_ls.py makes of the committed
+    runs and their re-runs; the arms without tuning removed the same heads with the same accuracy."""
+    script = _script(EXP / "retraining_free" / "streaming_ls.py")
+    out = EXP / "retraining_free"
+    assert script.table(out) == (out / "streaming_ls.md").read_text()
+    for path in (out / "rerun").glob("*.json"):
+        old, new = (json.loads(p.read_text()) for p in (out / "results" / path.name, path))
+        assert old["rounds"][0]["pruned"] == new["rounds"][0]["pruned"], path.name
+        if not path.stem.startswith("fisher_ls"):
+            assert old["final"]["val"]["acc"] == new["final"]["val"]["acc"], path.name
