@@ -9,7 +9,7 @@ committed runs) and `<out>/rerun/` alone: per arm and share of heads removed, wh
 heads were removed, the accuracy before any tuning and the final accuracy in both, and the
 tuning's seconds. Arms (a) and (b) do no tuning, so they must match exactly; arm (c)'s tuning
 changed from per-layer scales fitted against the dense outputs to scales plus an output bias
-fitted on the pruned model's own inputs.
+fitted on the pruned model's own inputs (`fisher_ls_nobias`: the same without the bias).
 """
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 from headprune.atomic import write_json_atomic, write_text_atomic
 
-ARMS = {"taylor": "(a) Taylor", "fisher": "(b) Fisher + rearrangement", "fisher_ls": "(c) (b) + least squares"}
+ARMS = {"taylor": "(a) Taylor", "fisher": "(b) Fisher + rearrangement", "fisher_ls": "(c) (b) + least squares",
+        "fisher_ls_nobias": "(c) with recovery.bias=false (committed: (c))"}
 
 
 def gather(runs: Path, out: Path) -> None:
@@ -40,7 +41,8 @@ def table(out: Path) -> str:
              "| tuning s (committed / re-run) |", "|---|---:|:---:|---:|---:|---:|"]
     for path in sorted((out / "rerun").glob("*.json")):
         arm, share = path.stem.split("_heads_")
-        old, new = (json.loads(p.read_text()) for p in (out / "results" / path.name, path))
+        committed = out / "results" / path.name.replace("_nobias", "")
+        old, new = (json.loads(p.read_text()) for p in (committed, path))
         (ro,), (rn,) = old["rounds"], new["rounds"]
         tuning = [((r.get("mask_tuning") or {}).get("seconds")) for r in (ro, rn)]
         lines.append(f"| {ARMS[arm]} | {float(share):.0%} | {'yes' if ro['pruned'] == rn['pruned'] else 'no'} "
