@@ -19,7 +19,7 @@ from pathlib import Path
 from headprune.apps.collect import to_csv
 from headprune.atomic import write_json_atomic, write_text_atomic
 
-ARMS = {"random": "random scores (mean of 3 seeds)", "magnitude": "weight magnitude", "taylor": "Taylor",
+ARMS = {"random": "random scores", "magnitude": "weight magnitude", "taylor": "Taylor",
         "fisher": "Fisher", "fisher_re": "Fisher + rearrangement",
         "fisher_re_ls": "Fisher + rearrangement + least squares (scales, bias)",
         "fisher_re_bias": "Fisher + rearrangement + bias compensation"}
@@ -51,7 +51,7 @@ def row(stem: str, res: dict) -> dict:
     ev = res["evaluation"]["pruned"]
     zs = ev.get("zero_shot", {}).get("sst2_local", {})
     stages = {"score": r["score_seconds"], "rearrange": (r.get("rearranged") or {}).get("seconds"),
-              "tuning": (r.get("mask_tuning") or {}).get("seconds")}
+              "tuning": (r.get("mask_tuning") or r.get("bias_compensation") or {}).get("seconds")}
     return {"run": stem, "budget": budget, "arm": arm, "seed": seed,
             "kv_share": r["budget"]["predicted_share"], "kv_groups_per_layer": r["budget"]["kept_units_per_layer"][0],
             "heads_kept": sum(res["final"]["heads_per_layer"]),
@@ -100,7 +100,8 @@ def table(dense: dict, rows: list[dict]) -> str:
                 p128, p2048 = ([r[k] for r in runs] for k in ("ppl128", "ppl2048"))
                 acc = [r["sst2_acc"] for r in runs if r["sst2_acc"] is not None]
                 spread = lambda v: f" ± {statistics.stdev(v):.1f}" if len(v) > 1 else ""  # noqa: E731
-                lines.append(f"| {name} | {statistics.mean(p128):.2f}{spread(p128)} | {_change(statistics.mean(p128), d128)} "
+                lines.append(f"| {name} (mean of {len(runs)} seed{'s' if len(runs) > 1 else ''}) "
+                             f"| {statistics.mean(p128):.2f}{spread(p128)} | {_change(statistics.mean(p128), d128)} "
                              f"| {statistics.mean(p2048):.2f}{spread(p2048)} | {_change(statistics.mean(p2048), d2048)} "
                              f"| {_fmt(statistics.mean(acc) if acc else None, 3)} | – | – | – |")
                 continue
