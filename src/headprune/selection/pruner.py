@@ -108,7 +108,8 @@ class Pruner:
             if self.dense_factory is None:
                 raise ValueError(f"resuming a budget={self.budget.kind} run needs a dense model of the same shape "
                                  "(dense_factory)")
-            self.dense = self.dense_factory().eval().requires_grad_(False)
+            device = next(self.model.parameters()).device
+            self.dense = self.dense_factory().to(device).eval().requires_grad_(False)
         if self.costs is None and not self.budget.counts_heads:
             self._measure_costs()
 
