@@ -203,10 +203,15 @@ def held_tensor_bytes(exclude: set[int]) -> int:
         warnings.simplefilter("ignore")
         tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     for obj in tensors:
-        if obj.device.type == "cpu":
+        if obj.device.type != "cpu":
+            continue
+        try:  # fake tensors left behind by an earlier torch.export in this process have no storage
             storage = obj.untyped_storage()
-            if storage.data_ptr() not in exclude:
-                storages[storage.data_ptr()] = storage.nbytes()
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if ptr not in exclude:
+            storages[ptr] = storage.nbytes()
     return sum(storages.values())
 
 
