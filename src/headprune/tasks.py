@@ -68,6 +68,12 @@ def real_tokens(batch: dict) -> torch.Tensor:
     return torch.ones_like(batch["input_ids"], dtype=torch.bool)
 
 
+def max_positions(config) -> int | None:
+    """The longest sequence a config's position embeddings cover (GPT-2 `n_positions`, others
+    `max_position_embeddings`), or None when it names none."""
+    return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+
+
 def is_causal_lm(model: nn.Module) -> bool:
     """A next-token model (its architectures, else its class, end in ForCausalLM / LMHeadModel)."""
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in model.config.architectures or [type(model).__name__])

@@ -17,6 +17,8 @@ from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from headprune.tasks import max_positions
+
 log = logging.getLogger(__name__)
 
 
@@ -54,7 +56,7 @@ class EvaluationSettings:
         """The longest window fits the model's positions and the held-out text."""
         if not self.enabled:
             return
-        positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        positions = max_positions(model.config)
         longest = max(self.perplexity_seqs) + int(self.bos)
         if positions and longest > positions:
             raise ValueError(f"evaluation.perplexity_seqs: {max(self.perplexity_seqs)} tokens (+ BOS) exceed the model's "

@@ -35,7 +35,7 @@ from headprune.results import RunResults
 from headprune.models import load_tokenizer
 from headprune.selection.pruner import Pruner
 from headprune.scoring.attention import end_of_sentence_ids
-from headprune.tasks import VAL_METRICS, check_task, headline
+from headprune.tasks import VAL_METRICS, check_task, headline, max_positions
 
 log = logging.getLogger(__name__)
 register_schemas()
@@ -216,7 +216,7 @@ def _task(cfg: DictConfig) -> str:
 def _check_block_size(datamodule, model) -> None:
     """A causal-LM block must fit the model's position embeddings."""
     block = getattr(datamodule, "block_size", None)
-    positions = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    positions = max_positions(model.config)
     if block is not None and positions is not None and block > positions:
         raise ValueError(f"data.block_size={block} exceeds the model's {positions} positions; allowed: at most "
                          f"{positions} (or raise the model's n_positions / max_position_embeddings)")

@@ -28,6 +28,7 @@ from headprune.bench.variants import Variant, build_variants
 from headprune.costs.flops import model_attention_flops, ratio
 from headprune.costs.timing import Case, Clock, ModuleTimer, interleaved
 from headprune.heads.adapters import get_adapter
+from headprune.tasks import max_positions
 
 log = logging.getLogger(__name__)
 ATTN = ("eager", "sdpa")
@@ -83,7 +84,7 @@ def bench_decoder(variants: list[Variant], batch: int, prompt_len: int, new_toke
                   warmup: int, repeats: int, seed: int = 0, model_name: str = "") -> list[dict]:
     """One row per variant: prefill and per-token latency, attention share, KV-cache bytes."""
     config = variants[0].model.config
-    max_len = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    max_len = max_positions(config)
     if max_len is not None and prompt_len + new_tokens > max_len:
         raise ValueError(f"bench.decoder.prompt_len + bench.decoder.new_tokens = {prompt_len + new_tokens} exceeds "
                          f"the {model_name} config's {max_len} positions; allowed: at most {max_len}")

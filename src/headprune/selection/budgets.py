@@ -23,7 +23,7 @@ from torch import nn
 from headprune.costs.knapsack import best_allocation
 from headprune.costs.tables import LayerCosts, flops_costs, kv_costs, latency_costs
 from headprune.heads.adapters import model_shape
-from headprune.tasks import is_causal_lm
+from headprune.tasks import is_causal_lm, max_positions
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class CostBudget(Budget):
                              "sensitivity profile only to ignore it; allowed: layer_policy=global, uniform or depth_prior")
 
     def check_model(self, model: nn.Module, schedule) -> None:
-        positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+        positions = max_positions(model.config)
         if self.seq_matters and positions and self.seq > positions:
             raise ValueError(f"budget.seq={self.seq} exceeds the model's {positions} positions; allowed: at most "
                              f"{positions}")
