@@ -47,3 +47,14 @@ def _finite(value, where: str, places: list[str]):
     if isinstance(value, (list, tuple)):
         return [_finite(v, f"{where}/{i}", places) for i, v in enumerate(value)]
     return value
+
+
+def flatten(block: dict, sep: str = "/", prefix: str = "") -> dict:
+    """A nested mapping as one level, keys joined by `sep` ({"a": {"b": 1}} -> {"a/b": 1})."""
+    out = {}
+    for key, value in block.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, sep, f"{prefix}{key}{sep}"))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

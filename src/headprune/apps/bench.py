@@ -24,6 +24,7 @@ from headprune.bench.report import summary, write_reports
 from headprune.bench.sections import SECTIONS, Setup
 from headprune.costs.timing import Clock
 from headprune.lightning.loggers import finish_wandb
+from headprune.results import flatten
 
 log = logging.getLogger(__name__)
 register_bench_schema()
@@ -72,7 +73,7 @@ def _log(cfg: DictConfig, results: dict, paths: dict) -> None:
     loggers = instantiate_group(cfg.get("logger"))
     metrics = {f"bench/{section}/{key}": float(value)
                for section, block in results["summary"].items()
-               for key, value in _flat(block).items() if isinstance(value, (int, float, bool))}
+               for key, value in flatten(block).items() if isinstance(value, (int, float, bool))}
     for logger in loggers:
         logger.log_metrics(metrics)
         for section in SECTIONS:
@@ -84,16 +85,6 @@ def _log(cfg: DictConfig, results: dict, paths: dict) -> None:
             logger.log_image("bench/plot", images=[str(paths["png"])])
         logger.finalize("success")
     finish_wandb(loggers)
-
-
-def _flat(block: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in block.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}/"))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="bench")

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from headprune.results import flatten
+
 log = logging.getLogger(__name__)
 
 # the config keys that define an experiment; a resume must not change any of them
@@ -24,16 +26,7 @@ FREE = ("data.data_dir", "data.num_workers", "budget.cache_dir")
 
 def experiment(config: dict) -> dict:
     """The defining settings of a resolved config, flattened to dotted keys."""
-    flat: dict = {}
-
-    def walk(prefix: str, value) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        else:
-            flat[prefix] = value
-
-    walk("", {k: config.get(k) for k in DEFINING})
+    flat = flatten({k: config.get(k) for k in DEFINING}, sep=".")
     return {k: v for k, v in flat.items() if k not in FREE}
 
 
