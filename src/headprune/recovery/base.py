@@ -13,10 +13,15 @@ Hooks, in the order a run meets them:
 """
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 from torch import nn
 
 from headprune.tasks import forward_logits, per_example_loss
+
+log = logging.getLogger(__name__)
 
 
 class Recovery:
@@ -48,6 +53,33 @@ class Recovery:
     def take_train_stats(self) -> dict:
         """Extra per-round training figures (e.g. the teacher's forward time), reset after reading."""
         return {}
+
+
+class Reconstruction(Recovery):
+    """A recovery that trains nothing: once a round's heads are masked it rewrites gates or
+    biases against the unpruned model (`Pruner.dense`), records what it did under `record_key`
+    and the result under `val_after_mask_tuning` (the key the Pruner takes a round's result from
+    when nothing trains). A resumed run no longer has the unpruned model: it is refused."""
+
+    needs_dense: bool = True
+    record_key: str = ""  # results.json round entry of the report
+    label: str = ""  # what it does, for the log
+    resume_refusal: str = ""
+
+    def reconstruct(self, pruner, loaders) -> dict:
+        raise NotImplementedError
+
+    def resume(self, pruner) -> None:
+        raise ValueError(self.resume_refusal)
+
+    def after_round(self, pruner, record: dict, loaders) -> None:
+        start = time.perf_counter()
+        report = self.reconstruct(pruner, loaders)
+        record[self.record_key] = {**report, "seconds": round(time.perf_counter() - start, 3)}
+        if loaders.val is not None:
+            record["val_after_mask_tuning"] = pruner.evaluate(loaders.val)
+            log.info("round %d: %s in %.1f s -> val %s", record["round"], self.label,
+                     record[self.record_key]["seconds"], record["val_after_mask_tuning"])
 
 
 def trains_after_pruning(schedule) -> bool:

@@ -17,8 +17,6 @@ with zero Q/K/V biases), so export and a plain `from_pretrained` compute what wa
 """
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -28,40 +26,31 @@ from torch import nn
 from headprune.distributed import all_reduce_sum
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
-from headprune.recovery.base import Recovery
+from headprune.recovery.base import Reconstruction
 from headprune.recovery.blockwise import Stop
 from headprune.recovery.out_bias import bias_refusal, output_bias
 from headprune.tasks import forward_logits, real_tokens, to_device
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
-class BiasCompensation(Recovery):
+class BiasCompensation(Reconstruction):
     """`recovery=bias_compensation`: after each round, the removed heads' mean output over the
     calibration examples (the scoring slice, `data.score_samples`) becomes output bias."""
 
-    needs_dense: ClassVar[bool] = True
+    record_key: ClassVar[str] = "bias_compensation"
+    label: ClassVar[str] = "bias compensation"
+    resume_refusal: ClassVar[str] = ("recovery=bias_compensation takes the removed heads' means from the unpruned model, "
+                                     "which a resumed run no longer has; start the run again (it trains nothing, so it "
+                                     "is short)")
 
     def check_model(self, student: nn.Module) -> None:
         refusal = bias_refusal(student, "recovery=bias_compensation")
         if refusal:
             raise ValueError(refusal)
 
-    def resume(self, pruner) -> None:
-        raise ValueError("recovery=bias_compensation takes the removed heads' means from the unpruned model, which a "
-                         "resumed run no longer has; start the run again (it trains nothing, so it is short)")
-
-    def after_round(self, pruner, record: dict, loaders) -> None:
-        """Compensate, then record the report and the compensated model's validation metrics (under
-        `val_after_mask_tuning`, the key the Pruner takes a round's result from when nothing trains)."""
-        start = time.perf_counter()
-        report = compensate(pruner.model, pruner.mask, pruner.dense, loaders.score, pruner.max_batches)
-        record["bias_compensation"] = {**report, "seconds": round(time.perf_counter() - start, 3)}
-        if loaders.val is not None:
-            record["val_after_mask_tuning"] = pruner.evaluate(loaders.val)
-            log.info("round %d: bias compensation in %.1f s -> val %s", record["round"],
-                     record["bias_compensation"]["seconds"], record["val_after_mask_tuning"])
+    def reconstruct(self, pruner, loaders) -> dict:
+        return compensate(pruner.model, pruner.mask, pruner.dense, loaders.score, pruner.max_batches)
 
 
 @torch.no_grad()

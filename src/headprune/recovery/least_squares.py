@@ -24,8 +24,6 @@ output projection's own (`out_bias.py`), so the export computes what was evaluat
 """
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass, field
 from typing import ClassVar, List
 
@@ -34,17 +32,16 @@ from torch import nn
 
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.mask import HeadMask
-from headprune.recovery.base import Recovery
+from headprune.recovery.base import Reconstruction
 from headprune.recovery.blockwise import Stop, capture, run_block
 from headprune.recovery.normal_equations import NormalEquations, solve_scales
 from headprune.recovery.out_bias import bias_refusal, output_bias
 from headprune.tasks import real_tokens, to_device
 
-log = logging.getLogger(__name__)
 
 
 @dataclass
-class LeastSquares(Recovery):
+class LeastSquares(Reconstruction):
     """`recovery=least_squares`: after each round, tune the surviving heads' scales and each
     layer's output bias against the unpruned model (`Pruner.dense`). Calibration examples are
     the scoring slice (`data.score_samples`, from the training file)."""
@@ -53,7 +50,11 @@ class LeastSquares(Recovery):
     damp: float = 0.01
     bias: bool = True  # fit a bias per layer as well (folded into the output projection's bias)
 
-    needs_dense: ClassVar[bool] = True
+    record_key: ClassVar[str] = "mask_tuning"
+    label: ClassVar[str] = "least-squares mask tuning"
+    resume_refusal: ClassVar[str] = ("recovery=least_squares tunes each round against the unpruned model's outputs, which "
+                                     "a resumed run no longer has; start the run again (it trains nothing, so it is "
+                                     "short)")
 
     def __post_init__(self) -> None:
         low, high = (list(self.scale_range) + [None, None])[:2]
@@ -70,19 +71,8 @@ class LeastSquares(Recovery):
         if refusal:
             raise ValueError(f"{refusal}; or set recovery.bias=false (scales only)")
 
-    def resume(self, pruner) -> None:
-        raise ValueError("recovery=least_squares tunes each round against the unpruned model's outputs, which a resumed "
-                         "run no longer has; start the run again (it trains nothing, so it is short)")
-
-    def after_round(self, pruner, record: dict, loaders) -> None:
-        """Tune, then record the tuning report and the tuned model's validation metrics."""
-        start = time.perf_counter()
-        report = tune_scales(pruner.model, pruner.mask, pruner.dense, loaders.score, self, pruner.max_batches)
-        record["mask_tuning"] = {**report, "seconds": round(time.perf_counter() - start, 3)}
-        if loaders.val is not None:
-            record["val_after_mask_tuning"] = pruner.evaluate(loaders.val)
-            log.info("round %d: least-squares mask tuning in %.1f s -> val %s", record["round"],
-                     record["mask_tuning"]["seconds"], record["val_after_mask_tuning"])
+    def reconstruct(self, pruner, loaders) -> dict:
+        return tune_scales(pruner.model, pruner.mask, pruner.dense, loaders.score, self, pruner.max_batches)
 
 
 @dataclass
