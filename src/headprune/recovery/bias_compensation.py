@@ -32,7 +32,6 @@ from headprune.recovery.out_bias import bias_refusal, output_bias
 from headprune.tasks import forward_logits, real_tokens, to_device
 
 
-
 @dataclass
 class BiasCompensation(Reconstruction):
     """`recovery=bias_compensation`: after each round, the removed heads' mean output over the

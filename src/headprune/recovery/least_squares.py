@@ -39,7 +39,6 @@ from headprune.recovery.out_bias import bias_refusal, output_bias
 from headprune.tasks import real_tokens, to_device
 
 
-
 @dataclass
 class LeastSquares(Reconstruction):
     """`recovery=least_squares`: after each round, tune the surviving heads' scales and each
