@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -99,7 +99,3 @@ def evaluate_llm(model, tokenizer, datamodule, options: EvaluationSettings, data
     log.info("evaluation: %s", {k: v["ppl"] for k, v in out["perplexity"].items()}
              | {k: v["acc"] for k, v in out.get("zero_shot", {}).items()})
     return out
-
-
-def describe(options: EvaluationSettings) -> dict:
-    return asdict(options)
