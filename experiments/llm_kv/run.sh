@@ -3,7 +3,8 @@
 # calibration 16 x 512 tokens of Tiny Shakespeare's training part, whole KV groups, the same layout in
 # every layer (layer_policy=uniform), then perplexity at seq 128 and 2048 over the same 8,192 held-out
 # tokens, SST-2 zero-shot (first 200 validation sentences) and greedy chat answers.
-# Arms, at 2 of 3 KV groups kept (budget.target=0.67) and at 1 of 3 (budget.target=0.34):
+# Arms, at 2 of 3 KV groups kept (budget.target=0.67), at 1 of 3 (budget.target=0.34) and at 50% of
+# the query heads kept, placed globally (q50: budget=heads layer_policy=global):
 #   random_s{0,1,2}  random scores (3 seeds), no tuning
 #   magnitude        weight magnitude, no tuning
 #   taylor           Taylor (first-order) importance, no tuning
@@ -13,7 +14,7 @@
 #   fisher_re_bias   + bias compensation (FLAP) instead
 # The dense model is evaluated once, in the first run (`dense.json`). One torch thread per run; run
 # from the repository root with HEADPRUNE_DATA_DIR pointing at ../shared/data:
-#   bash experiments/llm_kv/run.sh [kv67|kv34|collect]   (no argument: all)
+#   bash experiments/llm_kv/run.sh [kv67|kv34|q50|collect]   (no argument: all)
 set -euo pipefail
 OUT=${OUT:-experiments/llm_kv/runs}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -29,6 +30,8 @@ declare -A ARM=(
     [fisher_re_bias]="metric=fisher pruning.rearrange=true recovery=bias_compensation"
 )
 # two streams side by side: ORDER="fisher_re_ls fisher_re fisher taylor" ... & ORDER="..." DENSE=false ...
+# 50% of the query heads, wherever the scores put them (KV groups shrink only where all 3 heads go)
+Q50="budget=heads layer_policy=global schedule.target_sparsity=0.5"
 ORDER=${ORDER:-"fisher_re_ls fisher_re_bias fisher_re fisher taylor magnitude random_s0 random_s1 random_s2"}
 one() {  # one <run name> <overrides...>
     local dir=$OUT/$1; shift
@@ -39,17 +42,18 @@ one() {  # one <run name> <overrides...>
     end=$(date +%s.%N)
     python -c "import json; json.dump({'wall_seconds': round($end - $start, 1), 'threads': $OMP_NUM_THREADS}, open('$dir/wall.json', 'w'))"
 }
-budget() {  # budget <tag> <budget.target>
-    local dense=${DENSE:-true}
+budget() {  # budget <tag> <budget overrides...>
+    local dense=${DENSE:-true} tag=$1; shift
     for arm in $ORDER; do
-        one "${arm}_$1" ${ARM[$arm]} budget.target=$2 evaluation.dense=$dense
+        one "${arm}_$tag" ${ARM[$arm]} "$@" evaluation.dense=$dense
         dense=false
     done
 }
 collect() { python experiments/llm_kv/collect.py --runs $OUT --out experiments/llm_kv; }
 case ${1:-all} in
-    kv67) budget kv67 0.67 ;;
-    kv34) budget kv34 0.34 ;;
+    kv67) budget kv67 budget.target=0.67 ;;
+    kv34) budget kv34 budget.target=0.34 ;;
+    q50) budget q50 $Q50 ;;
     collect) collect ;;
-    all) budget kv67 0.67; budget kv34 0.34; collect ;;
+    all) budget kv67 budget.target=0.67; budget kv34 budget.target=0.34; budget q50 $Q50; collect ;;
 esac
