@@ -226,9 +226,16 @@ def export_pruned(module: HeadPruneModule, directory: Path, results: RunResults,
                   tokenizer=None) -> None:
     """Fold the mask into the trained model (`deploy.fold`: gate values other than 0 and 1 scale
     their heads' output-projection columns, closed L0 gates and pruned heads leave the model) and
-    save it with `save_pruned`; record the export folder and parameter counts in results.json."""
+    save it with `save_pruned`, recording the dense model it came from (`model.pretrained`, a folder
+    made absolute; none for a random-init model, which no name rebuilds) so headprune-bench compares
+    the export with that model; record the export folder and parameter counts in results.json."""
     results.data["final"].update(fold(module.model, module.head_mask))
-    save_pruned(module.model, directory, tokenizer=tokenizer, overwrite=True)  # the run owns its export folder
+    model_cfg = results.data.get("config", {}).get("model") or {}
+    origin = None if model_cfg.get("random_init") else model_cfg.get("pretrained")
+    if origin is not None and Path(origin).expanduser().is_dir():
+        origin = str(Path(origin).expanduser().resolve())
+    save_pruned(module.model, directory, tokenizer=tokenizer, overwrite=True,  # the run owns its export folder
+                origin=origin)
     results.data["baseline"]["params"] = baseline_params
     results.data["final"].update(export_dir=str(directory), params=count_params(module.model))
     results.save()

@@ -3,7 +3,9 @@
 `save_pruned` writes a `save_pretrained` folder: a plain transformers checkpoint when every
 layer keeps the same query and KV heads of a family whose config carries `head_dim` (Llama,
 Mistral, Qwen2), otherwise the original config plus `headprune_layout.json`, from which
-`load_pruned` rebuilds the uneven shapes before the weights load.
+`load_pruned` rebuilds the uneven shapes before the weights load. Either file can record the
+dense model the export was pruned from (`dense_model`, read back by `read_origin`), so a benchmark
+compares the export with its real origin rather than with a model of its own (pruned) config.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from headprune.heads.surgery import _integer, apply_layout
 log = logging.getLogger(__name__)
 
 LAYOUT_FILE = "headprune_layout.json"
+EXPORT_FILE = "headprune_export.json"
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,8 @@ class Saved:
         return str(self.path)
 
 
-def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwrite: bool = False) -> Saved:
+def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwrite: bool = False,
+                origin: str | None = None) -> Saved:
     """`save_pretrained` folder the model loads from, with its tokenizer if given.
 
     When every layer keeps the same numbers of query heads and KV heads (whole KV groups, none
@@ -55,6 +59,10 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwri
     it with no headprune code (`headprune_export.json` beside it records the original ids of the
     heads kept). Otherwise the folder holds the original config plus `headprune_layout.json`, and
     `load_pruned` rebuilds the uneven shapes. The return value and the log say which.
+
+    `origin`: the dense model it was pruned from (a `model.pretrained` name or a folder), recorded as
+    `dense_model` in headprune_export.json / headprune_layout.json for `read_origin` (the bench's
+    dense baseline); None records none.
 
     A folder that already holds files is refused (old tokenizers or weights would be left beside
     the new model) unless `overwrite=True`, which replaces it.
@@ -72,7 +80,7 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwri
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
     try:
-        plain_hf, why = _write(model, staging, tokenizer)
+        plain_hf, why = _write(model, staging, tokenizer, origin)
         _publish(staging, directory)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -105,14 +113,16 @@ def _publish(staging: Path, directory: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write(model: nn.Module, directory: Path, tokenizer) -> tuple[bool, str]:
+def _write(model: nn.Module, directory: Path, tokenizer, origin: str | None) -> tuple[bool, str]:
     """Write the model (and tokenizer) into the empty folder `directory`: (plain_hf, why)."""
     adapter, layout = get_adapter(model), head_layout(model)
     counts, why = plain_counts(model)
+    recorded = {"dense_model": origin} if origin is not None else {}
     if counts is None:
         model.save_pretrained(directory)
         write_json_atomic(directory / LAYOUT_FILE, {"model_type": model.config.model_type,
-                                                    "num_heads": adapter.num_heads(model.config), "layout": layout})
+                                                    "num_heads": adapter.num_heads(model.config), "layout": layout,
+                                                    **recorded})
     else:
         config, head_dim = model.config, adapter.head_dim(model.config)
         names = (adapter.heads_attr, adapter.kv_heads_attr, "head_dim")
@@ -128,9 +138,9 @@ def _write(model: nn.Module, directory: Path, tokenizer) -> tuple[bool, str]:
                     setattr(config, k, saved[k])
                 elif k in config.__dict__:
                     delattr(config, k)
-        write_json_atomic(directory / "headprune_export.json", {
+        write_json_atomic(directory / EXPORT_FILE, {
             "plain_hf": True, "model_type": config.model_type, "original": saved,
-            "kept_heads": layout})
+            "kept_heads": layout, **recorded})
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return counts is not None, why
@@ -214,6 +224,19 @@ def read_layout(directory: str | Path) -> list[list[int]]:
             bad = next(h for h in kept if not 0 <= h < num_heads)
             raise ValueError(f"{path}: layer {i} keeps head {bad}, outside the original heads 0..{num_heads - 1}")
     return layout
+
+
+def read_origin(directory: str | Path) -> str | None:
+    """The dense model a `save_pruned` folder records it was pruned from (`dense_model` of its
+    headprune_export.json or headprune_layout.json), or None when it records none (older exports)."""
+    for name in (EXPORT_FILE, LAYOUT_FILE):
+        path = Path(directory) / name
+        if path.is_file():
+            try:
+                return json.loads(path.read_text()).get("dense_model")
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path} is not valid JSON (truncated or edited?): {err}") from None
+    return None
 
 
 def weight_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
