@@ -13,6 +13,7 @@ key/values are not inputs or outputs; each call reruns the whole prompt. Needs t
 """
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -81,15 +82,71 @@ def onnx_session(path: str | Path, threads: int | None = None):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+# The agreement rule: `agreement` measures, `judge` applies the bounds (headprune-export's
+# --tolerance, --rel-tolerance, --min-argmax-agreement; these are their defaults).
+ABS_TOLERANCE = 1e-3
+REL_TOLERANCE = 1e-4
+MIN_ARGMAX_AGREEMENT = 1.0
+
+
+def agreement(got: torch.Tensor, want: torch.Tensor) -> dict:
+    """How ONNX Runtime's logits `got` agree with PyTorch's `want`, both (..., classes or vocab),
+    holding only the positions that are compared (causal LM: real tokens):
+
+    - `max_abs_diff`: max |got - want|;
+    - `logit_scale`: max |want|, and `rel_diff` = max_abs_diff / logit_scale (the difference
+      against the size of the logits, which grows with depth and width: a 30-layer float32
+      decoder differs by ~1e-4 in absolute terms with logits of tens);
+    - `argmax_agreement`: the fraction of the `positions` whose argmax (class, next token) is
+      the same in both, and `min_top2_margin`, the smallest gap between PyTorch's two largest
+      logits (a disagreement where it is below 2 x max_abs_diff is a near-tie).
+
+    A figure that is not a finite number (NaN in the logits; rel_diff with all-zero PyTorch
+    logits) is None, and `finite` is False then: results files are strict JSON."""
+    got, want = got.float().reshape(-1, got.shape[-1]), want.float().reshape(-1, want.shape[-1])
+    diff = float((got - want).abs().max()) if got.numel() else 0.0
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    rel = diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
+    same = got.argmax(-1) == want.argmax(-1)
+    top2 = want.topk(2, dim=-1).values if want.shape[-1] > 1 and want.shape[0] else None
+    finite = all(math.isfinite(x) for x in (diff, scale, rel))
+    diff, scale, rel = (x if math.isfinite(x) else None for x in (diff, scale, rel))
+    return {"finite": finite, "max_abs_diff": diff, "logit_scale": scale, "rel_diff": rel,
+            "argmax_agreement": float(same.float().mean()) if same.numel() else 1.0, "positions": int(same.numel()),
+            "min_top2_margin": float((top2[:, 0] - top2[:, 1]).min()) if top2 is not None else None}
+
+
+def judge(figures: dict, tolerance: float = ABS_TOLERANCE, rel_tolerance: float = REL_TOLERANCE,
+          min_argmax: float = MIN_ARGMAX_AGREEMENT) -> list[str]:
+    """The bounds `figures` (from `agreement`) break, one line each; empty when it passes. Passing
+    means all of: max_abs_diff <= `tolerance` (an absolute ceiling), rel_diff <= `rel_tolerance`,
+    argmax_agreement >= `min_argmax` (default 1.0: every argmax equal). A figure `figures`
+    lacks is not judged."""
+    failures = [] if figures.get("finite", True) else [
+        f"a figure is not finite (max_abs_diff {figures.get('max_abs_diff')}, rel_diff {figures.get('rel_diff')}): "
+        "NaN or infinite logits, or all-zero PyTorch logits with a difference"]
+    diff, rel, argmax = figures.get("max_abs_diff"), figures.get("rel_diff"), figures.get("argmax_agreement")
+    if diff is not None and not diff <= tolerance:
+        failures.append(f"max_abs_diff {diff:.3g} exceeds --tolerance {tolerance:g}")
+    if rel is not None and not rel <= rel_tolerance:
+        failures.append(f"rel_diff {rel:.3g} (max_abs_diff / max |PyTorch logit| {figures.get('logit_scale', 0):.4g}) "
+                        f"exceeds --rel-tolerance {rel_tolerance:g}")
+    if argmax is not None and not argmax >= min_argmax:
+        failures.append(f"argmax_agreement {argmax:.4f} over {figures.get('positions')} positions (smallest PyTorch "
+                        f"top-2 margin {figures.get('min_top2_margin')}) is below --min-argmax-agreement {min_argmax:g}")
+    return failures
+
+
 @torch.no_grad()
 def check_onnx(model: nn.Module, path: str | Path, batch: int = 3, seq: int = 11, seed: int = 1) -> dict:
-    """Max absolute difference between ONNX Runtime's and PyTorch's logits on a batch of another
-    shape than the export's (causal LM: on real tokens only; padded positions are not defined)."""
+    """`agreement` of ONNX Runtime's and PyTorch's logits on a batch of another shape than the
+    export's (causal LM: on real tokens only; padded positions are not defined)."""
     example = example_inputs(model, batch, seq, seed)
     session = onnx_session(path)
     got = torch.from_numpy(session.run(None, {k: v.cpu().numpy() for k, v in example.items()})[0])
+    shape = list(got.shape)
     want = model.eval()(**example).logits.float().cpu()
-    diff = (got - want).abs()
-    if diff.dim() == 3:
-        diff = diff[example["attention_mask"].bool().cpu()]
-    return {"max_abs_diff": float(diff.max()), "batch": batch, "seq": seq, "logits_shape": list(got.shape)}
+    if got.dim() == 3:
+        real = example["attention_mask"].bool().cpu()
+        got, want = got[real], want[real]
+    return {**agreement(got, want), "batch": batch, "seq": seq, "logits_shape": shape}
