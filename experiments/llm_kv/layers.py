@@ -126,12 +126,287 @@ def sensitivity(args) -> None:
     write_json(path, data)
 
 
+# -- 2. sink and near-duplicate heads, and what the runs removed ----------------------------------
+SINK_THRESHOLDS = (0.8, 0.5)  # 0.8: the project's diagnostics.special_threshold default
+DUPLICATE_THRESHOLD = 0.2     # the project's diagnostics.duplicate_threshold default
+GROUP = 3                     # query heads per KV group (SmolLM2: 9 query heads, 3 KV heads)
+N_LAYERS = 30                 # SmolLM2-135M's layers (depth = layer / 29)
+
+
+def first_token_share(model, mask, dataloader):
+    """(layers, heads) mean attention weight on the first position of each block, averaged over
+    queries 1.. (query 0 sees only itself) and blocks: the attention sink."""
+    import torch
+
+    from headprune.heads.adapters import head_layout
+    from headprune.scoring.attention import attention_maps
+
+    layout = head_layout(model)
+    total, count = torch.zeros(mask.num_layers, mask.num_heads, dtype=torch.float64), 0
+    for batch, maps in attention_maps(model, dataloader, mask.mask.device):
+        if "attention_mask" in batch and not bool(batch["attention_mask"].all()):
+            raise ValueError("padded blocks: the first position would not be the first token")
+        for layer, p in enumerate(maps):  # (B, h, T, T)
+            total[layer, layout[layer]] += p[:, :, 1:, 0].mean(-1).sum(0).double().cpu()
+        count += batch["input_ids"].shape[0]
+    return total / count
+
+
+def removals() -> dict:
+    """{run stem: what it removed} from experiments/llm_kv/results/*.json (with each file's sha256)."""
+    out = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        raw = path.read_bytes()
+        run = json.loads(raw)
+        cfg = run["config"]
+        out[path.stem] = {"source": str(path.relative_to(REPO)), "sha256": hashlib.sha256(raw).hexdigest(),
+                          "metric": cfg["metric"]["_target_"].rsplit(".", 1)[-1],
+                          "metric_seed": cfg["metric"].get("seed"), "rearrange": cfg["pruning"]["rearrange"],
+                          "recovery": cfg["recovery"]["_target_"].rsplit(".", 1)[-1],
+                          "budget_target": cfg["budget"]["target"], "rounds": len(run["rounds"]),
+                          "heads_per_layer": run["final"]["heads_per_layer"],
+                          "pruned": sorted(run["final"]["pruned"])}
+    return out
+
+
 def heads(args) -> None:
-    raise NotImplementedError("heads: next commit")
+    import torch
+    from torch.utils.data import DataLoader
+
+    from headprune.heads.mask import HeadMask
+    from headprune.scoring.diagnostics import head_diagnostics
+
+    torch.set_num_threads(args.threads)
+    start, load_start = time.perf_counter(), os.getloadavg()
+    model, tokenizer, dm = load(args.data_dir)
+    mask = HeadMask.for_model(model)
+    calibration = dm.score_dataloader()  # the blocks experiment=llm_kv scores heads on (no BOS)
+    blocks = [dm.score_set[i]["input_ids"] for i in range(len(dm.score_set))]
+    bos = torch.tensor([tokenizer.bos_token_id])
+    with_bos = DataLoader([{"input_ids": torch.cat([bos, b])} for b in blocks], batch_size=DATA["eval_batch_size"])
+    sink = first_token_share(model, mask, calibration)
+    diag = head_diagnostics(model, mask, calibration, tokenizer=tokenizer, metrics=(),
+                            duplicate_threshold=DUPLICATE_THRESHOLD, special_threshold=SINK_THRESHOLDS[0])
+    diag_bos = head_diagnostics(model, mask, with_bos, tokenizer=tokenizer, metrics=(),
+                                duplicate_threshold=DUPLICATE_THRESHOLD, special_threshold=SINK_THRESHOLDS[0])
+    data = {"command": "python experiments/llm_kv/layers.py heads " + " ".join(args.argv), "commit": commit(),
+            "torch_threads": torch.get_num_threads(), "finished": now(), "seconds": round(time.perf_counter() - start, 1),
+            "load_average_start": load_start, "load_average_end": os.getloadavg(),
+            "calibration": {"blocks": len(blocks), "block_size": DATA["block_size"], "seed": DATA["seed"],
+                            "source": "TextLMDataModule.score_set of experiment=llm_kv (training part, no BOS)"},
+            "sink_thresholds": list(SINK_THRESHOLDS), "duplicate_threshold": DUPLICATE_THRESHOLD, "group_size": GROUP,
+            "first_token_share": [[round(float(x), 6) for x in row] for row in sink],
+            "diagnostics": diag.to_json(),
+            "diagnostics_bos": diag_bos.to_json(),
+            "removals": removals()}
+    write_json(OUT / "heads.json", data)
+    print(f"heads.json: {data['seconds']} s", flush=True)
+
+
+# -- 3. tables and plot from the raw json ------------------------------------------------------
+def change(ppl: float, dense: float) -> str:
+    return f"{100 * (ppl / dense - 1):+.1f}%"
+
+
+def sensitivity_rows(sens: dict) -> list[dict]:
+    """One row per layer: layer, depth (0..1), ppl and loss rise per measured seq."""
+    n = N_LAYERS
+    rows = []
+    for key in sorted(sens["layers"], key=int):
+        layer = sens["layers"][key]
+        row = {"layer": layer["layer"], "depth": layer["layer"] / (n - 1)}
+        for seq in sens["dense"]:
+            if seq in layer:
+                row[seq] = layer[seq]["ppl"]
+                row[f"{seq}_loss_rise"] = layer[seq]["loss"] - sens["dense"][seq]["loss"]
+        rows.append(row)
+    return rows
+
+
+def minilm_rows(profile: dict) -> list[dict]:
+    """MiniLM (6 layers, SST-2): every head of one layer masked (share 1.0)."""
+    rows = [r for r in profile["rows"] if r["layer"] is not None and r["share"] == 1.0]
+    n = len(rows)
+    return [{"layer": r["layer"], "depth": r["layer"] / (n - 1), "loss_rise": r["loss_change"],
+             "acc_change": r["acc_change"]} for r in sorted(rows, key=lambda r: r["layer"])]
+
+
+def sensitivity_md(sens: dict, profile: dict) -> str:
+    seqs = list(sens["dense"])
+    settings = dict(zip((f"seq{s}" for s in sens["settings"]["seqs"]), sens["settings"]["tokens"]))
+    lines = ["## One layer removed (every KV group of the layer masked)", "",
+             "Dense: " + ", ".join(f"perplexity {sens['dense'][s]['ppl']:.2f} at {s.replace('seq', 'seq ')} "
+                                   f"({settings[s]:,} held-out tokens, {sens['dense'][s]['windows']} windows)"
+                                   for s in seqs) + ".", "",
+             "| layer | depth | " + " | ".join(f"ppl {s.replace('seq', 'seq ')} | change" for s in seqs) + " |",
+             "|---:|---:|" + "---:|---:|" * len(seqs)]
+    for row in sensitivity_rows(sens):
+        cells = []
+        for s in seqs:
+            cells += [f"{row[s]:.2f}", change(row[s], sens["dense"][s]["ppl"])] if s in row else ["–", "–"]
+        lines.append(f"| {row['layer']} | {row['depth']:.2f} | " + " | ".join(cells) + " |")
+    lines += ["", "MiniLM on SST-2 (experiments/layer_sensitivity/profile.json, every head of one layer masked):", "",
+              "| layer | depth | loss rise | accuracy change (points) |", "|---:|---:|---:|---:|"]
+    for row in minilm_rows(profile):
+        lines.append(f"| {row['layer']} | {row['depth']:.2f} | {row['loss_rise']:+.4f} | {100 * row['acc_change']:+.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(sens: dict, profile: dict, path: Path) -> None:
+    from headprune.plots import plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    rows = sensitivity_rows(sens)
+    for seq, marker in zip(sens["dense"], ("o", "s")):
+        pts = [(r["depth"], r[f"{seq}_loss_rise"]) for r in rows if seq in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, ms=3.5,
+                label=f"SmolLM2-135M (30 layers), perplexity {seq.replace('seq', 'seq ')}")
+    mini = minilm_rows(profile)
+    ax.plot([r["depth"] for r in mini], [r["loss_rise"] for r in mini], marker="^", color="black",
+            label="MiniLM (6 layers), SST-2 dev loss")
+    ax.axhline(0.0, color="grey", lw=0.8)
+    ax.set_yscale("symlog", linthresh=0.01)
+    ax.set_xlabel("depth of the removed layer (layer / (layers - 1))")
+    ax.set_ylabel("loss rise (nats per token / per sentence)")
+    ax.set_title("One layer's attention removed, everything else intact")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def head_sets(heads: dict) -> dict:
+    """Sink heads per threshold (calibration and BOS-first), sink groups, near-duplicate pairs."""
+    share = heads["first_token_share"]
+    share_bos = heads["diagnostics_bos"]["special_tokens"]["share"]
+    g = heads["group_size"]
+    out = {"share": share, "share_bos": share_bos}
+    for t in heads["sink_thresholds"]:
+        for name, sh in (("calib", share), ("bos", share_bos)):
+            sinks = {(l, h) for l, row in enumerate(sh) for h, x in enumerate(row) if x >= t}
+            out[f"sinks_{name}_{t}"] = sinks
+            groups = {}
+            for l, h in sinks:
+                groups[(l, h // g)] = groups.get((l, h // g), 0) + 1
+            out[f"sink_groups_{name}_{t}"] = {k for k, n in groups.items() if 2 * n > g}  # most of its heads
+            out[f"sink_groups_any_{name}_{t}"] = set(groups)
+    pairs = [(p["layer"], *p["heads"]) for p in heads["diagnostics"]["redundancy"]["near_duplicates"]]
+    out["pairs"] = pairs
+    out["pairs_cross"] = [(l, i, j) for l, i, j in pairs if i // g != j // g]
+    out["dup_heads"] = {(l, h) for l, i, j in pairs for h in (i, j)}
+    out["dup_heads_cross"] = {(l, h) for l, i, j in out["pairs_cross"] for h in (i, j)}
+    return out
+
+
+ARMS = [  # (label, run stems averaged); fisher_re's removals are those of fisher_re_ls / fisher_re_bias too
+    ("random (3 seeds)", ["random_s0_kv67", "random_s1_kv67", "random_s2_kv67"]),
+    ("magnitude", ["magnitude_kv67"]), ("Taylor", ["taylor_kv67"]), ("Fisher", ["fisher_kv67"]),
+    ("Fisher + rearrangement", ["fisher_re_kv67"]),
+    ("random (seed 0), 1 of 3 kept", ["random_s0_kv34"]), ("Fisher + rearrangement, 1 of 3 kept", ["fisher_re_kv34"]),
+]
+
+
+def removal_stats(removed: set, sets: dict, threshold: float, g: int) -> dict:
+    def share(items):
+        return (sum(x in removed for x in items) / len(items)) if items else float("nan")
+
+    groups_removed = {(l, h // g) for l, h in removed}
+    out = {"removed": len(removed),
+           "sink_calib": share(sets[f"sinks_calib_{threshold}"]), "sink_bos": share(sets[f"sinks_bos_{threshold}"]),
+           "sink_groups": (sum(k in groups_removed for k in sets[f"sink_groups_calib_{threshold}"])
+                           / len(sets[f"sink_groups_calib_{threshold}"])) if sets[f"sink_groups_calib_{threshold}"]
+           else float("nan"),
+           "dup_heads": share(sets["dup_heads"]), "dup_heads_cross": share(sets["dup_heads_cross"])}
+    both = one = 0
+    for l, i, j in sets["pairs_cross"]:
+        n = ((l, i) in removed) + ((l, j) in removed)
+        both += n == 2
+        one += n == 1
+    out["pairs_one"], out["pairs_both"] = one, both
+    out["pairs_neither"] = len(sets["pairs_cross"]) - one - both
+    kept_sum = [sets["share"][l][h] for l in range(len(sets["share"])) for h in range(len(sets["share"][0]))
+                if (l, h) not in removed]
+    gone = [sets["share"][l][h] for l, h in removed]
+    out["mean_sink_removed"] = sum(gone) / len(gone)
+    out["mean_sink_kept"] = sum(kept_sum) / len(kept_sum)
+    return out
+
+
+def heads_md(heads: dict) -> str:
+    g, total = heads["group_size"], len(heads["first_token_share"]) * len(heads["first_token_share"][0])
+    sets = head_sets(heads)
+    t0 = heads["sink_thresholds"][0]
+    fmt = lambda hs: ", ".join(f"{l}.{h}" for l, h in sorted(hs)) or "none"  # noqa: E731
+    lines = ["## Attention-sink and near-duplicate heads (dense model, calibration blocks)", "",
+             f"Calibration: {heads['calibration']['blocks']} x {heads['calibration']['block_size']} tokens "
+             "(the blocks experiment=llm_kv scores heads on, no BOS). Sink share: mean attention weight on the "
+             "block's first token over queries 2..512 (`calib`), and on a BOS put before each block "
+             "(`bos`, the project's special-token share). Heads as layer.head; KV group = head // 3.", "",
+             "| rule | sink heads (calib) | sink heads (bos) | sink groups, most heads (calib) | sink groups, any head (calib) |",
+             "|---|---:|---:|---:|---:|"]
+    for t in heads["sink_thresholds"]:
+        lines.append(f"| share >= {t} | {len(sets[f'sinks_calib_{t}'])} | {len(sets[f'sinks_bos_{t}'])} | "
+                     f"{len(sets[f'sink_groups_calib_{t}'])} | {len(sets[f'sink_groups_any_calib_{t}'])} |")
+    per_layer = [sum(x >= t0 for x in row) for row in sets["share"]]
+    lines += ["", f"Sink heads (calib, share >= {t0}) per layer: " + " ".join(map(str, per_layer)) + ".",
+              f"Sink heads (calib, share >= {t0}): {fmt(sets[f'sinks_calib_{t0}'])}.", "",
+              f"Near-duplicate pairs (mean JS distance < {heads['duplicate_threshold']}, same layer): "
+              f"{len(sets['pairs'])}, of which {len(sets['pairs_cross'])} across two KV groups "
+              "(a pair inside one group is always removed whole, with its group): " +
+              (", ".join(f"{l}.{i}-{l}.{j}" for l, i, j in sets["pairs"]) or "none") + ".", "",
+              "## What each run removed", "",
+              f"Share of each kind of head (or group) that the run removed; the overall removal rate is the "
+              f"`removed` share. Sinks at share >= {t0}; a sink group has most (2 or 3) of its heads sinks. "
+              "Duplicate heads: heads in a near-duplicate pair (`cross`: pairs across two groups). Cross-group "
+              "pairs: how many lost one head / both / neither. Mean sink share (calib) of the removed and the kept heads.", "",
+              "| arm | removed | sink heads (calib) | sink heads (bos) | sink groups | duplicate heads | duplicate heads, cross "
+              "| cross pairs one / both / neither | mean sink share removed / kept |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    pct = lambda x: "–" if x != x else f"{100 * x:.0f}%"  # noqa: E731
+    counts = {"sink_calib": len(sets[f"sinks_calib_{t0}"]), "sink_bos": len(sets[f"sinks_bos_{t0}"]),
+              "sink_groups": len(sets[f"sink_groups_calib_{t0}"]), "dup_heads": len(sets["dup_heads"]),
+              "dup_heads_cross": len(sets["dup_heads_cross"])}
+
+    def cell(mean: dict, key: str, single: bool) -> str:
+        if not single or mean[key] != mean[key]:
+            return pct(mean[key])
+        return f"{pct(mean[key])} ({round(mean[key] * counts[key])} of {counts[key]})"
+
+    for label, stems in ARMS:
+        stats = [removal_stats({tuple(h) for h in heads["removals"][s]["pruned"]}, sets, t0, g) for s in stems]
+        mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+        single = len(stems) == 1
+        lines.append(f"| {label} | {pct(mean['removed'] / total)} ({mean['removed']:g} of {total}) | "
+                     + " | ".join(cell(mean, k, single) for k in counts) + " | "
+                     f"{mean['pairs_one']:.3g} / {mean['pairs_both']:.3g} / {mean['pairs_neither']:.3g} | "
+                     f"{mean['mean_sink_removed']:.3f} / {mean['mean_sink_kept']:.3f} |")
+    lines += ["", "Every run removes whole KV groups, the same number in each layer (`layer_policy=uniform`): 1 of 3 "
+              "groups per layer at 2 of 3 kept, 2 of 3 at 1 of 3 kept, so random choice removes any head or group "
+              "with probability 1/3 (2/3), and a cross-group pair loses exactly one head with probability 2/3 "
+              "(at 2 of 3 kept; never both) or 2/3 (at 1 of 3 kept; both with probability 1/3).",
+              "", "Runs: " + ", ".join(f"`{s}`" for _, stems in ARMS for s in stems) + " (experiments/llm_kv/results/; "
+              "`fisher_re_ls_*` and `fisher_re_bias_*` removed the same heads as `fisher_re_*`)."]
+    return "\n".join(lines) + "\n"
+
+
+def markdown(sens: dict, heads: dict | None, profile: dict) -> str:
+    text = ("# SmolLM2-135M-Instruct layer by layer (generated by experiments/llm_kv/layers.py report "
+            "from sensitivity.json, heads.json and experiments/layer_sensitivity/profile.json)\n\n")
+    text += sensitivity_md(sens, profile)
+    if heads is not None:
+        text += "\n" + heads_md(heads)
+    return text
 
 
 def report(args) -> None:
-    raise NotImplementedError("report: next commit")
+    sens = json.loads((OUT / "sensitivity.json").read_text())
+    heads_path = OUT / "heads.json"
+    heads = json.loads(heads_path.read_text()) if heads_path.exists() else None
+    profile = json.loads(MINILM_PROFILE.read_text())
+    (OUT / "layers.md").write_text(markdown(sens, heads, profile))
+    plot(sens, profile, OUT / "sensitivity.png")
+    print((OUT / "layers.md").read_text())
 
 
 def main() -> None:
