@@ -174,8 +174,9 @@ def test_decoder_rows_and_exact_kv_cache_ratios(quick_run):
 def test_pruned_dir_benchmarks_the_exported_model(tmp_path):
     model = build_decoder({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4, "n_positions": 64,
                            "vocab_size": 128, "bos_token_id": 0, "eos_token_id": 0})
+    model.save_pretrained(tmp_path / "dense")  # the origin the export records (its dense baseline)
     prune_heads(model, {0: [0, 1, 2], 1: [3]})
-    save_pruned(model, tmp_path / "export")
+    save_pruned(model, tmp_path / "export", origin=str(tmp_path / "dense"))
     results = run(compose_bench(tmp_path, f"bench.pruned_dir={tmp_path / 'export'}", "bench.encoder.enabled=false"))
     rows = {r["variant"]: r for r in results["decoder"]}
     assert set(rows) == {"dense", "masked", "exported", "unstructured_dense"}
@@ -236,7 +237,7 @@ def test_a_registered_section_is_configured_run_and_rendered(toy, tmp_path):
 
 
 def test_sections_register_once_in_report_order():
-    assert list(SECTIONS) == ["encoder", "train_step", "onnxruntime", "decoder"]
+    assert list(SECTIONS) == ["encoder", "train_step", "onnxruntime", "decoder", "llm"]
     with pytest.raises(ValueError, match="'encoder' is registered twice"):
         register(replace(SECTIONS["encoder"], table=lambda rows: []))
 

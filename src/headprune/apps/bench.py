@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import subprocess
 from pathlib import Path
 
 import hydra
@@ -59,9 +60,21 @@ def _meta(cfg: DictConfig, device: torch.device) -> dict:
     return {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else os.uname().machine,
             "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "quick": bool(cfg.bench.quick), "load_before": _load(),
+            "quick": bool(cfg.bench.quick), "load_before": _load(), "commit": _commit(),
             "config": OmegaConf.to_container(cfg.bench, resolve=True),
             "model": OmegaConf.to_container(cfg.model, resolve=True)}
+
+
+def _commit() -> str | None:
+    """The checkout's commit (+ "-dirty" with uncommitted changes), None outside a git checkout."""
+    where = ["git", "-C", str(Path(__file__).resolve().parent)]
+    try:
+        head = subprocess.run([*where, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run([*where, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "") if head.returncode == 0 else None
 
 
 def _load() -> list[float]:

@@ -17,6 +17,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
+from headprune.bench.origin import origin_of
 from headprune.bench.sections import SECTIONS, one_of
 from headprune.bench.variants import LAYOUTS
 
@@ -33,6 +34,7 @@ class BenchSettings:
     threads: int = MISSING
     dtype: str = MISSING
     pruned_dir: Optional[str] = None
+    dense_model: Optional[str] = None
     sparsities: List[float] = MISSING
     layouts: List[str] = MISSING
     warmup: int = MISSING
@@ -81,5 +83,7 @@ def check(bench: DictConfig) -> None:
             raise ValueError(f"bench.sparsities contains {s}; allowed: values with 0 < sparsity < 1")
     for layout in bench.layouts:
         one_of("bench.layouts", layout, LAYOUTS)
+    if bench.pruned_dir:  # its dense origin must be known before any work (bench/origin.py)
+        origin_of(bench.pruned_dir, bench.dense_model)
     for section in SECTIONS.values():
         section.check(bench[section.name], bench)

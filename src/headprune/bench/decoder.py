@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import statistics
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 from omegaconf import MISSING, OmegaConf
@@ -109,7 +109,8 @@ def bench_decoder(variants: list[Variant], batch: int, prompt_len: int, new_toke
             "prefill_ms": pre.median_ms, "per_token_ms": step.median_ms,
             "prefill_ratio": stats["0:prefill"].median_ms / pre.median_ms,
             "per_token_ratio": stats["0:decode"].median_ms / stats[f"{i}:decode"].median_ms,
-            "per_token_attention_share": attention_share(v.model, prompt, new_tokens, clock, repeats),
+            "per_token_attention_share": attention_share(v.model, lambda m=v.model: prefill(m, prompt), new_tokens,
+                                                         clock, repeats),
             "kv_cache_bytes": kv[i], "kv_ratio": kv[i] / kv[0],
             "theoretical_attention_ratio": ratio(flops[0], flops[i]),
             "heads_kept": sum(v.heads), "kv_heads_kept": sum(v.kv_heads),
@@ -118,14 +119,16 @@ def bench_decoder(variants: list[Variant], batch: int, prompt_len: int, new_toke
     return rows
 
 
-def attention_share(model: nn.Module, prompt: torch.Tensor, new_tokens: int, clock: Clock, repeats: int) -> float:
-    """Median share of decode time spent inside the attention modules (hooked pass, not the timed one)."""
+def attention_share(model: nn.Module, start: Callable[[], tuple], new_tokens: int, clock: Clock,
+                    repeats: int) -> float:
+    """Median share of decode time spent inside the attention modules (hooked pass, not the timed one);
+    each pass decodes `new_tokens` from the (cache, token) `start()` gives (a prefill, a cropped cache)."""
     adapter = get_adapter(model)
     modules = [adapter.attention(block) for block in adapter.blocks(model)]
     shares = []
     with torch.no_grad():
         for _ in range(repeats):
-            cache, token = prefill(model, prompt)
+            cache, token = start()
             with ModuleTimer(modules, clock) as timer:
                 total = clock.time(lambda: decode(model, cache, token, new_tokens))
             shares.append(timer.total_ms / total)

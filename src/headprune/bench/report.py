@@ -34,7 +34,8 @@ def markdown(results: dict) -> str:
     if meta:
         lines += [f"device: {meta.get('device')}, threads: {meta.get('threads')}, torch {meta.get('torch')}, "
                   f"transformers {meta.get('transformers')}, load average before/after: "
-                  f"{meta.get('load_before')} / {meta.get('load_after')}", ""]
+                  f"{meta.get('load_before')} / {meta.get('load_after')}"
+                  + (f", commit {meta['commit']}" if meta.get("commit") else ""), ""]
     lines += summary_lines(results.get("summary", {}))
     for name, section in SECTIONS.items():
         if results.get(name):

@@ -10,7 +10,6 @@ conf/bench.yaml.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List
 
@@ -19,6 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import MISSING, DictConfig, OmegaConf
 from torch import nn
 
+from headprune.bench.origin import load_dense, origin_of
 from headprune.bench.variants import KINDS, Variant, build_variants, exported_variants
 from headprune.costs.timing import Clock
 from headprune.tasks import is_causal_lm
@@ -78,11 +78,13 @@ class Setup:
         return self.exported is not None and is_causal_lm(self.exported)
 
     def exported_variants(self, kinds) -> tuple[str, list[Variant]]:
-        """(model name, variants) around the exported model, against a random-init dense model of its config."""
-        torch.manual_seed(self.cfg.seed)
-        dense = type(self.exported)(copy.deepcopy(self.exported.config)).eval().to(self.device, self.dtype)
+        """(model name, variants) around the exported model, against the dense model it was pruned
+        from (bench/origin.py: bench.dense_model, else the one the export records)."""
+        pruned_dir = self.bench.pruned_dir
+        origin = origin_of(pruned_dir, self.bench.dense_model)
+        dense = load_dense(origin, self.exported, pruned_dir, self.device, self.dtype)
         exported = self.exported.eval().to(self.device, self.dtype)
-        return f"exported:{self.bench.pruned_dir}", exported_variants(dense, exported, list(kinds))
+        return f"exported:{pruned_dir} (dense: {origin})", exported_variants(dense, exported, list(kinds))
 
     def encoder_variants(self, kinds: dict[str, list[float]], layouts: list[str]) -> tuple[str, list[Variant]]:
         """(model name, variants) of the encoder: the exported model when it is one, else `model`."""

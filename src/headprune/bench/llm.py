@@ -1,0 +1,219 @@
+"""Decode on a pretrained causal LM against its pruned exports, each speed-up next to its bound.
+
+Why: the `decoder` section times random-init toy decoders at one shape; serving asks what a real
+model's exports (bench.llm.pruned_dirs, else bench.pruned_dir) save against the dense model they
+came from (bench/origin.py) at long prompts and several batches. It reuses the decoder section's
+prefill / decode / attention_share / kv_cache_bytes and the interleaved clock. Per thread count
+and prompt length:
+- one untimed batch-1 prefill per model gives the prompt's cache; the batch-B cache is that cache
+  repeated B times along the batch (`batch_repeat_interleave`): the shapes and work of B prompts
+  without B prefills (minutes each at 4096 tokens on one CPU thread);
+- per batch, one interleaved run of every model: the prefill of the (B, prompt_len) prompt (only
+  for batches in `prefill_batches`) and `new_tokens` greedy steps from the cache, cropped back to
+  the prompt before each round (untimed); per-token = that time / new_tokens;
+- KV bytes: `kv_cache_bytes` of the batch-B cache (prompt_len positions);
+- bound: `share` = median share of a dense decode step spent inside the attention modules (a
+  hooked pass: Q/K/V/O projections, RoPE, cache update, attention over the cache); `kept` = the
+  pruned model's attention FLOPs over the same decode steps / the dense model's (costs.flops);
+  Amdahl: bound = 1 / (1 - share * (1 - kept)).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import List
+
+import torch
+from omegaconf import MISSING
+
+from headprune.bench import render
+from headprune.bench.decoder import attention_share, decode, kv_cache_bytes, prefill
+from headprune.bench.origin import export_name, load_dense, origin_of
+from headprune.bench.sections import Section, Setup, register
+from headprune.bench.variants import Variant, exported_variants
+from headprune.costs.flops import model_attention_flops
+from headprune.costs.timing import Case, interleaved
+from headprune.deploy.hf import load_pruned
+from headprune.heads.adapters import get_adapter
+from headprune.tasks import is_causal_lm, max_positions
+
+log = logging.getLogger(__name__)
+TARGET = 0.95  # target: per-token speed-up at the longest prompt within 5% of its bound
+
+
+@dataclass
+class LLMSettings:
+    enabled: bool = MISSING
+    pruned_dirs: List[str] = MISSING  # the exports; [] -> [bench.pruned_dir]
+    prompt_lens: List[int] = MISSING
+    batches: List[int] = MISSING
+    prefill_batches: List[int] = MISSING  # batches whose prefill is timed (a subset of `batches`)
+    threads: List[int] = MISSING
+    new_tokens: int = MISSING
+
+
+def exports(bench) -> list[str]:
+    return list(bench.llm.pruned_dirs) or ([bench.pruned_dir] if bench.pruned_dir else [])
+
+
+def origin(bench) -> str:
+    """The one dense model every export came from (bench.dense_model overrides the records)."""
+    found = {d: origin_of(d, bench.dense_model) for d in exports(bench)}
+    if len(set(found.values())) > 1:
+        raise ValueError(f"bench.llm.pruned_dirs come from different dense models ({found}); allowed: exports of "
+                         "one model (or name it: bench.dense_model=<name or folder>)")
+    return next(iter(found.values()))
+
+
+def run(setup: Setup) -> list[dict]:
+    settings, dirs, dense_name = setup.bench.llm, exports(setup.bench), origin(setup.bench)
+    models = [load_pruned(d, dtype=setup.dtype).eval().to(setup.device) for d in dirs]
+    for d, m in zip(dirs, models):
+        if not is_causal_lm(m):
+            raise ValueError(f"bench.llm.pruned_dirs: {d} holds no causal LM; allowed: exports of a causal LM")
+    dense = load_dense(dense_name, models[0], dirs[0], setup.device, setup.dtype)
+    variants = exported_variants(dense, models[0], [])[:1]
+    for d, m in zip(dirs, models):
+        variants.append(exported_variants(dense, m, [])[1])
+        variants[-1].name = export_name(d)
+    longest = max(settings.prompt_lens) + settings.new_tokens
+    if (limit := max_positions(dense.config)) is not None and longest > limit:
+        raise ValueError(f"bench.llm.prompt_lens + bench.llm.new_tokens = {longest} exceeds {dense_name}'s {limit} "
+                         f"positions; allowed: at most {limit}")
+    before, rows = torch.get_num_threads(), []
+    try:
+        for threads in settings.threads:
+            torch.set_num_threads(threads)
+            for prompt_len in settings.prompt_lens:
+                rows += _at_prompt(setup, variants, prompt_len, threads, dense_name, dict(zip(map(id, models), dirs)))
+    finally:
+        torch.set_num_threads(before)
+    return rows
+
+
+def _at_prompt(setup: Setup, variants: list[Variant], prompt_len: int, threads: int, model: str,
+               dirs: dict) -> list[dict]:
+    """The rows of every batch at one prompt length: one batch-1 prefill per model, then per batch."""
+    s, rounds, clock = setup.bench.llm, setup.rounds, setup.clock
+    g = torch.Generator().manual_seed(rounds["seed"])
+    prompt = torch.randint(0, variants[0].model.config.vocab_size, (1, prompt_len), generator=g).to(setup.device)
+    with torch.no_grad():
+        starts = [prefill(v.model, prompt) for v in variants]  # (cache, next token (1, 1)) per model
+    rows = []
+    for batch in s.batches:
+        states = []
+        for cache, token in starts:
+            cache = copy.deepcopy(cache)
+            cache.batch_repeat_interleave(batch)
+            states.append((cache, token.expand(batch, 1)))
+        kv = [kv_cache_bytes(cache) for cache, _ in states]
+
+        def start(i: int):
+            cache, token = states[i]
+            cache.crop(prompt_len - cache.get_seq_length())  # back to the prompt (no-op when already there)
+            return cache, token
+
+        cases = {}
+        for i, v in enumerate(variants):
+            if batch in s.prefill_batches:
+                cases[f"{i}:prefill"] = lambda m=v.model: prefill(m, prompt.expand(batch, prompt_len))
+            cases[f"{i}:decode"] = Case(run=lambda state, m=v.model: decode(m, *state, s.new_tokens),
+                                        setup=lambda i=i: start(i))
+        log.info("llm threads=%d prompt=%d batch=%d: timing %d models", threads, prompt_len, batch, len(variants))
+        stats = interleaved(cases, clock, warmup=rounds["warmup"], repeats=rounds["repeats"])
+        shares = [attention_share(v.model, lambda i=i: start(i), s.new_tokens, clock, rounds["repeats"])
+                  for i, v in enumerate(variants)]
+        work = [_decode_flops(v, batch, prompt_len, s.new_tokens) for v in variants]
+        for i, v in enumerate(variants):
+            rows.append(_row(v, i, stats, shares, work, kv, variants[0], model=model, pruned_dir=dirs.get(id(v.model)),
+                             threads=threads, batch=batch, prompt_len=prompt_len, new_tokens=s.new_tokens))
+        del states
+    return rows
+
+
+def _row(v: Variant, i: int, stats: dict, shares: list, work: list, kv: list, dense: Variant, **where) -> dict:
+    step = stats[f"{i}:decode"].scaled(where["new_tokens"])
+    pre = stats.get(f"{i}:prefill")
+    kept = work[i] / work[0]
+    bound = 1 / (1 - shares[0] * (1 - kept))
+    speedup = stats["0:decode"].median_ms / stats[f"{i}:decode"].median_ms
+    kv_kept, kv_dense = sum(v.kv_heads), sum(dense.kv_heads)
+    return {
+        **where, **v.row(), "heads_kept": sum(v.heads), "kv_heads_kept": kv_kept,
+        "prefill_ms": pre.median_ms if pre else None, "prefill_spread_ms": pre.spread() if pre else None,
+        "prefill_ratio": stats["0:prefill"].median_ms / pre.median_ms if pre else None,
+        "per_token_ms": step.median_ms, "per_token_spread_ms": step.spread(), "per_token_ratio": speedup,
+        "attention_share": shares[i], "dense_attention_share": shares[0], "kept_attention_work": kept,
+        "bound": bound, "ratio_to_bound": speedup / bound,
+        "kv_cache_bytes": kv[i], "kv_ratio": kv[i] / kv[0], "kv_heads_share": kv_kept / kv_dense,
+        "kv_exact": kv[i] * kv_dense == kv[0] * kv_kept, "repeats": step.n,
+    }
+
+
+def _decode_flops(v: Variant, batch: int, prompt_len: int, new_tokens: int) -> float:
+    """Attention FLOPs of the timed decode steps (step i attends to prompt_len + i + 1 keys)."""
+    adapter, config = get_adapter(v.model), v.model.config
+    head_dim, hidden = adapter.head_dim(config), config.hidden_size
+    return sum(model_attention_flops(batch, 1, prompt_len + i + 1, v.heads, v.kv_heads, head_dim, hidden,
+                                     v.densities) for i in range(new_tokens))
+
+
+def check(settings, bench) -> None:
+    """Grid values, and (when enabled) an export whose dense origin is known, before any work."""
+    for name in ("prompt_lens", "batches", "threads"):
+        if not settings[name] or min(settings[name]) < 1:
+            raise ValueError(f"bench.llm.{name}={list(settings[name])} is not allowed; allowed: a non-empty list "
+                             "of positive integers")
+    if settings.new_tokens < 1:
+        raise ValueError(f"bench.llm.new_tokens={settings.new_tokens} is not allowed; allowed: an integer >= 1")
+    extra = sorted(set(settings.prefill_batches) - set(settings.batches))
+    if extra:
+        raise ValueError(f"bench.llm.prefill_batches contains {extra}, not in bench.llm.batches; allowed: a subset "
+                         f"of {list(settings.batches)}")
+    if settings.enabled:
+        if not exports(bench):
+            raise ValueError("bench.llm.enabled=true needs pruned exports: bench.llm.pruned_dirs=[<folder>,...] "
+                             "or bench.pruned_dir=<folder>")
+        origin(bench)
+
+
+def summary(rows: list[dict], results: dict) -> dict:
+    """KV exactness over every row; per export, thread count and batch at the longest prompt: the
+    per-token speed-up, its bound, their ratio (target: >= 0.95) and the KV ratio."""
+    longest = max(r["prompt_len"] for r in rows)
+    entry = {"kv_exact": all(r["kv_exact"] for r in rows), "prompt_len": longest}
+    for r in rows:
+        if r["kind"] == "pruned" and r["prompt_len"] == longest:
+            entry[f"{r['variant']}/threads{r['threads']}/batch{r['batch']}"] = {
+                k: r[k] for k in ("sparsity", "per_token_ratio", "bound", "ratio_to_bound", "kv_ratio",
+                                  "kv_heads_share", "dense_attention_share", "kept_attention_work")}
+    return entry
+
+
+def summary_lines(block: dict) -> list[str]:
+    lines = [f"- llm: KV bytes exactly the kept KV-head share of the dense model's, every row: {block['kv_exact']}"]
+    for key, d in block.items():
+        if isinstance(d, dict):
+            met = "met" if d["ratio_to_bound"] >= TARGET else "missed"
+            lines.append(f"- llm {key}, prompt {block['prompt_len']}: per-token decode {d['per_token_ratio']:.2f}x "
+                         f"dense, bound {d['bound']:.2f}x (attention {d['dense_attention_share']:.0%} of a dense step, "
+                         f"{d['kept_attention_work']:.3f} of its work kept): {d['ratio_to_bound']:.2f} of the bound "
+                         f"(target >= {TARGET}: {met}); KV ratio {d['kv_ratio']:.3f}")
+    return lines
+
+
+def table(rows: list[dict]) -> list[str]:
+    r0 = rows[0]
+    heading = f"## Pretrained decoder {r0['model']} ({r0['new_tokens']} new tokens per round)"
+    return render.table(heading, rows, [
+        ("variant", lambda r: r["variant"], False), render.fmt("sparsity", ".2f"), render.fmt("threads", "d"),
+        render.fmt("batch", "d"), render.fmt("prompt_len", "d", "prompt"),
+        ("prefill ms", lambda r: render.ms(r["prefill_ms"], r["prefill_spread_ms"]) if r["prefill_ms"] else "–", True),
+        render.timed("per-token ms", "per_token_ms"), render.ratio("per-token x", "per_token_ratio"),
+        render.ratio("bound x", "bound"), render.ratio("x / bound", "ratio_to_bound"),
+        ("attention share", lambda r: f"{r['attention_share']:.0%}", True),
+        ("KV MB", lambda r: f"{r['kv_cache_bytes'] / 2**20:,.1f}", True), render.fmt("kv_ratio", ".4f", "KV ratio")])
+
+
+SECTION = register(Section("llm", LLMSettings, run, table, summary, summary_lines, check=check))

@@ -1,0 +1,153 @@
+"""headprune-bench on a pretrained decoder and its exports (bench.llm, bench.pruned_dir): the rows
+and their fields, KV bytes exactly the kept KV-group share of the dense model's, the dense model
+taken from the origin an export records (never its own pruned config), old exports refused.
+Tiny random Llama GQA models, seconds; never timings."""
+import json
+
+import pytest
+import torch
+import transformers as tf
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+import headprune.apps.train as train_app
+from headprune import heads_of_kv_groups, prune_heads, save_pruned
+from headprune.apps.bench import run
+from headprune.apps.config_paths import config_dir
+from headprune.bench.config import register_bench_schema
+from headprune.deploy.hf import read_origin
+from headprune.lightning.module import HeadPruneModule
+from headprune.results import RunResults
+
+ONLY_LLM = ["bench.encoder.enabled=false", "bench.train_step.enabled=false", "bench.onnxruntime.enabled=false",
+            "bench.decoder.enabled=false", "bench.llm.enabled=true"]
+LLM_FIELDS = {"model", "variant", "pruned_dir", "threads", "batch", "prompt_len", "new_tokens", "prefill_ms",
+              "per_token_ms", "per_token_ratio", "attention_share", "dense_attention_share", "kept_attention_work",
+              "bound", "ratio_to_bound", "kv_cache_bytes", "kv_ratio", "kv_heads_share", "kv_exact"}
+
+
+def compose_bench(tmp_path, *overrides):
+    register_bench_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            return compose("bench", overrides=[f"paths.output_dir={tmp_path}", "bench.quick=true", *overrides])
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def llama(seed: int = 0):
+    """3 layers x 6 query / 3 KV heads (groups of 2), head_dim 8."""
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=48, num_attention_heads=6, num_key_value_heads=3,
+                            num_hidden_layers=3, intermediate_size=64, max_position_embeddings=64)
+    return tf.LlamaForCausalLM(config).eval()
+
+
+def without_groups(model, per_layer: int):
+    """The model with its first `per_layer` KV groups removed from every layer (a plain export)."""
+    return prune_heads(model, heads_of_kv_groups(model, {layer: range(per_layer) for layer in range(3)}))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A dense folder and two exports recording it: 1 and 2 of 3 KV groups removed."""
+    root = tmp_path_factory.mktemp("llm")
+    llama().save_pretrained(root / "dense")
+    for removed in (1, 2):
+        save_pruned(without_groups(llama(), removed), root / f"kv{removed}" / "export", origin=str(root / "dense"))
+    return root
+
+
+def test_llm_section_rows_bounds_and_exact_kv_ratios(folders, tmp_path):
+    exports = [folders / "kv1" / "export", folders / "kv2" / "export"]
+    results = run(compose_bench(tmp_path, *ONLY_LLM, f"bench.llm.pruned_dirs=[{exports[0]},{exports[1]}]",
+                                "bench.llm.batches=[1,2]", "bench.llm.prefill_batches=[1]"))
+    rows = results["llm"]
+    assert len(rows) == 3 * 2 and all(LLM_FIELDS <= set(r) for r in rows)  # 3 models x 2 batches, prompt 8
+    assert [r["variant"] for r in rows[:3]] == ["dense", "kv1", "kv2"]
+    dense = {r["batch"]: r for r in rows if r["variant"] == "dense"}
+    assert all(r["model"] == str(folders / "dense") for r in rows)
+    for r in rows:
+        if r["variant"] == "dense":
+            continue
+        kept = {"kv1": 2, "kv2": 1}[r["variant"]]  # of 3 KV groups per layer
+        assert r["kv_heads_kept"] == 3 * kept and r["kv_exact"] is True
+        assert r["kv_cache_bytes"] * 3 == dense[r["batch"]]["kv_cache_bytes"] * kept  # exactly, in integers
+        assert r["kept_attention_work"] == pytest.approx(kept / 3)
+        share = dense[r["batch"]]["attention_share"]
+        assert r["bound"] == pytest.approx(1 / (1 - share * (1 - kept / 3)))
+        assert r["ratio_to_bound"] == pytest.approx(r["per_token_ratio"] / r["bound"])
+        assert (r["prefill_ms"] is None) == (r["batch"] == 2)  # prefill timed at prefill_batches only
+    # the batch-2 cache is the batch-1 prompt's repeated: twice the bytes
+    assert dense[2]["kv_cache_bytes"] == 2 * dense[1]["kv_cache_bytes"]
+    assert dense[1]["kv_cache_bytes"] == 3 * 2 * 3 * 8 * 8 * 4  # layers x (K, V) x KV heads x prompt 8 x head_dim x fp32
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["summary"]["llm"]["kv_exact"] is True and "kv2/threads1/batch1" in saved["summary"]["llm"]
+    assert "Pretrained decoder" in (tmp_path / "bench.md").read_text()
+
+
+def test_pruned_dir_is_compared_with_the_dense_model_it_records(folders, tmp_path):
+    """The decoder section's dense row is the recorded origin (18 heads), not the export's own
+    config (12 heads, KV ratio 1.000, sparsity 0: the old behaviour)."""
+    results = run(compose_bench(tmp_path, f"bench.pruned_dir={folders / 'kv1' / 'export'}",
+                                "bench.encoder.enabled=false", "bench.train_step.enabled=false",
+                                "bench.decoder.variants.masked=[]", "bench.decoder.variants.unstructured_dense=[]"))
+    rows = {r["variant"]: r for r in results["decoder"]}
+    assert rows["dense"]["heads_kept"] == 18 and rows["dense"]["kv_heads_kept"] == 9
+    assert rows["exported"]["heads_kept"] == 12 and rows["exported"]["sparsity"] == pytest.approx(1 / 3, abs=1e-4)
+    assert rows["exported"]["kv_cache_bytes"] * 3 == rows["dense"]["kv_cache_bytes"] * 2
+    assert str(folders / "dense") in rows["dense"]["model"]
+
+
+def test_export_without_origin_is_refused_unless_named(folders, tmp_path):
+    save_pruned(without_groups(llama(), 1), tmp_path / "old")  # as exports were written before
+    assert read_origin(tmp_path / "old") is None
+    for overrides in ([f"bench.pruned_dir={tmp_path / 'old'}"], [*ONLY_LLM, f"bench.llm.pruned_dirs=[{tmp_path / 'old'}]"]):
+        with pytest.raises(ValueError, match=r"records no dense model.*bench\.dense_model="):
+            run(compose_bench(tmp_path / "out", *overrides))
+        assert not (tmp_path / "out" / "bench.json").exists()
+    results = run(compose_bench(tmp_path / "named", *ONLY_LLM, f"bench.pruned_dir={tmp_path / 'old'}",
+                                f"bench.dense_model={folders / 'dense'}", "bench.llm.batches=[1]"))
+    assert {r["variant"] for r in results["llm"]} == {"dense", "old"}
+
+
+def test_a_dense_model_of_other_shape_is_refused(folders, tmp_path):
+    torch.manual_seed(0)
+    other = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=48, num_attention_heads=6,
+                                               num_key_value_heads=3, num_hidden_layers=2, intermediate_size=64))
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match=r"has 3 layers, its dense model .* 2: it was not pruned from it"):
+        run(compose_bench(tmp_path / "out", *ONLY_LLM, f"bench.pruned_dir={folders / 'kv1' / 'export'}",
+                          f"bench.dense_model={tmp_path / 'other'}"))
+
+
+def test_origin_is_recorded_by_both_export_kinds_and_by_the_train_app(folders, tmp_path):
+    uneven = prune_heads(llama(), {0: [0, 1]})  # layers keep different numbers: headprune_layout.json
+    save_pruned(uneven, tmp_path / "uneven", origin="smollm2")
+    assert read_origin(tmp_path / "uneven") == "smollm2"
+    assert json.loads((folders / "kv1" / "export" / "headprune_export.json").read_text())["dense_model"] == str(
+        folders / "dense")
+    for model_cfg, want in (({"pretrained": str(folders / "dense"), "random_init": False}, str(folders / "dense")),
+                            ({"pretrained": "smollm2", "random_init": False}, "smollm2"),
+                            ({"pretrained": "smollm2", "random_init": True}, None)):
+        module = HeadPruneModule(without_groups(llama(), 1), num_labels=None, task="causal_lm")
+        results = RunResults(tmp_path, config={"model": model_cfg})
+        train_app.export_pruned(module, tmp_path / "export", results, baseline_params={})
+        assert read_origin(tmp_path / "export") == want
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("bench.llm.batches=[0]", r"bench\.llm\.batches=\[0\].*allowed: a non-empty list of positive integers"),
+    ("bench.llm.prefill_batches=[3]", r"bench\.llm\.prefill_batches contains \[3\].*allowed: a subset"),
+    ("bench.llm.new_tokens=0", r"bench\.llm\.new_tokens=0.*allowed: an integer >= 1"),
+    ("bench.llm.prompt_lens=[70]", r"exceeds .* 64 positions"),
+])
+def test_bad_llm_values_name_the_field(folders, override, pattern, tmp_path):
+    with pytest.raises(ValueError, match=pattern):
+        run(compose_bench(tmp_path, *ONLY_LLM, f"bench.pruned_dir={folders / 'kv1' / 'export'}", override))
+
+
+def test_llm_without_an_export_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"bench\.llm\.enabled=true needs pruned exports.*bench\.pruned_dir="):
+        run(compose_bench(tmp_path, *ONLY_LLM))
