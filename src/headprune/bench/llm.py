@@ -213,7 +213,7 @@ def table(rows: list[dict]) -> list[str]:
         render.timed("per-token ms", "per_token_ms"), render.ratio("per-token x", "per_token_ratio"),
         render.ratio("bound x", "bound"), render.ratio("x / bound", "ratio_to_bound"),
         ("attention share", lambda r: f"{r['attention_share']:.0%}", True),
-        ("KV MB", lambda r: f"{r['kv_cache_bytes'] / 2**20:,.1f}", True), render.fmt("kv_ratio", ".4f", "KV ratio")])
+        ("KV MiB", lambda r: f"{r['kv_cache_bytes'] / 2**20:,.1f}", True), render.fmt("kv_ratio", ".4f", "KV ratio")])
 
 
 SECTION = register(Section("llm", LLMSettings, run, table, summary, summary_lines, check=check))
