@@ -149,7 +149,7 @@ class HeadPruning(Callback):
         world = trainer.world_size if trainer is not None else 1
         self.pruner.sync = (lambda value: trainer.strategy.broadcast(value, src=0)) if world > 1 else None
         return Loaders.of(datamodule, trainer.global_rank if world > 1 else 0, world,
-                          select=bool(self.schedule.selection_samples()))
+                          select=bool(self.schedule.selection_samples()), train=self.pruner.recovery.needs_train_data)
 
     def _record_finetuned(self, loaders: Loaders, trainer) -> bool:
         stopped = self.pruner.record_finetuned(loaders, **self.clock.take(self.pruner.recovery.take_train_stats()))

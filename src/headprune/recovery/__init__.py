@@ -1,7 +1,9 @@
 """Recovery after pruning: what the model is trained (or tuned) with after heads go; one class per
 `recovery=` option, each owning its behaviour through hooks (`base.py`):
 - `finetune` (default): the task loss, for the schedule's fine-tuning epochs;
-- `distill`: the task loss mixed with distillation from the unpruned model (`distill.py`);
+- `distill`: the task loss mixed with distillation from the unpruned model (`distill.py`), in the
+  schedule's epochs or (`steps` > 0) for a step budget right after each round;
+- `lora`: LoRA adapters trained for a step budget after each round and merged (`lora.py`);
 - `least_squares`: no training, least-squares scales of the surviving heads and a bias per layer
   (`least_squares.py`);
 - `bias_compensation`: no training, the removed heads' mean output as bias (FLAP, `bias_compensation.py`);
@@ -14,9 +16,11 @@ from headprune.recovery.bias_compensation import BiasCompensation
 from headprune.recovery.distill import Distill
 from headprune.recovery.finetune import Finetune
 from headprune.recovery.least_squares import LeastSquares
+from headprune.recovery.lora import Lora
 from headprune.recovery.none import NoRecovery
 
-RECOVERIES: dict[str, type[Recovery]] = {"finetune": Finetune, "distill": Distill, "least_squares": LeastSquares,
+RECOVERIES: dict[str, type[Recovery]] = {"finetune": Finetune, "distill": Distill, "lora": Lora,
+                                         "least_squares": LeastSquares,
                                          "bias_compensation": BiasCompensation, "none": NoRecovery}
 
 
@@ -31,4 +35,4 @@ def make_recovery(recovery: Recovery | str | None) -> Recovery:
     return RECOVERIES[recovery]()
 
 
-__all__ = ["RECOVERIES", "BiasCompensation", "Distill", "Finetune", "LeastSquares", "NoRecovery", "Recovery", "make_recovery"]
+__all__ = ["RECOVERIES", "BiasCompensation", "Distill", "Finetune", "LeastSquares", "Lora", "NoRecovery", "Recovery", "make_recovery"]

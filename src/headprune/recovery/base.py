@@ -29,6 +29,7 @@ class Recovery:
 
     needs_dense: bool = False  # the unpruned model is kept (one frozen copy: `Pruner.dense`)
     trains: bool = False  # it works through training after pruning (nothing to do without)
+    needs_train_data: bool = False  # it reads the training text itself (`Loaders.train`), checked up front
 
     def check(self, schedule) -> None:
         pass

@@ -12,6 +12,12 @@ layer l. The T^2 factor keeps the soft-target gradients on the scale of the hard
 The KL is the usual direction (teacher distribution first, the student's log-probabilities
 scored against it), i.e. the cross-entropy of the student on the teacher's soft targets minus
 the teacher's entropy.
+
+Two ways to train: `steps=0` (default) distils during the schedule's fine-tuning epochs (the
+LightningModule's training step calls `training_loss`); `steps=N` trains N optimizer steps on the
+training text right after each round masks its heads (`training_steps.py`), with no Trainer: the
+LLM way, usable after a retraining-free prune (`schedule.epochs_per_round=0`) and between the
+rounds of an iterative one (the schedule's epochs, if it has any, then train on the same loss). `recovery=lora` (lora.py) is the same with LoRA adapters.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from torch import nn
 from headprune.deploy.hf import load_pruned, save_pruned
 from headprune.heads.adapters import model_shape
 from headprune.recovery.base import Recovery, trains_after_pruning
+from headprune.recovery.training_steps import train_steps
 from headprune.tasks import MODEL_INPUTS, is_causal_lm, per_example_loss, real_tokens, target_weights
 
 log = logging.getLogger(__name__)
@@ -45,9 +52,12 @@ class Distill(Recovery):
     temperature: float = 2.0
     hidden_weight: float = 0.0
     teacher: Optional[str] = None
+    steps: int = 0  # > 0: train this many steps after each round, no Trainer (module docstring)
+    lr: float = 5e-5  # peak learning rate of those steps
+    max_grad_norm: float = 1.0
 
     TEACHER_DIR: ClassVar[str] = "teacher"
-    trains: ClassVar[bool] = True
+    record_key: ClassVar[str] = "distill"  # results.json round entry of the steps' report
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
@@ -56,6 +66,12 @@ class Distill(Recovery):
             raise ValueError(f"recovery.temperature={self.temperature!r} must be > 0")
         if self.hidden_weight < 0:
             raise ValueError(f"recovery.hidden_weight={self.hidden_weight!r} must be >= 0")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"recovery.steps={self.steps!r} must be an integer >= 0 (0: train in the schedule's epochs)")
+        if not self.lr > 0:
+            raise ValueError(f"recovery.lr={self.lr!r} must be > 0")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"recovery.max_grad_norm={self.max_grad_norm!r} must be > 0")
         self.teacher_model: nn.Module | None = None  # a folder teacher is loaded by the app at start
         self.seconds = 0.0  # the teacher's forward time since the last `take_train_stats`
 
@@ -63,10 +79,20 @@ class Distill(Recovery):
     def needs_dense(self) -> bool:
         return self.teacher is None
 
+    @property
+    def trains(self) -> bool:  # through the schedule's epochs
+        return self.steps == 0
+
+    @property
+    def needs_train_data(self) -> bool:
+        return self.steps > 0
+
     def check(self, schedule) -> None:
-        if schedule.num_rounds and not trains_after_pruning(schedule):
-            raise ValueError("recovery=distill trains after each round, but the schedule has no epochs after pruning "
+        name = self.record_key
+        if self.steps == 0 and schedule.num_rounds and not trains_after_pruning(schedule):
+            raise ValueError(f"recovery={name} trains after each round, but the schedule has no epochs after pruning "
                              "(schedule.epochs_per_round=0, schedule.recover_epochs=0); allowed: either > 0, or "
+                             f"recovery.steps > 0 (train that many steps after each round, no epochs), or "
                              "recovery=finetune")
 
     def check_model(self, student: nn.Module) -> None:
@@ -114,6 +140,35 @@ class Distill(Recovery):
                                     f"at {folder}; it is missing")
         self.teacher_model = pruner.dense = load_pruned(folder).eval().requires_grad_(False)
 
+    def after_round(self, pruner, record: dict, loaders) -> None:
+        """`steps > 0`: train the whole model for `steps` steps on the training text."""
+        if self.steps == 0:
+            return
+        model = pruner.model
+        flags = [p.requires_grad for p in model.parameters()]
+        try:
+            for p in model.parameters():
+                p.requires_grad_(True)
+            self.train_and_record(pruner, record, loaders, {})
+        finally:
+            for p, flag in zip(model.parameters(), flags):
+                p.requires_grad_(flag)
+
+    def train_and_record(self, pruner, record: dict, loaders, extra: dict) -> None:
+        """Train `steps` steps of `training_loss` on `loaders.train`; the report goes to
+        `record[record_key]`, the validation metrics after it to `val_after_mask_tuning`."""
+        train = training_loader(loaders, self.record_key)
+        start = time.perf_counter()
+        report = train_steps(pruner.model, train, lambda model, batch: self.training_loss(model, batch)[1].mean(),
+                             self.steps, self.lr, self.max_grad_norm, label=f"round {record['round']}: {self.record_key}")
+        report.update(extra, **self.take_train_stats(), seconds=round(time.perf_counter() - start, 3))
+        record[self.record_key] = report
+        if loaders.val is not None:
+            record["val_after_mask_tuning"] = pruner.evaluate(loaders.val)
+        log.info("round %d: %s, %d steps in %.1f s, loss %.4f -> %.4f; val %s", record["round"], self.record_key,
+                 self.steps, report["seconds"], report["loss_first"], report["loss_last"],
+                 record.get("val_after_mask_tuning"))
+
     def training_loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The task loss until a teacher is in; then the mix of the module docstring."""
         if self.teacher_model is None:
@@ -136,6 +191,16 @@ class Distill(Recovery):
 
     def _folder(self, pruner) -> Path | None:
         return pruner.results.output_dir / self.TEACHER_DIR if pruner.results.output_dir is not None else None
+
+
+def training_loader(loaders, name: str):
+    """The training text a step-budget recovery reads, refused when there is none."""
+    train = getattr(loaders, "train", None)
+    if train is None or len(getattr(train, "dataset", [None])) == 0:
+        raise ValueError(f"recovery={name} with recovery.steps > 0 trains on the training blocks, but there are none "
+                         "(data.max_train_samples=0, or no training loader given); allowed: data.max_train_samples > 0 "
+                         "or null")
+    return train
 
 
 def forward_outputs(model: nn.Module, batch: dict, hidden: bool = False):

@@ -41,16 +41,19 @@ log = logging.getLogger(__name__)
 @dataclass
 class Loaders:
     """The examples a round reads: `score` (scoring and calibration), `val` (reported metrics),
-    `select` (the stopping rule's held-out slice, when the schedule reads one)."""
+    `select` (the stopping rule's held-out slice, when the schedule reads one), `train` (the
+    training text of a recovery that trains a step budget itself: recovery=lora, distill)."""
 
     score: Iterable
     val: Iterable | None = None
     select: Iterable | None = None
+    train: Iterable | None = None
 
     @classmethod
-    def of(cls, datamodule, rank: int = 0, world: int = 1, select: bool = False) -> "Loaders":
+    def of(cls, datamodule, rank: int = 0, world: int = 1, select: bool = False, train: bool = False) -> "Loaders":
         score = datamodule.score_dataloader(rank, world) if world > 1 else datamodule.score_dataloader()
-        return cls(score, datamodule.val_dataloader(), datamodule.select_dataloader() if select else None)
+        return cls(score, datamodule.val_dataloader(), datamodule.select_dataloader() if select else None,
+                   datamodule.train_dataloader() if train else None)
 
 
 class Pruner:

@@ -35,7 +35,7 @@ from headprune.selection.schedules import OneShot
 
 def prune_to_budget(model: nn.Module, calib_loader, budget, metric: str = "fisher", recovery="least_squares",
                     policy=None, rearrange: bool = True, mask: HeadMask | None = None, eval_loader=None,
-                    max_batches: int | None = None) -> dict[str, Any]:
+                    max_batches: int | None = None, train_loader=None) -> dict[str, Any]:
     """Mask (and scale) the heads of `model` down to `budget` without training; returns a report:
     `round` (the Pruner's round record: heads, allocation, predicted cost share, the tuning report,
     `val` when `eval_loader` is given), `budget` (its settings and cost table), `seconds` per stage
@@ -45,7 +45,8 @@ def prune_to_budget(model: nn.Module, calib_loader, budget, metric: str = "fishe
     the share of the dense model's cost (heads: of its heads) to keep, in (0, 1]. `recovery`:
     "least_squares", "none" or such a Recovery. `policy`: a layer policy whose constraints bound
     each layer (default GlobalPolicy(min_heads_per_layer=1)). `mask`: the model's HeadMask (one is
-    attached if None)."""
+    attached if None). `train_loader`: the training text of a recovery that trains a step budget
+    (recovery=lora or distill with steps > 0)."""
     fields = dict(budget) if isinstance(budget, dict) else None
     target = _target(fields.pop("target", None) if fields is not None else getattr(budget, "target", None))
     if fields is not None and fields.get("kind", "heads") != "heads":
@@ -55,12 +56,12 @@ def prune_to_budget(model: nn.Module, calib_loader, budget, metric: str = "fishe
     recovery = make_recovery(recovery)
     if recovery.trains:
         raise ValueError(f"prune_to_budget trains nothing, so {type(recovery).__name__} would do nothing; allowed: "
-                         "recovery=least_squares, none")
+                         "recovery=least_squares, none, lora, or distill with steps > 0")
     results = RunResults(None)
     start = time.perf_counter()
     pruner = Pruner(model, get_metric(metric), schedule, policy if policy is not None else GlobalPolicy(),
                     budget, recovery, mask=mask, rearrange=rearrange, results=results, max_batches=max_batches)
-    record = pruner.step(0, Loaders(calib_loader, eval_loader)) if schedule.sparsities() else None
+    record = pruner.step(0, Loaders(calib_loader, eval_loader, train=train_loader)) if schedule.sparsities() else None
     report: dict[str, Any] = {"round": record, "budget": {**results.data.get("budget", budget.record()), "target": target},
                               "seconds": _seconds(record, results.data.get("budget"), time.perf_counter() - start),
                               "scales": pruner.mask.mask.tolist()}

@@ -1,0 +1,137 @@
+"""`recovery=lora`: low-rank adapters (LoRA, Hu et al. 2022, with peft) on the kept attention and
+MLP projections, trained for a fixed budget of steps on the training text right after each round
+masks its heads, then merged into the weights: the checkpoint and the export stay plain models
+(LLM-Pruner's and FLAP's recovery of pruned LLMs).
+
+The loss is the next-token cross-entropy, or with `alpha > 0` the distillation mix of distill.py
+(KL to the unpruned model's next-token distribution; the teacher is `Pruner.dense`, saved once
+to `<run dir>/teacher` for a resume). Every `nn.Linear` / `Conv1D` inside the transformer blocks
+gets an adapter unless `target_modules` names a subset (by module name, e.g. [q_proj, v_proj]).
+
+Head gating stays exact: the mask's hook sits on the output projection's input, and peft wraps
+that projection, so while the adapters are in, the hooks move to the wrappers (the adapter of the
+output projection sees the gated heads, never a pruned head's output), and back after the merge.
+Merged adapters leave the weights only, so a resumed run (after any round) needs nothing but the
+teacher.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ClassVar, Iterator, List, Optional
+
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from headprune.heads.adapters import get_adapter
+from headprune.recovery.distill import Distill
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Lora(Distill):
+    """`recovery=lora` settings (distill.py's fields plus the adapters'); `alpha` is the weight of
+    the distillation term (0: next-token loss only, no teacher kept)."""
+
+    rank: int = 8
+    lora_alpha: float = 16.0
+    dropout: float = 0.05
+    target_modules: Optional[List[str]] = None
+    alpha: float = 0.0
+    temperature: float = 1.0
+    steps: int = 100
+    lr: float = 2e-4
+
+    record_key: ClassVar[str] = "lora"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"recovery.rank={self.rank!r} must be an integer >= 1")
+        if self.steps < 1:
+            raise ValueError(f"recovery.steps={self.steps!r} must be >= 1: recovery=lora trains that many steps after "
+                             "each round (to skip recovery: recovery=none)")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"recovery.dropout={self.dropout!r} must be in [0, 1)")
+
+    @property
+    def needs_dense(self) -> bool:
+        return self.alpha > 0 and self.teacher is None
+
+    def check_model(self, student: nn.Module) -> None:
+        lora_targets(student, self.target_modules)  # names that match nothing fail now
+        if self.alpha > 0:
+            super().check_model(student)
+
+    def before_first_round(self, pruner) -> None:
+        if self.alpha > 0:
+            super().before_first_round(pruner)
+
+    def resume(self, pruner) -> None:
+        if self.alpha > 0:
+            super().resume(pruner)
+
+    def after_round(self, pruner, record: dict, loaders) -> None:
+        with lora_adapters(pruner.model, pruner.mask, self) as modules:
+            self.train_and_record(pruner, record, loaders, {"rank": self.rank, "modules": modules})
+
+
+@contextmanager
+def lora_adapters(model: nn.Module, mask, settings: Lora) -> Iterator[int]:
+    """Adapters of `settings` on `model` (the only parameters that train) for the block's
+    duration, the mask's gates on peft's wrappers; on exit they are merged into the weights, the
+    plain modules, gates and requires_grad flags back. Yields the number of adapted modules."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    targets = lora_targets(model, settings.target_modules)
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.lora_alpha, lora_dropout=settings.dropout,
+                        target_modules=targets, fan_in_fan_out=isinstance(model.get_submodule(targets[0]), Conv1D))
+    flags = [p.requires_grad for p in model.parameters()]
+    mask.detach()
+    try:
+        inject_adapter_in_model(config, model)
+        model.train(model.training)  # peft's new dropout modules start in training mode, whatever the model's
+        mask.attach(model)  # the gates move onto peft's wrapper of each output projection
+        for name, p in model.named_parameters():
+            p.requires_grad_("lora_" in name)
+        yield len(targets)
+    finally:
+        mask.detach()
+        merge_lora(model)
+        if hasattr(model, "peft_config"):  # inject_adapter_in_model's bookkeeping: nothing of peft stays
+            del model.peft_config
+        mask.attach(model)
+        for p, flag in zip(model.parameters(), flags):
+            p.requires_grad_(flag)
+
+
+def lora_targets(model: nn.Module, names: list[str] | None = None) -> list[str]:
+    """Full names of the Linear / Conv1D modules inside the transformer blocks (embeddings and the
+    LM head excluded), only those whose own name is in `names` when given."""
+    blocks = {id(b) for b in get_adapter(model).blocks(model)}
+    prefixes = tuple(f"{n}." for n, m in model.named_modules() if id(m) in blocks)
+    found = [n for n, m in model.named_modules() if n.startswith(prefixes) and isinstance(m, (nn.Linear, Conv1D))
+             and "lora_" not in n and not n.endswith("base_layer")]
+    if names is None:
+        return found
+    short = sorted({n.rsplit(".", 1)[-1] for n in found})
+    unknown = [n for n in names if n not in short]
+    if unknown or not names:
+        raise ValueError(f"recovery.target_modules={list(names)}: {unknown or 'empty'} is not a projection of this model; "
+                         f"allowed: any of {short} (or null: all of them)")
+    return [n for n in found if n.rsplit(".", 1)[-1] in names]
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Fold every LoRA adapter into its base weight and put the base module back in its place;
+    returns how many were merged."""
+    from peft.tuners.lora import LoraLayer
+
+    wrapped = [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]
+    for name, module in wrapped:
+        module.merge()
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, module.get_base_layer())
+    return len(wrapped)
