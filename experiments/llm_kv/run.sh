@@ -12,6 +12,9 @@
 #   fisher_re        + mask rearrangement by the block Fisher
 #   fisher_re_ls     + least-squares scales and bias (Kwon et al.), streamed layer by layer
 #   fisher_re_bias   + bias compensation (FLAP) instead
+#   fisher_re_lora   + LoRA (rank 8, every projection) for $STEPS steps of 2 x 512 training tokens, merged
+#   fisher_re_lora_kd  the same, trained on the KL to the unpruned model's next-token distribution
+#   fisher_re_distill  the same KL, every weight trained (no adapters)
 # The dense model is evaluated once, in the first run (`dense.json`). One torch thread per run; run
 # from the repository root with HEADPRUNE_DATA_DIR pointing at ../shared/data:
 #   bash experiments/llm_kv/run.sh [kv67|kv34|q50|collect]   (no argument: all)
@@ -29,6 +32,11 @@ declare -A ARM=(
     [fisher_re_ls]="metric=fisher pruning.rearrange=true recovery=least_squares"
     [fisher_re_bias]="metric=fisher pruning.rearrange=true recovery=bias_compensation"
 )
+STEPS=${STEPS:-50}
+TRAIN="data.max_train_samples=null data.batch_size=2 recovery.steps=$STEPS"
+ARM[fisher_re_lora]="metric=fisher pruning.rearrange=true recovery=lora $TRAIN"
+ARM[fisher_re_lora_kd]="metric=fisher pruning.rearrange=true recovery=lora recovery.alpha=1.0 $TRAIN"
+ARM[fisher_re_distill]="metric=fisher pruning.rearrange=true recovery=distill recovery.alpha=1.0 recovery.temperature=1.0 $TRAIN"
 # two streams side by side: ORDER="fisher_re_ls fisher_re fisher taylor" ... & ORDER="..." DENSE=false ...
 # 50% of the query heads, wherever the scores put them (KV groups shrink only where all 3 heads go)
 Q50="budget=heads layer_policy=global schedule.target_sparsity=0.5"
