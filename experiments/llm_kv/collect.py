@@ -22,8 +22,16 @@ from headprune.atomic import write_json_atomic, write_text_atomic
 ARMS = {"random": "random scores", "magnitude": "weight magnitude", "taylor": "Taylor",
         "fisher": "Fisher", "fisher_re": "Fisher + rearrangement",
         "fisher_re_ls": "Fisher + rearrangement + least squares (scales, bias)",
-        "fisher_re_bias": "Fisher + rearrangement + bias compensation"}
-BUDGETS = {"kv67": "2 of 3 KV groups kept", "kv34": "1 of 3 KV groups kept"}
+        "fisher_re_bias": "Fisher + rearrangement + bias compensation",
+        "fisher_re_lora": "Fisher + rearrangement + LoRA",
+        "fisher_re_lora_kd": "Fisher + rearrangement + LoRA on the KL to dense",
+        "fisher_re_distill": "Fisher + rearrangement + KL to dense, every weight",
+        "lora_only": "LoRA alone (nothing pruned)"}
+BUDGETS = {"kv67": "2 of 3 KV groups kept", "kv34": "1 of 3 KV groups kept",
+           "q50": "half of the query heads kept, placed globally",
+           "dense": "nothing pruned: the LoRA steps alone"}
+GROUP = 3  # SmolLM2: 9 query heads share 3 KV heads, 3 query heads per group
+TUNING = ("mask_tuning", "bias_compensation", "lora", "distill")  # a round's recovery report
 
 
 def gather(runs: Path, out: Path) -> None:
@@ -50,14 +58,25 @@ def row(stem: str, res: dict) -> dict:
     (r,) = res["rounds"]
     ev = res["evaluation"]["pruned"]
     zs = ev.get("zero_shot", {}).get("sst2_local", {})
+    tuning = next((r[k] for k in TUNING if k in r), {})
     stages = {"score": r["score_seconds"], "rearrange": (r.get("rearranged") or {}).get("seconds"),
-              "tuning": (r.get("mask_tuning") or r.get("bias_compensation") or {}).get("seconds")}
+              "tuning": tuning.get("seconds")}
     return {"run": stem, "budget": budget, "arm": arm, "seed": seed,
-            "kv_share": r["budget"]["predicted_share"], "kv_groups_per_layer": r["budget"]["kept_units_per_layer"][0],
-            "heads_kept": sum(res["final"]["heads_per_layer"]),
+            "kv_share": kv_share(res), "heads_kept": sum(res["final"]["heads_per_layer"]),
+            "train_tokens": tuning.get("tokens"),
             "ppl128": ev["perplexity"]["seq128"]["ppl"], "ppl2048": ev["perplexity"]["seq2048"]["ppl"],
             "sst2_acc": zs.get("acc"), "sst2_n": zs.get("n"), "wall_seconds": (res.get("wall") or {}).get("wall_seconds"),
             **{f"{k}_seconds": v for k, v in stages.items()}}
+
+
+def kv_share(res: dict) -> float:
+    """Share of the dense KV cache the export keeps: a KV group stays while any of its query heads
+    does (the export removes a group's key/value rows only with all of its heads)."""
+    layers, heads = res["model"]["layers"], res["model"]["heads"]
+    pruned = {tuple(h) for h in res["final"]["pruned"]}
+    kept = sum(any((layer, g * GROUP + i) not in pruned for i in range(GROUP))
+               for layer in range(layers) for g in range(heads // GROUP))
+    return kept / (layers * heads // GROUP)
 
 
 def load(results: Path) -> tuple[dict | None, list[dict], dict]:
@@ -89,9 +108,9 @@ def table(dense: dict, rows: list[dict]) -> str:
         group = [r for r in rows if r["budget"] == budget]
         if not group:
             continue
-        lines += [f"### {title} (KV cache {group[0]['kv_share']:.3f} of dense, {group[0]['heads_kept']} of 270 heads)", "",
-                  "| arm | ppl seq 128 | change | ppl seq 2048 | change | SST-2 acc | score s | tuning s | wall s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"### {title} ({group[0]['heads_kept']} of 270 query heads)", "",
+                  "| arm | KV kept | ppl seq 128 | change | ppl seq 2048 | change | SST-2 acc | score s | tuning s | wall s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for arm, name in ARMS.items():
             runs = [r for r in group if r["arm"] == arm]
             if not runs:
@@ -100,13 +119,14 @@ def table(dense: dict, rows: list[dict]) -> str:
                 p128, p2048 = ([r[k] for r in runs] for k in ("ppl128", "ppl2048"))
                 acc = [r["sst2_acc"] for r in runs if r["sst2_acc"] is not None]
                 spread = lambda v: f" ± {statistics.stdev(v):.1f}" if len(v) > 1 else ""  # noqa: E731
-                lines.append(f"| {name} (mean of {len(runs)} seed{'s' if len(runs) > 1 else ''}) "
+                share = statistics.mean(r["kv_share"] for r in runs)
+                lines.append(f"| {name} (mean of {len(runs)} seed{'s' if len(runs) > 1 else ''}) | {share:.3f} "
                              f"| {statistics.mean(p128):.2f}{spread(p128)} | {_change(statistics.mean(p128), d128)} "
                              f"| {statistics.mean(p2048):.2f}{spread(p2048)} | {_change(statistics.mean(p2048), d2048)} "
                              f"| {_fmt(statistics.mean(acc) if acc else None, 3)} | – | – | – |")
                 continue
             (r,) = runs
-            lines.append(f"| {name} | {r['ppl128']:.2f} | {_change(r['ppl128'], d128)} | {r['ppl2048']:.2f} "
+            lines.append(f"| {name} | {r['kv_share']:.3f} | {r['ppl128']:.2f} | {_change(r['ppl128'], d128)} | {r['ppl2048']:.2f} "
                          f"| {_change(r['ppl2048'], d2048)} | {_fmt(r['sst2_acc'], 3)} | {_fmt(r['score_seconds'], 0)} "
                          f"| {_fmt(r['tuning_seconds'], 0)} | {_fmt(r['wall_seconds'], 0)} |")
         lines.append("")
@@ -137,6 +157,28 @@ def main() -> None:
     write_text_atomic(args.out / "results.md", table(dense, rows) + "\n")
     write_text_atomic(args.out / "answers.md", answers_table(dense, answers) + "\n")
     write_text_atomic(args.out / "llm_kv.csv", to_csv(rows))
+    plot(dense, rows, args.out / "results.png")
+
+
+def plot(dense: dict, rows: list[dict], path: Path) -> None:
+    """Perplexity (seq 2048, log scale) of every arm at each budget, dense as a line."""
+    from headprune.plots import close, plt
+
+    budgets = [b for b in BUDGETS if any(r["budget"] == b for r in rows)]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(5 * len(budgets), 4.5), squeeze=False, sharey=True)
+    for ax, budget in zip(axes[0], budgets):
+        arms = [a for a in ARMS if any(r["budget"] == budget and r["arm"] == a for r in rows)]
+        values = [statistics.mean(r["ppl2048"] for r in rows if r["budget"] == budget and r["arm"] == a) for a in arms]
+        ax.barh(range(len(arms)), values, color="tab:blue")
+        ax.set_yticks(range(len(arms)), [ARMS[a] for a in arms], fontsize=7)
+        ax.axvline(dense["perplexity"]["seq2048"]["ppl"], color="k", ls="--", label="dense")
+        ax.set_xscale("log")
+        ax.set_title(BUDGETS[budget], fontsize=9)
+        ax.set_xlabel("perplexity, seq 2048 (log)")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    close(fig)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@
 #   fisher_re_lora   + LoRA (rank 8, every projection) for $STEPS steps of 2 x 512 training tokens, merged
 #   fisher_re_lora_kd  the same, trained on the KL to the unpruned model's next-token distribution
 #   fisher_re_distill  the same KL, every weight trained (no adapters)
+# and `dense`: lora_only, the LoRA steps on the unpruned model (budget.target=1.0 prunes nothing), the
+# reference for what training on Tiny Shakespeare alone does to the held-out perplexity.
 # The dense model is evaluated once, in the first run (`dense.json`). One torch thread per run; run
 # from the repository root with HEADPRUNE_DATA_DIR pointing at ../shared/data:
-#   bash experiments/llm_kv/run.sh [kv67|kv34|q50|collect]   (no argument: all)
+#   bash experiments/llm_kv/run.sh [kv67|kv34|q50|dense|collect]   (no argument: all)
 set -euo pipefail
 OUT=${OUT:-experiments/llm_kv/runs}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -34,6 +36,7 @@ declare -A ARM=(
 )
 STEPS=${STEPS:-50}
 TRAIN="data.max_train_samples=null data.batch_size=2 recovery.steps=$STEPS"
+ARM[lora_only]="metric=magnitude pruning.rearrange=false recovery=lora $TRAIN"  # for `dense`: nothing pruned
 ARM[fisher_re_lora]="metric=fisher pruning.rearrange=true recovery=lora $TRAIN"
 ARM[fisher_re_lora_kd]="metric=fisher pruning.rearrange=true recovery=lora recovery.alpha=1.0 $TRAIN"
 ARM[fisher_re_distill]="metric=fisher pruning.rearrange=true recovery=distill recovery.alpha=1.0 recovery.temperature=1.0 $TRAIN"
@@ -62,6 +65,7 @@ case ${1:-all} in
     kv67) budget kv67 budget.target=0.67 ;;
     kv34) budget kv34 budget.target=0.34 ;;
     q50) budget q50 $Q50 ;;
+    dense) ORDER=lora_only budget dense budget.target=1.0 ;;  # the same LoRA steps on the unpruned model
     collect) collect ;;
     all) budget kv67 budget.target=0.67; budget kv34 budget.target=0.34; budget q50 $Q50; collect ;;
 esac
