@@ -11,7 +11,7 @@ The graph (`export_onnx_decode`):
 - outputs: `logits` (B, T, vocab) and `present.<i>.key` / `present.<i>.value`:
   (B, kv_heads_kept[i], P + T, head_dim), fed back as the next step's past.
 
-Batch, new tokens and past length are dynamic axes; each layer's KV head count is the number
+Batch, new tokens and past length are dynamic axes (named `batch`, `new_tokens`, `past_len`); each layer's KV head count is the number
 of KV heads it kept after pruning (0 for a layer with no heads left: its past stays an empty
 (B, 0, P, head_dim) tensor that only counts tokens, see heads/headless.py). One graph serves
 prefill (P = 0) and decode (P > 0).
@@ -140,8 +140,10 @@ def export_onnx_decode(model: nn.Module, path: str | Path, batch: int = 2, new: 
     pos = positions(mask, new)
     past_tensors = empty_past(model, batch, past, shapes, seed=1)
     layers = len(shapes)
-    dyn = torch.export.Dim.DYNAMIC
-    dynamic = ({0: dyn, 1: dyn}, {0: dyn, 1: dyn}, {0: dyn, 1: dyn}, tuple([{0: dyn, 2: dyn}] * (2 * layers)))
+    batch_, new_, past_ = torch.export.Dim("batch"), torch.export.Dim("new_tokens"), torch.export.Dim("past_len")
+    total = torch.export.Dim.DYNAMIC  # the mask's length, past_len + new_tokens (torch.export infers it)
+    dynamic = ({0: batch_, 1: new_}, {0: batch_, 1: total}, {0: batch_, 1: new_},
+               tuple([{0: batch_, 2: past_}] * (2 * layers)))
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(_Decode(model).eval(), (ids, mask, pos, *past_tensors), str(path), dynamo=True,
