@@ -191,3 +191,12 @@ def test_lora_with_a_teacher_between_fine_tuned_rounds_resumes_exactly(tmp_path,
     assert all(r["lora"]["teacher_seconds"] > 0 for r in whole["rounds"])
     assert [r["val"] for r in resumed["rounds"]] == [r["val"] for r in whole["rounds"]]
     assert resumed["final"]["pruned"] == whole["final"]["pruned"] and resumed["final"]["val"] == whole["final"]["val"]
+
+
+def test_prune_to_budget_takes_lora_with_its_training_text():
+    from headprune.selection.retraining_free import prune_to_budget
+
+    report = prune_to_budget(tiny("llama"), blocks(4), {"kind": "kv", "target": 0.5, "seq": 12}, metric="magnitude",
+                             recovery=Lora(steps=2), policy=UniformPolicy(), rearrange=False,
+                             eval_loader=blocks(2, seed=1), train_loader=blocks(4, seed=2))
+    assert report["round"]["lora"]["steps"] == 2 and report["round"]["val"] == report["round"]["val_after_mask_tuning"]
