@@ -49,6 +49,10 @@ def test_agreement_rule_passes_float32_noise_on_large_logits_and_flags_what_matt
     assert figures["rel_diff"] == pytest.approx(figures["max_abs_diff"] / figures["logit_scale"])
     assert judge(figures) == []
     assert "exceeds --tolerance 0.0001" in " ".join(judge(figures, tolerance=1e-4))  # the old absolute-only rule
+    smollm2 = agreement(want + noise * (1e-3 / 3e-4), want)  # the measured pruned SmolLM2 decode steps: 1e-3
+    assert smollm2["max_abs_diff"] > 9e-4 and judge(smollm2) == []
+    huge = agreement((want + noise) * 1e3, want * 1e3)  # logits of ~5e4: 1e-4 of them would allow 5
+    assert [f.split()[0] for f in judge(huge)] == ["max_abs_diff"]
 
     small = agreement(want / 30 + noise, want / 30)  # same difference, logits 30x smaller
     assert [f.split()[0] for f in judge(small)] == ["rel_diff"] and "--rel-tolerance" in judge(small)[0]

@@ -83,8 +83,12 @@ def onnx_session(path: str | Path, threads: int | None = None):
 
 
 # The agreement rule: `agreement` measures, `judge` applies the bounds (headprune-export's
-# --tolerance, --rel-tolerance, --min-argmax-agreement; these are their defaults).
-ABS_TOLERANCE = 1e-3
+# --tolerance, --rel-tolerance, --min-argmax-agreement; these are their defaults). The relative
+# bound is the working one; the absolute one is a ceiling for logits so large that 1e-4 of them
+# would hide a real error. Measured on the pruned SmolLM2-135M (30 layers, float32, logits up to
+# ~30): 6.6e-4 on the full graph, 1.0e-3 on the decode steps (rel 2e-5 / 3.4e-5), so a 1e-3
+# ceiling failed correct exports (experiments/llm_kv/onnx/abs_1e-3/).
+ABS_TOLERANCE = 1e-2
 REL_TOLERANCE = 1e-4
 MIN_ARGMAX_AGREEMENT = 1.0
 
