@@ -180,3 +180,16 @@ def test_export_cli_refuses_what_the_decode_graph_cannot_do_before_exporting(fam
     assert exit_.value.code == 2
     assert named in capsys.readouterr().err
     assert not list(tmp_path.glob("*.onnx"))
+
+
+@pytest.mark.slow  # one decode-graph export per family, ~10 s each
+@pytest.mark.parametrize("family, kv_heads", [("gpt2", [0, 3, 2]), ("qwen2", [0, 2, 1])])
+def test_decode_graph_of_other_decoders(family, kv_heads, tmp_path):
+    """GPT-2 (no GQA, Conv1D projections) and Qwen2 (Q/K/V biases) pruned with PRUNE: the decode
+    graph passes the check with each layer's kept KV heads."""
+    from headprune.deploy.onnx_decode import check_onnx_decode, export_onnx_decode, judge_decode
+
+    model = prune_heads(tiny(family), PRUNE)
+    export_onnx_decode(model, tmp_path / "decode.onnx")
+    report = check_onnx_decode(model, tmp_path / "decode.onnx")
+    assert judge_decode(report) == [] and report["kv_heads"] == kv_heads

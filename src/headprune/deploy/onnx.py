@@ -6,10 +6,13 @@ Inputs are `input_ids` and `attention_mask` (and `token_type_ids` for BERT-famil
 config has segment embeddings), with dynamic batch and sequence axes; the output is `logits`:
 (batch, classes) for sequence classification, (batch, seq, vocab) for a causal LM. Uneven heads
 per layer and layers with no heads left export like any other model: after `prune_heads` they
-are plain smaller matrices. Decoders are exported without a KV cache (`use_cache=False`): the
-transformers cache object is not a type torch.export can trace through cleanly, so past
-key/values are not inputs or outputs; each call reruns the whole prompt. Needs the `onnx` extra
-(`pip install "headprune[onnx]"`: onnx, onnxruntime, onnxscript).
+are plain smaller matrices. This graph has no KV cache (`use_cache=False`: each call reruns the
+whole sequence); a causal LM's decode graph with past key/values is deploy/onnx_decode.py's.
+
+`check_onnx` measures how ONNX Runtime's logits agree with PyTorch's (`agreement`: max abs
+diff, that relative to max |logit|, argmax agreement) and `judge` applies the bounds (module
+constants below, headprune-export's options). Needs the `onnx` extra (`pip install
+"headprune[onnx]"`: onnx, onnxruntime, onnxscript).
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ report their length from the token axis (heads/headless.py's `HeadlessCacheLayer
 length is symbolic in the trace and empty layers count too), runs the model with
 `use_cache=True` and returns the updated cache's tensors; `torch.onnx.export(..., dynamo=True)`
 traces it with `torch.export`. Supported: decoders whose every layer is full attention with a
-`DynamicCache` (Llama, Qwen2, Mistral without a sliding window, GPT-2); sliding-window layers are
-refused (their cache layer crops, which the explicit-past interface does not model).
+`DynamicCache` (tested: Llama, Qwen2, GPT-2); sliding-window layers (Mistral's config default) are
+refused: their cache layer crops to the window, which this interface does not model.
 """
 from __future__ import annotations
 
