@@ -3,7 +3,9 @@
 # origin both exports record) against its exports with 1/3 and 2/3 of the KV groups removed,
 # fp32, prompts 512/2048/4096, batch 1 and 8, prefill timed at batch 1 only (a CPU prefill of
 # 8 x 4096 tokens takes minutes), 8 decode steps per round, 1 warm-up + 3 timed rounds.
-# Usage (repository root, venv active): experiments/llm_kv/decode/run.sh THREADS OUT_DIR
+# Usage (repository root, venv active): experiments/llm_kv/decode/run.sh THREADS OUT_DIR [OVERRIDES...]
+# (later Hydra overrides win, e.g. the decode-only repeat: "bench.llm.prompt_lens=[2048,4096]"
+#  "bench.llm.prefill_batches=[]" bench.llm.new_tokens=16 bench.repeats=7)
 # Exports first (no recovery, ~3 min each):
 #   headprune-train experiment=llm_kv metric=magnitude pruning.rearrange=false recovery=none \
 #     evaluation.enabled=false hydra.run.dir=/tmp/bench_exports/kv67        # (+ budget.target=0.34 -> kv34)
@@ -17,4 +19,4 @@ headprune-bench bench.device=cpu bench.dtype=float32 \
   "bench.llm.pruned_dirs=[${KV67:-/tmp/bench_exports/kv67/export},${KV34:-/tmp/bench_exports/kv34/export}]" \
   "bench.llm.prompt_lens=[512,2048,4096]" "bench.llm.batches=[1,8]" "bench.llm.prefill_batches=[1]" \
   "bench.llm.threads=[${threads}]" bench.llm.new_tokens=8 bench.warmup=1 bench.repeats=3 \
-  hydra.run.dir="$out" hydra.output_subdir=null
+  hydra.run.dir="$out" hydra.output_subdir=null "${@:3}"
