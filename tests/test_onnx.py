@@ -193,3 +193,20 @@ def test_decode_graph_of_other_decoders(family, kv_heads, tmp_path):
     export_onnx_decode(model, tmp_path / "decode.onnx")
     report = check_onnx_decode(model, tmp_path / "decode.onnx")
     assert judge_decode(report) == [] and report["kv_heads"] == kv_heads
+
+
+def test_decode_verdict_names_other_tokens_and_other_kv_heads():
+    """judge_decode on reports whose logits agree: equal tokens and KV heads pass; a graph whose past
+    has other KV heads than the pruned model's cache (e.g. the dense count) or other greedy tokens
+    fails, naming both sides."""
+    from headprune.deploy.onnx_decode import judge_decode
+
+    same = {"finite": True, "max_abs_diff": 0.0, "logit_scale": 1.0, "rel_diff": 0.0, "argmax_agreement": 1.0,
+            "positions": 3, "min_top2_margin": 0.1}
+    report = {"prefill": same, "decode": same, "tokens_equal": True, "onnx_tokens": [[5, 6]], "torch_tokens": [[5, 6]],
+              "kv_heads": [0, 2, 1], "torch_kv_heads": [0, 2, 1]}
+    assert judge_decode(report) == []
+    assert judge_decode({**report, "kv_heads": [2, 2, 2]}) == [
+        "past KV heads per layer differ: ONNX [2, 2, 2] vs PyTorch [0, 2, 1]"]
+    assert judge_decode({**report, "tokens_equal": False, "onnx_tokens": [[5, 7]]}) == [
+        "greedy tokens differ: ONNX [[5, 7]] vs PyTorch [[5, 6]]"]
