@@ -216,4 +216,17 @@ def table(rows: list[dict]) -> list[str]:
         ("KV MiB", lambda r: f"{r['kv_cache_bytes'] / 2**20:,.1f}", True), render.fmt("kv_ratio", ".4f", "KV ratio")])
 
 
-SECTION = register(Section("llm", LLMSettings, run, table, summary, summary_lines, check=check))
+def plot(ax, rows: list[dict], block: dict) -> None:
+    """Per export and batch (fewest threads): per-token speed-up vs prompt length, bound dashed."""
+    threads = min(r["threads"] for r in rows)
+    rows = [r for r in rows if r["kind"] == "pruned" and r["threads"] == threads]
+    for key in dict.fromkeys((r["variant"], r["batch"]) for r in rows):
+        pts = sorted((r["prompt_len"], r["per_token_ratio"], r["bound"]) for r in rows
+                     if (r["variant"], r["batch"]) == key)
+        line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} batch {key[1]}")
+        ax.plot([p[0] for p in pts], [p[2] for p in pts], ls="--", color=line.get_color())
+    ax.set_title(f"pretrained decoder per-token, {threads} thread(s) (dashed: bound)", fontsize=9)
+    ax.set_xlabel("prompt tokens")
+
+
+SECTION = register(Section("llm", LLMSettings, run, table, summary, summary_lines, check=check, plot=plot, panel=3))

@@ -83,18 +83,20 @@ def headline_table(results: dict) -> str:
 
 
 def plot(results: dict, path: str | Path) -> None:
-    """Speed-up vs sparsity, one panel per section that has one (encoder attention sub-layer at its
-    largest shape, decoder per-token, training step), next to the FLOP limits."""
-    panels = [s for s in SECTIONS.values() if s.panel is not None]
-    n = 1 + max(s.panel for s in panels)
-    fig, axes = plt.subplots(1, n, figsize=(16 * n / 3, 4.2))
-    for section in panels:
-        if results.get(section.name):
-            section.plot(axes[section.panel], results[section.name], results["summary"][section.name])
+    """One panel per section that has one and ran: speed-up vs sparsity next to the FLOP limits
+    (encoder attention sub-layer at its largest shape, decoder per-token, training step), and the
+    pretrained decoder's per-token speed-up vs prompt length next to its bound."""
+    panels = sorted((s for s in SECTIONS.values() if s.panel is not None and results.get(s.name)),
+                    key=lambda s: s.panel)  # only sections that ran: no empty panels
+    n = max(len(panels), 1)
+    fig, axes = plt.subplots(1, n, figsize=(16 * n / 3, 4.2), squeeze=False)
+    axes = axes[0]
+    for ax, section in zip(axes, panels):
+        section.plot(ax, results[section.name], results["summary"][section.name])
     for ax in axes:
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_xlabel("sparsity (share of heads removed)")
-        ax.set_ylabel("speed-up (dense time / variant time)")
+        ax.set_xlabel(ax.get_xlabel() or "sparsity (share of heads removed)")
+        ax.set_ylabel(ax.get_ylabel() or "speed-up (dense time / variant time)")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.tight_layout()
