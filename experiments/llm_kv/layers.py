@@ -277,25 +277,29 @@ def plot(sens: dict, profile: dict, path: Path) -> None:
 
 
 def head_sets(heads: dict) -> dict:
-    """Sink heads per threshold (calibration and BOS-first), sink groups, near-duplicate pairs."""
+    """Sink heads and sink groups per threshold (calibration blocks; BOS-first for heads), near-duplicate
+    pairs and the groups holding them, and each head's JS distance to the closest head of another
+    KV group of its layer."""
     share = heads["first_token_share"]
     share_bos = heads["diagnostics_bos"]["special_tokens"]["share"]
+    js = heads["diagnostics"]["redundancy"]["js_distance"]
     g = heads["group_size"]
     out = {"share": share, "share_bos": share_bos}
     for t in heads["sink_thresholds"]:
         for name, sh in (("calib", share), ("bos", share_bos)):
-            sinks = {(l, h) for l, row in enumerate(sh) for h, x in enumerate(row) if x >= t}
-            out[f"sinks_{name}_{t}"] = sinks
-            groups = {}
-            for l, h in sinks:
-                groups[(l, h // g)] = groups.get((l, h // g), 0) + 1
-            out[f"sink_groups_{name}_{t}"] = {k for k, n in groups.items() if 2 * n > g}  # most of its heads
-            out[f"sink_groups_any_{name}_{t}"] = set(groups)
+            out[f"sinks_{name}_{t}"] = {(l, h) for l, row in enumerate(sh) for h, x in enumerate(row) if x >= t}
+        groups = {}
+        for l, h in out[f"sinks_calib_{t}"]:
+            groups[(l, h // g)] = groups.get((l, h // g), 0) + 1
+        out[f"sink_groups_{t}"] = {k for k, n in groups.items() if 2 * n > g}  # most of its heads
+        out[f"sink_groups_any_{t}"] = set(groups)
     pairs = [(p["layer"], *p["heads"]) for p in heads["diagnostics"]["redundancy"]["near_duplicates"]]
     out["pairs"] = pairs
     out["pairs_cross"] = [(l, i, j) for l, i, j in pairs if i // g != j // g]
     out["dup_heads"] = {(l, h) for l, i, j in pairs for h in (i, j)}
-    out["dup_heads_cross"] = {(l, h) for l, i, j in out["pairs_cross"] for h in (i, j)}
+    out["dup_groups"] = {(l, h // g) for l, h in out["dup_heads"]}
+    out["cross_js"] = [[min(js[l][h][k] for k in range(len(row)) if k // g != h // g) for h in range(len(row))]
+                       for l, row in enumerate(js)]
     return out
 
 
@@ -305,86 +309,79 @@ ARMS = [  # (label, run stems averaged); fisher_re's removals are those of fishe
     ("Fisher + rearrangement", ["fisher_re_kv67"]),
     ("random (seed 0), 1 of 3 kept", ["random_s0_kv34"]), ("Fisher + rearrangement, 1 of 3 kept", ["fisher_re_kv34"]),
 ]
+COLUMNS = [  # (header, key in removal_stats, set in head_sets it is a share of)
+    ("sink heads >= 0.8", "sinks_calib_0.8"), ("sink heads >= 0.5", "sinks_calib_0.5"),
+    ("sink heads >= 0.5, BOS first", "sinks_bos_0.5"), ("sink groups >= 0.5 (most heads)", "sink_groups_0.5"),
+    ("sink groups >= 0.5 (any head)", "sink_groups_any_0.5"), ("near-duplicate heads", "dup_heads"),
+    ("groups holding them", "dup_groups"),
+]
 
 
-def removal_stats(removed: set, sets: dict, threshold: float, g: int) -> dict:
-    def share(items):
-        return (sum(x in removed for x in items) / len(items)) if items else float("nan")
-
+def removal_stats(removed: set, sets: dict, g: int) -> dict:
+    """Share of each set of heads (or groups) removed; mean sink share and cross-group JS distance of
+    the removed and the kept heads."""
     groups_removed = {(l, h // g) for l, h in removed}
-    out = {"removed": len(removed),
-           "sink_calib": share(sets[f"sinks_calib_{threshold}"]), "sink_bos": share(sets[f"sinks_bos_{threshold}"]),
-           "sink_groups": (sum(k in groups_removed for k in sets[f"sink_groups_calib_{threshold}"])
-                           / len(sets[f"sink_groups_calib_{threshold}"])) if sets[f"sink_groups_calib_{threshold}"]
-           else float("nan"),
-           "dup_heads": share(sets["dup_heads"]), "dup_heads_cross": share(sets["dup_heads_cross"])}
-    both = one = 0
-    for l, i, j in sets["pairs_cross"]:
-        n = ((l, i) in removed) + ((l, j) in removed)
-        both += n == 2
-        one += n == 1
-    out["pairs_one"], out["pairs_both"] = one, both
-    out["pairs_neither"] = len(sets["pairs_cross"]) - one - both
-    kept_sum = [sets["share"][l][h] for l in range(len(sets["share"])) for h in range(len(sets["share"][0]))
-                if (l, h) not in removed]
-    gone = [sets["share"][l][h] for l, h in removed]
-    out["mean_sink_removed"] = sum(gone) / len(gone)
-    out["mean_sink_kept"] = sum(kept_sum) / len(kept_sum)
+    out = {"removed": len(removed)}
+    for _, key in COLUMNS:
+        items = sets[key]
+        gone = groups_removed if "groups" in key else removed
+        out[key] = sum(x in gone for x in items) / len(items) if items else float("nan")
+    cells = [(l, h) for l in range(len(sets["share"])) for h in range(len(sets["share"][0]))]
+    for name, table in (("sink", sets["share"]), ("js", sets["cross_js"])):
+        gone = [table[l][h] for l, h in cells if (l, h) in removed]
+        kept = [table[l][h] for l, h in cells if (l, h) not in removed]
+        out[f"{name}_removed"], out[f"{name}_kept"] = sum(gone) / len(gone), sum(kept) / len(kept)
     return out
 
 
 def heads_md(heads: dict) -> str:
     g, total = heads["group_size"], len(heads["first_token_share"]) * len(heads["first_token_share"][0])
     sets = head_sets(heads)
-    t0 = heads["sink_thresholds"][0]
     fmt = lambda hs: ", ".join(f"{l}.{h}" for l, h in sorted(hs)) or "none"  # noqa: E731
+    pct = lambda x: "–" if x != x else f"{100 * x:.0f}%"  # noqa: E731
     lines = ["## Attention-sink and near-duplicate heads (dense model, calibration blocks)", "",
              f"Calibration: {heads['calibration']['blocks']} x {heads['calibration']['block_size']} tokens "
              "(the blocks experiment=llm_kv scores heads on, no BOS). Sink share: mean attention weight on the "
-             "block's first token over queries 2..512 (`calib`), and on a BOS put before each block "
-             "(`bos`, the project's special-token share). Heads as layer.head; KV group = head // 3.", "",
-             "| rule | sink heads (calib) | sink heads (bos) | sink groups, most heads (calib) | sink groups, any head (calib) |",
+             "block's first token over queries 2..512 (`first_token_share`), and on a BOS put before each block "
+             "(`BOS first`: the project's special-token share, `diagnostics_bos`). Heads as layer.head; "
+             f"KV group = head // {g}. A sink group has most (2 or 3) of its heads sinks (`any head`: at least one).", "",
+             "| rule | sink heads | sink heads, BOS first | sink groups (most heads) | sink groups (any head) |",
              "|---|---:|---:|---:|---:|"]
     for t in heads["sink_thresholds"]:
         lines.append(f"| share >= {t} | {len(sets[f'sinks_calib_{t}'])} | {len(sets[f'sinks_bos_{t}'])} | "
-                     f"{len(sets[f'sink_groups_calib_{t}'])} | {len(sets[f'sink_groups_any_calib_{t}'])} |")
-    per_layer = [sum(x >= t0 for x in row) for row in sets["share"]]
-    lines += ["", f"Sink heads (calib, share >= {t0}) per layer: " + " ".join(map(str, per_layer)) + ".",
-              f"Sink heads (calib, share >= {t0}): {fmt(sets[f'sinks_calib_{t0}'])}.", "",
+                     f"{len(sets[f'sink_groups_{t}'])} | {len(sets[f'sink_groups_any_{t}'])} |")
+    lines.append("")
+    for t in heads["sink_thresholds"]:
+        per_layer = [sum(x >= t for x in row) for row in sets["share"]]
+        lines.append(f"Sink heads (share >= {t}) per layer 0-29: " + " ".join(map(str, per_layer)) + ".")
+    t_hi = heads["sink_thresholds"][0]
+    mean_layer = [sum(row) / len(row) for row in sets["share"]]
+    lines += ["", f"Sink heads at share >= {t_hi}: {fmt(sets[f'sinks_calib_{t_hi}'])}; BOS first: "
+              f"{fmt(sets[f'sinks_bos_{t_hi}'])}. Mean first-token share per layer 0-29: "
+              + " ".join(f"{x:.2f}" for x in mean_layer) + ".", "",
               f"Near-duplicate pairs (mean JS distance < {heads['duplicate_threshold']}, same layer): "
-              f"{len(sets['pairs'])}, of which {len(sets['pairs_cross'])} across two KV groups "
-              "(a pair inside one group is always removed whole, with its group): " +
-              (", ".join(f"{l}.{i}-{l}.{j}" for l, i, j in sets["pairs"]) or "none") + ".", "",
+              f"{len(sets['pairs'])}, of which {len(sets['pairs_cross'])} across two KV groups: " +
+              (", ".join(f"{l}.{i}-{l}.{j}" for l, i, j in sets["pairs"]) or "none") +
+              ". A pair inside one group shares its keys and values and leaves with its group.", "",
               "## What each run removed", "",
-              f"Share of each kind of head (or group) that the run removed; the overall removal rate is the "
-              f"`removed` share. Sinks at share >= {t0}; a sink group has most (2 or 3) of its heads sinks. "
-              "Duplicate heads: heads in a near-duplicate pair (`cross`: pairs across two groups). Cross-group "
-              "pairs: how many lost one head / both / neither. Mean sink share (calib) of the removed and the kept heads.", "",
-              "| arm | removed | sink heads (calib) | sink heads (bos) | sink groups | duplicate heads | duplicate heads, cross "
-              "| cross pairs one / both / neither | mean sink share removed / kept |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    pct = lambda x: "–" if x != x else f"{100 * x:.0f}%"  # noqa: E731
-    counts = {"sink_calib": len(sets[f"sinks_calib_{t0}"]), "sink_bos": len(sets[f"sinks_bos_{t0}"]),
-              "sink_groups": len(sets[f"sink_groups_calib_{t0}"]), "dup_heads": len(sets["dup_heads"]),
-              "dup_heads_cross": len(sets["dup_heads_cross"])}
-
-    def cell(mean: dict, key: str, single: bool) -> str:
-        if not single or mean[key] != mean[key]:
-            return pct(mean[key])
-        return f"{pct(mean[key])} ({round(mean[key] * counts[key])} of {counts[key]})"
-
+              "Share of each kind of head (or group) the run removed, against the overall removal rate (`removed`); "
+              "shares at 0.8 and 0.5 are of the first-token share on the calibration blocks unless `BOS first`. "
+              "Last two columns, threshold-free: mean first-token share, and mean JS distance to the closest head "
+              "of another KV group of the layer (low = a redundant head), of the removed / the kept heads.", "",
+              "| arm | removed | " + " | ".join(h for h, _ in COLUMNS) + " | sink share removed / kept "
+              "| JS distance removed / kept |", "|---|" + "---:|" * (len(COLUMNS) + 3)]
+    counts = {key: len(sets[key]) for _, key in COLUMNS}
     for label, stems in ARMS:
-        stats = [removal_stats({tuple(h) for h in heads["removals"][s]["pruned"]}, sets, t0, g) for s in stems]
+        stats = [removal_stats({tuple(h) for h in heads["removals"][s]["pruned"]}, sets, g) for s in stems]
         mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
-        single = len(stems) == 1
+        cells = [pct(mean[key]) if len(stems) > 1 or not counts[key]
+                 else f"{pct(mean[key])} ({round(mean[key] * counts[key])} of {counts[key]})" for _, key in COLUMNS]
         lines.append(f"| {label} | {pct(mean['removed'] / total)} ({mean['removed']:g} of {total}) | "
-                     + " | ".join(cell(mean, k, single) for k in counts) + " | "
-                     f"{mean['pairs_one']:.3g} / {mean['pairs_both']:.3g} / {mean['pairs_neither']:.3g} | "
-                     f"{mean['mean_sink_removed']:.3f} / {mean['mean_sink_kept']:.3f} |")
+                     + " | ".join(cells) + f" | {mean['sink_removed']:.3f} / {mean['sink_kept']:.3f} | "
+                     f"{mean['js_removed']:.3f} / {mean['js_kept']:.3f} |")
     lines += ["", "Every run removes whole KV groups, the same number in each layer (`layer_policy=uniform`): 1 of 3 "
               "groups per layer at 2 of 3 kept, 2 of 3 at 1 of 3 kept, so random choice removes any head or group "
-              "with probability 1/3 (2/3), and a cross-group pair loses exactly one head with probability 2/3 "
-              "(at 2 of 3 kept; never both) or 2/3 (at 1 of 3 kept; both with probability 1/3).",
+              "with probability 1/3 (2/3 at 1 of 3 kept).",
               "", "Runs: " + ", ".join(f"`{s}`" for _, stems in ARMS for s in stems) + " (experiments/llm_kv/results/; "
               "`fisher_re_ls_*` and `fisher_re_bias_*` removed the same heads as `fisher_re_*`)."]
     return "\n".join(lines) + "\n"
