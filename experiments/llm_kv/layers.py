@@ -238,12 +238,13 @@ def sensitivity_md(sens: dict, profile: dict) -> str:
              "Dense: " + ", ".join(f"perplexity {sens['dense'][s]['ppl']:.2f} at {s.replace('seq', 'seq ')} "
                                    f"({settings[s]:,} held-out tokens, {sens['dense'][s]['windows']} windows)"
                                    for s in seqs) + ".", "",
-             "| layer | depth | " + " | ".join(f"ppl {s.replace('seq', 'seq ')} | change" for s in seqs) + " |",
-             "|---:|---:|" + "---:|---:|" * len(seqs)]
+             "| layer | depth | " + " | ".join(f"ppl {s.replace('seq', 'seq ')} | change | loss rise" for s in seqs) + " |",
+             "|---:|---:|" + "---:|---:|---:|" * len(seqs)]
     for row in sensitivity_rows(sens):
         cells = []
         for s in seqs:
-            cells += [f"{row[s]:.2f}", change(row[s], sens["dense"][s]["ppl"])] if s in row else ["–", "–"]
+            cells += ([f"{row[s]:.2f}", change(row[s], sens["dense"][s]["ppl"]), f"{row[f'{s}_loss_rise']:+.3f}"]
+                      if s in row else ["–", "–", "–"])
         lines.append(f"| {row['layer']} | {row['depth']:.2f} | " + " | ".join(cells) + " |")
     lines += ["", "MiniLM on SST-2 (experiments/layer_sensitivity/profile.json, every head of one layer masked):", "",
               "| layer | depth | loss rise | accuracy change (points) |", "|---:|---:|---:|---:|"]
