@@ -6,8 +6,9 @@ Copies each finished run (`<runs>/<arm>_<budget>/results.json`, with `wall.json`
 threads added) to `<out>/results/<arm>_<budget>.json`; the tables are then built from
 `<out>/results/*.json` alone: `results.md` (per budget and arm: KV cache kept, perplexity at seq
 128 and 2048 and their change from dense, SST-2 zero-shot accuracy, seconds per stage; the three
-random seeds as mean and spread beside every arm), `answers.md` (the greedy chat answers, dense
-and each arm side by side) and `llm_kv.csv` (one row per run).
+random seeds as mean and spread beside every arm), `summary.md` (the README's table: the best
+arm per budget without and with training), `answers.md` (the greedy chat answers, dense and each
+arm side by side), `llm_kv.csv` (one row per run) and `results.png` (perplexity per arm).
 """
 from __future__ import annotations
 
@@ -133,6 +134,27 @@ def table(dense: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+TRAINED = ("fisher_re_lora", "fisher_re_lora_kd", "fisher_re_distill", "lora_only")
+
+
+def summary(dense: dict, rows: list[dict]) -> str:
+    """The README's table: per budget, the best arm without training and the best with it."""
+    d2048 = dense["perplexity"]["seq2048"]["ppl"]
+    dz = dense.get("zero_shot", {}).get("sst2_local", {}).get("acc")
+    lines = ["| KV groups kept | recovery | best arm | KV kept | ppl seq 2048 | change | SST-2 acc |",
+             "|---|---|---|---:|---:|---:|---:|",
+             f"| all (dense) | – | – | 1.000 | {d2048:.2f} | – | {_fmt(dz, 3)} |"]
+    for budget, title in BUDGETS.items():
+        for trained, label in ((False, "none (no training)"), (True, "training")):
+            group = [r for r in rows if r["budget"] == budget and r["arm"] != "random" and (r["arm"] in TRAINED) == trained]
+            if not group:
+                continue
+            best = min(group, key=lambda r: r["ppl2048"])
+            lines.append(f"| {title} | {label} | {ARMS[best['arm']]} | {best['kv_share']:.3f} | {best['ppl2048']:.2f} "
+                         f"| {_change(best['ppl2048'], d2048)} | {_fmt(best['sst2_acc'], 3)} |")
+    return "\n".join(lines)
+
+
 def answers_table(dense: dict, answers: dict) -> str:
     prompts = [a["prompt"] for a in dense.get("generation", [])]
     lines = []
@@ -157,6 +179,7 @@ def main() -> None:
     write_text_atomic(args.out / "results.md", table(dense, rows) + "\n")
     write_text_atomic(args.out / "answers.md", answers_table(dense, answers) + "\n")
     write_text_atomic(args.out / "llm_kv.csv", to_csv(rows))
+    write_text_atomic(args.out / "summary.md", summary(dense, rows) + "\n")
     plot(dense, rows, args.out / "results.png")
 
 
