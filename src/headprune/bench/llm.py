@@ -39,7 +39,7 @@ from headprune.heads.adapters import get_adapter
 from headprune.tasks import is_causal_lm, max_positions
 
 log = logging.getLogger(__name__)
-TARGET = 0.95  # target: per-token speed-up at the longest prompt within 5% of its bound
+TOLERANCE = 0.05  # target: per-token speed-up at the longest prompt within 5% of its bound, either side
 
 
 @dataclass
@@ -180,7 +180,7 @@ def check(settings, bench) -> None:
 
 def summary(rows: list[dict], results: dict) -> dict:
     """KV exactness over every row; per export, thread count and batch at the longest prompt: the
-    per-token speed-up, its bound, their ratio (target: >= 0.95) and the KV ratio."""
+    per-token speed-up, its bound, their ratio (target: within 5% of 1) and the KV ratio."""
     longest = max(r["prompt_len"] for r in rows)
     entry = {"kv_exact": all(r["kv_exact"] for r in rows), "prompt_len": longest}
     for r in rows:
@@ -195,11 +195,12 @@ def summary_lines(block: dict) -> list[str]:
     lines = [f"- llm: KV bytes exactly the kept KV-head share of the dense model's, every row: {block['kv_exact']}"]
     for key, d in block.items():
         if isinstance(d, dict):
-            met = "met" if d["ratio_to_bound"] >= TARGET else "missed"
+            off = d["ratio_to_bound"] - 1  # above the bound: the Amdahl model misses a saving outside attention
+            met = "met" if abs(off) <= TOLERANCE else f"missed, {'above' if off > 0 else 'below'} it"
             lines.append(f"- llm {key}, prompt {block['prompt_len']}: per-token decode {d['per_token_ratio']:.2f}x "
                          f"dense, bound {d['bound']:.2f}x (attention {d['dense_attention_share']:.0%} of a dense step, "
                          f"{d['kept_attention_work']:.3f} of its work kept): {d['ratio_to_bound']:.2f} of the bound "
-                         f"(target >= {TARGET}: {met}); KV ratio {d['kv_ratio']:.3f}")
+                         f"(target within {TOLERANCE:.0%}: {met}); KV ratio {d['kv_ratio']:.3f}")
     return lines
 
 
