@@ -46,7 +46,9 @@ def test_removals_are_those_of_the_committed_runs():
     fields = ("pruned", "heads_per_layer", "metric", "metric_seed", "rearrange", "budget_target")
     assert {stem: {f: run[f] for f in fields} for stem, run in heads["removals"].items()} == \
            {stem: {f: run[f] for f in fields} for stem, run in now.items()}
-    for run in heads["removals"].values():  # whole KV groups, so the group-level reading holds
+    for stem, run in heads["removals"].items():  # KV budgets: whole groups, so the group-level reading holds
+        if not stem.endswith(("kv67", "kv34")):
+            continue
         pruned = {tuple(h) for h in run["pruned"]}
         assert all((l, 3 * (h // 3) + k) in pruned for l, h in pruned for k in range(3))
 
