@@ -91,6 +91,23 @@ def compose_train(out, data_dir, *overrides):
         GlobalHydra.instance().clear()
 
 
+def compose_bench(out, *overrides):
+    """The bench config as `headprune-bench bench.quick=true` would compose it, writing to `out`."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from headprune.apps.config_paths import config_dir
+    from headprune.bench.config import register_bench_schema
+
+    register_bench_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            return compose("bench", overrides=[f"paths.output_dir={out}", "bench.quick=true", *overrides])
+    finally:
+        GlobalHydra.instance().clear()
+
+
 TRAIN_CLI = [sys.executable, "-m", "headprune.apps.train"]
 
 

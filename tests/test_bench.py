@@ -10,8 +10,6 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 import transformers as tf
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from transformers.pytorch_utils import Conv1D
 
@@ -28,20 +26,12 @@ from headprune.bench.variants import (SparseLinear, build_variants, qkvo_modules
                                       removal_counts)
 from headprune.apps.bench import run
 from headprune.apps.config_paths import config_dir
+from tests.helpers import compose_bench
 
 ENCODER_FIELDS = {"variant", "sparsity", "batch", "seq", "forward_ms", "attention_ms", "forward_ratio",
                   "attention_ratio", "theoretical_attention_ratio"}
 DECODER_FIELDS = {"variant", "sparsity", "prefill_ms", "per_token_ms", "kv_cache_bytes", "kv_ratio"}
 SPARSITIES = [0.25, 0.5, 0.75]
-
-
-def compose_bench(tmp_path, *overrides):
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            return compose("bench", overrides=[f"paths.output_dir={tmp_path}", "bench.quick=true", *overrides])
-    finally:
-        GlobalHydra.instance().clear()
 
 
 @pytest.fixture(scope="module")

@@ -7,33 +7,20 @@ import json
 import pytest
 import torch
 import transformers as tf
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
 import headprune.apps.train as train_app
 from headprune import heads_of_kv_groups, prune_heads, save_pruned
 from headprune.apps.bench import run
-from headprune.apps.config_paths import config_dir
-from headprune.bench.config import register_bench_schema
 from headprune.deploy.hf import read_origin
 from headprune.lightning.module import HeadPruneModule
 from headprune.results import RunResults
+from tests.helpers import compose_bench
 
 ONLY_LLM = ["bench.encoder.enabled=false", "bench.train_step.enabled=false", "bench.onnxruntime.enabled=false",
             "bench.decoder.enabled=false", "bench.llm.enabled=true"]
 LLM_FIELDS = {"model", "variant", "pruned_dir", "threads", "batch", "prompt_len", "new_tokens", "prefill_ms",
               "per_token_ms", "per_token_ratio", "attention_share", "dense_attention_share", "kept_attention_work",
               "bound", "ratio_to_bound", "kv_cache_bytes", "kv_ratio", "kv_heads_share", "kv_exact"}
-
-
-def compose_bench(tmp_path, *overrides):
-    register_bench_schema()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            return compose("bench", overrides=[f"paths.output_dir={tmp_path}", "bench.quick=true", *overrides])
-    finally:
-        GlobalHydra.instance().clear()
 
 
 def llama(seed: int = 0):
