@@ -24,6 +24,7 @@ ARMS = {"random": "random scores", "magnitude": "weight magnitude", "taylor": "T
         "fisher": "Fisher", "fisher_re": "Fisher + rearrangement",
         "fisher_re_ls": "Fisher + rearrangement + least squares (scales, bias)",
         "fisher_re_bias": "Fisher + rearrangement + bias compensation",
+        "fisher_lora": "Fisher + LoRA",
         "fisher_re_lora": "Fisher + rearrangement + LoRA",
         "fisher_re_lora_kd": "Fisher + rearrangement + LoRA on the KL to dense",
         "fisher_re_distill": "Fisher + rearrangement + KL to dense, every weight",
@@ -134,7 +135,7 @@ def table(dense: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-TRAINED = ("fisher_re_lora", "fisher_re_lora_kd", "fisher_re_distill", "lora_only")
+TRAINED = ("fisher_lora", "fisher_re_lora", "fisher_re_lora_kd", "fisher_re_distill", "lora_only")
 
 
 def summary(dense: dict, rows: list[dict]) -> str:

@@ -12,6 +12,7 @@
 #   fisher_re        + mask rearrangement by the block Fisher
 #   fisher_re_ls     + least-squares scales and bias (Kwon et al.), streamed layer by layer
 #   fisher_re_bias   + bias compensation (FLAP) instead
+#   fisher_lora      Fisher + LoRA, no rearrangement (q50, where rearrangement hurt)
 #   fisher_re_lora   + LoRA (rank 8, every projection) for $STEPS steps of 2 x 512 training tokens, merged
 #   fisher_re_lora_kd  the same, trained on the KL to the unpruned model's next-token distribution
 #   fisher_re_distill  the same KL, every weight trained (no adapters)
@@ -37,6 +38,7 @@ declare -A ARM=(
 STEPS=${STEPS:-50}
 TRAIN="data.max_train_samples=null data.batch_size=2 recovery.steps=$STEPS"
 ARM[lora_only]="metric=magnitude pruning.rearrange=false recovery=lora $TRAIN"  # for `dense`: nothing pruned
+ARM[fisher_lora]="metric=fisher pruning.rearrange=false recovery=lora $TRAIN"
 ARM[fisher_re_lora]="metric=fisher pruning.rearrange=true recovery=lora $TRAIN"
 ARM[fisher_re_lora_kd]="metric=fisher pruning.rearrange=true recovery=lora recovery.alpha=1.0 $TRAIN"
 ARM[fisher_re_distill]="metric=fisher pruning.rearrange=true recovery=distill recovery.alpha=1.0 recovery.temperature=1.0 $TRAIN"
