@@ -17,7 +17,8 @@ Two ways to train: `steps=0` (default) distils during the schedule's fine-tuning
 LightningModule's training step calls `training_loss`); `steps=N` trains N optimizer steps on the
 training text right after each round masks its heads (`training_steps.py`), with no Trainer: the
 LLM way, usable after a retraining-free prune (`schedule.epochs_per_round=0`) and between the
-rounds of an iterative one (the schedule's epochs, if it has any, then train on the same loss). `recovery=lora` (lora.py) is the same with LoRA adapters.
+rounds of an iterative one (the schedule's epochs, if it has any, then train on the same loss).
+`recovery=lora` (lora.py) is the same with LoRA adapters.
 """
 from __future__ import annotations
 
