@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from headprune import save_pruned
+from headprune import prune_heads, save_pruned
 from headprune.apps.train import run
 from headprune.deploy.fold import fold
 from headprune.heads.mask import HeadMask
@@ -62,7 +62,7 @@ def test_adapters_see_only_the_kept_heads_and_merge_exactly(family):
     model, mask = _masked(family)
     model.lm_head.requires_grad_(False)
     targets = len(lora_targets(model))
-    with lora_adapters(model, mask, Lora()) as modules:
+    with lora_adapters(model, Lora()) as modules:
         assert modules == targets == {"llama": 21, "gpt2": 12}[family]  # 3 layers x (7 | 4) projections
         assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
         g = torch.Generator().manual_seed(1)
@@ -86,6 +86,23 @@ def _blow_up_pruned_values(model, family):
         else:  # llama GQA: 4 heads over 2 KV groups of head_dim 8; heads 2, 3 = KV group 1
             v = model.model.layers[2].self_attn.v_proj.get_base_layer()
             v.weight[8:] += 100.0
+
+
+def test_adapters_on_physically_pruned_uneven_kv_groups():
+    """After physical removal, a layer whose KV group lost one of its two query heads pads its
+    queries and gathers its contexts by hooks on the projections; with the adapters in, those
+    hooks wrap the adapter's path too (the model runs), and the merge keeps what it computed."""
+    model = tiny("llama")
+    prune_heads(model, {layer: heads for layer, heads in PRUNE.items() if layer})  # [4, 3, 2] heads
+    mask = HeadMask.for_model(model)
+    with lora_adapters(model, Lora()):
+        g = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.data = torch.randn(p.shape, generator=g) * 0.5
+        adapted = _logits(model)
+    assert len(mask._handles) == 3 and len(model.model.layers[1].self_attn._headprune_hooks) == 2
+    torch.testing.assert_close(_logits(model), adapted, atol=1e-5, rtol=1e-5)
 
 
 def test_a_lora_round_trains_merges_and_exports_what_it_trained(tmp_path):

@@ -9,8 +9,10 @@ to `<run dir>/teacher` for a resume). Every `nn.Linear` / `Conv1D` inside the tr
 gets an adapter unless `target_modules` names a subset (by module name, e.g. [q_proj, v_proj]).
 
 Head gating stays exact: the mask's hook sits on the output projection's input, and peft wraps
-that projection, so while the adapters are in, the hooks move to the wrappers (the adapter of the
-output projection sees the gated heads, never a pruned head's output), and back after the merge.
+that projection, so while the adapters are in, every hook of a wrapped module moves to its wrapper
+(the adapter of the output projection sees the gated heads, never a pruned head's output; after
+physical removal with uneven KV groups, the query padding wraps the adapter's output too), and
+back after the merge.
 Merged adapters leave the weights only, so a resumed run (after any round) needs nothing but the
 teacher.
 """
@@ -74,37 +76,55 @@ class Lora(Distill):
             super().resume(pruner)
 
     def after_round(self, pruner, record: dict, loaders) -> None:
-        with lora_adapters(pruner.model, pruner.mask, self) as modules:
+        with lora_adapters(pruner.model, self) as modules:
             self.train_and_record(pruner, record, loaders, {"rank": self.rank, "modules": modules})
 
 
 @contextmanager
-def lora_adapters(model: nn.Module, mask, settings: Lora) -> Iterator[int]:
+def lora_adapters(model: nn.Module, settings: Lora) -> Iterator[int]:
     """Adapters of `settings` on `model` (the only parameters that train) for the block's
-    duration, the mask's gates on peft's wrappers; on exit they are merged into the weights, the
-    plain modules, gates and requires_grad flags back. Yields the number of adapted modules."""
+    duration; on exit they are merged into the weights and the plain modules, hooks and
+    requires_grad flags are back. Yields the number of adapted modules.
+
+    Every hook on an adapted module (the mask's gate on the output projection; physical
+    removal's query padding and context gathering for uneven KV groups) moves onto peft's wrapper
+    while the adapters are in, so the adapter's path sees what the base module sees, and moves
+    back before the merge (its handles stay valid: the same ids return to the same module)."""
     from peft import LoraConfig, inject_adapter_in_model
 
     targets = lora_targets(model, settings.target_modules)
     config = LoraConfig(r=settings.rank, lora_alpha=settings.lora_alpha, lora_dropout=settings.dropout,
                         target_modules=targets, fan_in_fan_out=isinstance(model.get_submodule(targets[0]), Conv1D))
     flags = [p.requires_grad for p in model.parameters()]
-    mask.detach()
+    wrappers = []
     try:
         inject_adapter_in_model(config, model)
         model.train(model.training)  # peft's new dropout modules start in training mode, whatever the model's
-        mask.attach(model)  # the gates move onto peft's wrapper of each output projection
+        wrappers = [model.get_submodule(name) for name in targets]
+        for wrapper in wrappers:
+            move_hooks(wrapper.get_base_layer(), wrapper)
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
         yield len(targets)
     finally:
-        mask.detach()
+        for wrapper in wrappers:
+            move_hooks(wrapper, wrapper.get_base_layer())
         merge_lora(model)
         if hasattr(model, "peft_config"):  # inject_adapter_in_model's bookkeeping: nothing of peft stays
             del model.peft_config
-        mask.attach(model)
         for p, flag in zip(model.parameters(), flags):
             p.requires_grad_(flag)
+
+
+HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+         "_forward_hooks_always_called")
+
+
+def move_hooks(source: nn.Module, target: nn.Module) -> None:
+    """Every forward (pre-)hook of `source` onto `target`, in order, under the same ids."""
+    for name in HOOKS:
+        getattr(target, name).update(getattr(source, name))
+        getattr(source, name).clear()
 
 
 def lora_targets(model: nn.Module, names: list[str] | None = None) -> list[str]:
