@@ -142,7 +142,7 @@ def summary(dense: dict, rows: list[dict]) -> str:
     """The README's table: per budget, the best arm without training and the best with it."""
     d2048 = dense["perplexity"]["seq2048"]["ppl"]
     dz = dense.get("zero_shot", {}).get("sst2_local", {}).get("acc")
-    lines = ["| KV groups kept | recovery | best arm | KV kept | ppl seq 2048 | change | SST-2 acc |",
+    lines = ["| budget | recovery | best arm | KV kept | ppl seq 2048 | change | SST-2 acc |",
              "|---|---|---|---:|---:|---:|---:|",
              f"| all (dense) | – | – | 1.000 | {d2048:.2f} | – | {_fmt(dz, 3)} |"]
     for budget, title in BUDGETS.items():
