@@ -61,6 +61,7 @@ def test_adapters_see_only_the_kept_heads_and_merge_exactly(family):
     model computes what the adapted one did, with its gates and requires_grad flags back."""
     model, mask = _masked(family)
     model.lm_head.requires_grad_(False)
+    flags = [p.requires_grad for p in model.parameters()]
     targets = len(lora_targets(model))
     with lora_adapters(model, Lora()) as modules:
         assert modules == targets == {"llama": 21, "gpt2": 12}[family]  # 3 layers x (7 | 4) projections
@@ -74,6 +75,7 @@ def test_adapters_see_only_the_kept_heads_and_merge_exactly(family):
         torch.testing.assert_close(_logits(model), adapted)
     assert "lora" not in " ".join(n for n, _ in model.named_modules())
     assert len(mask._handles) == 3 and not model.lm_head.weight.requires_grad
+    assert [p.requires_grad for p in model.parameters()] == flags and any(flags)  # peft froze them: unfrozen
     torch.testing.assert_close(_logits(model), adapted, atol=1e-5, rtol=1e-5)
 
 

@@ -35,7 +35,7 @@ from torch import nn
 from headprune.deploy.hf import load_pruned, save_pruned
 from headprune.heads.adapters import model_shape
 from headprune.recovery.base import Recovery, trains_after_pruning
-from headprune.recovery.training_steps import train_steps
+from headprune.recovery.training_steps import train_steps, trainable
 from headprune.tasks import MODEL_INPUTS, is_causal_lm, per_example_loss, real_tokens, target_weights
 
 log = logging.getLogger(__name__)
@@ -145,15 +145,8 @@ class Distill(Recovery):
         """`steps > 0`: train the whole model for `steps` steps on the training text."""
         if self.steps == 0:
             return
-        model = pruner.model
-        flags = [p.requires_grad for p in model.parameters()]
-        try:
-            for p in model.parameters():
-                p.requires_grad_(True)
+        with trainable(pruner.model, lambda name: True):
             self.train_and_record(pruner, record, loaders, {})
-        finally:
-            for p, flag in zip(model.parameters(), flags):
-                p.requires_grad_(flag)
 
     def train_and_record(self, pruner, record: dict, loaders, extra: dict) -> None:
         """Train `steps` steps of `training_loss` on `loaders.train`; the report goes to
@@ -196,7 +189,7 @@ class Distill(Recovery):
 
 def training_loader(loaders, name: str):
     """The training text a step-budget recovery reads, refused when there is none."""
-    train = getattr(loaders, "train", None)
+    train = loaders.train
     if train is None or len(getattr(train, "dataset", [None])) == 0:
         raise ValueError(f"recovery={name} with recovery.steps > 0 trains on the training blocks, but there are none "
                          "(data.max_train_samples=0, or no training loader given); allowed: data.max_train_samples > 0 "

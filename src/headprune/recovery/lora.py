@@ -28,6 +28,7 @@ from transformers.pytorch_utils import Conv1D
 
 from headprune.heads.adapters import get_adapter
 from headprune.recovery.distill import Distill
+from headprune.recovery.training_steps import trainable
 
 log = logging.getLogger(__name__)
 
@@ -95,25 +96,21 @@ def lora_adapters(model: nn.Module, settings: Lora) -> Iterator[int]:
     targets = lora_targets(model, settings.target_modules)
     config = LoraConfig(r=settings.rank, lora_alpha=settings.lora_alpha, lora_dropout=settings.dropout,
                         target_modules=targets, fan_in_fan_out=isinstance(model.get_submodule(targets[0]), Conv1D))
-    flags = [p.requires_grad for p in model.parameters()]
     wrappers = []
-    try:
-        inject_adapter_in_model(config, model)
-        model.train(model.training)  # peft's new dropout modules start in training mode, whatever the model's
-        wrappers = [model.get_submodule(name) for name in targets]
-        for wrapper in wrappers:
-            move_hooks(wrapper.get_base_layer(), wrapper)
-        for name, p in model.named_parameters():
-            p.requires_grad_("lora_" in name)
-        yield len(targets)
-    finally:
-        for wrapper in wrappers:
-            move_hooks(wrapper, wrapper.get_base_layer())
-        merge_lora(model)
-        if hasattr(model, "peft_config"):  # inject_adapter_in_model's bookkeeping: nothing of peft stays
-            del model.peft_config
-        for p, flag in zip(model.parameters(), flags):
-            p.requires_grad_(flag)
+    with trainable(model, lambda name: False):  # peft's adapters, created next, are all that trains
+        try:
+            inject_adapter_in_model(config, model)
+            model.train(model.training)  # peft's new dropout modules start in training mode, whatever the model's
+            wrappers = [model.get_submodule(name) for name in targets]
+            for wrapper in wrappers:
+                move_hooks(wrapper.get_base_layer(), wrapper)
+            yield len(targets)
+        finally:
+            for wrapper in wrappers:
+                move_hooks(wrapper, wrapper.get_base_layer())
+            merge_lora(model)
+            if hasattr(model, "peft_config"):  # inject_adapter_in_model's bookkeeping: nothing of peft stays
+                del model.peft_config
 
 
 HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",

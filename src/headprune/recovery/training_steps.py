@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -21,6 +22,20 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 WINDOW = 10  # steps averaged for the first and last loss in the report
+
+
+@contextmanager
+def trainable(model: nn.Module, pick: Callable[[str], bool]) -> Iterator[None]:
+    """Only the parameters whose names `pick` accepts require grad inside the block; every
+    parameter there at its start has its flag back afterwards (ones added inside are not touched)."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for name, p in model.named_parameters():
+            p.requires_grad_(pick(name))
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
 
 
 def cycle(loader: Iterable) -> Iterator[dict]:
