@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
-WINDOW = 10  # steps averaged for the first and last loss in the report
+WINDOW = 10  # steps averaged for the first and last loss in the report (fewer in a short run)
 
 
 @contextmanager
@@ -61,8 +61,10 @@ def lr_factor(step: int, steps: int) -> float:
 def train_steps(model: nn.Module, loader: Iterable, loss_fn: Callable[[nn.Module, dict], torch.Tensor], steps: int,
                 lr: float, max_grad_norm: float = 1.0, label: str = "recovery") -> dict:
     """Train `model`'s parameters that require grad for `steps` steps of `loss_fn(model, batch)`
-    (a scalar); returns a report: steps, tokens seen, seconds, first and last loss (mean over
-    `WINDOW` steps), trainable parameters and the peak learning rate."""
+    (a scalar); returns a report: steps, tokens seen, seconds, first and last loss (each the mean
+    over `loss_window` steps: `WINDOW`, or half the steps when there are fewer than 2 x WINDOW, so
+    the two never share a step and a loss that moved shows as moved), trainable parameters and
+    the peak learning rate."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{label}: no parameter requires grad, nothing to train")
@@ -93,7 +95,8 @@ def train_steps(model: nn.Module, loader: Iterable, loss_fn: Callable[[nn.Module
     finally:
         model.train(was_training)
         optimizer.zero_grad(set_to_none=True)  # no stale gradients (or their memory) after the recovery
-    window = min(WINDOW, len(losses))
+    window = max(1, min(WINDOW, len(losses) // 2))
     return {"steps": steps, "tokens": tokens, "lr": lr, "trainable_params": sum(p.numel() for p in params),
             "loss_first": sum(losses[:window]) / window, "loss_last": sum(losses[-window:]) / window,
+            "loss_window": window,
             "train_seconds": round(time.perf_counter() - start, 3)}
