@@ -258,3 +258,90 @@ def test_real_smollm2_converts_with_its_gqa_shape_logits_and_answer(smollm2):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=20, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_converted_files_get_0666_less_the_umask_like_exports(tmp_path, cache):
+    """Other users of a shared cache can read the converted weights (safetensors writes 0600)."""
+    import os
+
+    path, _ = write_tiny_gguf(tmp_path / "gguf")
+    old = os.umask(0o002)
+    try:
+        folder = gguf_models.converted(path)
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o664, modes
+    assert folder.stat().st_mode & 0o777 == 0o775
+
+
+def test_a_run_hashes_the_gguf_file_once(tmp_path, cache, monkeypatch):
+    """load_tokenizer and build_model both resolve the source: one sha256 of the file per process."""
+    path, _ = write_tiny_gguf(tmp_path / "gguf")
+    gguf_models.converted(path)
+    monkeypatch.setattr(gguf_models, "RACY_S", -1.0)  # the file was written just now
+    monkeypatch.setattr(gguf_models, "_KEYS", {})
+    calls = []
+    real = gguf_models._sha256
+    monkeypatch.setattr(gguf_models, "_sha256", lambda p: (calls.append(p), real(p))[1])
+    load_tokenizer(str(path))
+    build_model(str(path), task="causal_lm")
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("cut", ["header", "tensors", "not_gguf"])
+def test_a_truncated_gguf_file_is_named_as_truncated(cut, tmp_path, cache):
+    path, _ = write_tiny_gguf(tmp_path / "gguf")
+    data = path.read_bytes()
+    path.write_bytes({"header": data[:2000], "tensors": data[: len(data) // 2], "not_gguf": b"PK\x03\x04" + data[4:]}[cut])
+    what = "is not a GGUF file" if cut == "not_gguf" else "is truncated"
+    with pytest.raises(ValueError, match=f"GGUF file {path} {what}"):
+        build_model(str(path), task="causal_lm")
+    assert not cache.exists() or [p for p in cache.iterdir() if p.is_dir()] == []
+
+
+def _unwritable_folder(tmp_path) -> Path:
+    """A folder this process cannot create files in (root ignores permission bits: /sys, whose
+    subfolders even root cannot create)."""
+    import os
+
+    if os.geteuid() == 0:
+        return Path("/sys")
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["read_only", "a_file"])
+def test_a_cache_that_cannot_be_written_names_headprune_cache(kind, tmp_path, monkeypatch):
+    path, _ = write_tiny_gguf(tmp_path / "gguf")
+    if kind == "a_file":
+        root = tmp_path / "cache_file"
+        root.write_text("x")
+    else:
+        root = _unwritable_folder(tmp_path)
+    monkeypatch.setenv("HEADPRUNE_CACHE", str(root))
+    error = NotADirectoryError if kind == "a_file" else PermissionError
+    with pytest.raises(error, match=f"HEADPRUNE_CACHE={root}: {root / 'models'} cannot be written .* tiny.gguf is "
+                                    "converted into it once .*allowed: HEADPRUNE_CACHE=<a folder you can write>"):
+        build_model(str(path), task="causal_lm")
+
+
+@pytest.mark.parametrize("damage", ["truncated_weights", "no_config"])
+def test_a_damaged_cache_folder_is_converted_again(damage, tmp_path, cache, caplog):
+    """A cached folder is not trusted blindly: a truncated model.safetensors or a missing
+    config.json (a disk filled up, a hand edit) is converted again, with a warning naming it."""
+    path, original = write_tiny_gguf(tmp_path / "gguf")
+    folder = gguf_models.converted(path)
+    weights = folder / "model.safetensors"
+    if damage == "truncated_weights":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        (folder / "config.json").unlink()
+    with caplog.at_level("WARNING", logger=gguf_models.__name__):
+        model = build_model(str(path), task="causal_lm").eval()
+    assert f"the cached conversion {folder} is damaged" in caplog.text
+    ids = torch.arange(10)[None]
+    assert torch.allclose(_logits(model, ids), _logits(original, ids), atol=1e-6)
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == [folder.name]  # replaced, nothing left aside

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +20,7 @@ import transformers
 from torch import nn
 from transformers import AutoConfig
 
-from headprune.atomic import write_json_atomic
+from headprune.atomic import staged_folder, write_json_atomic
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.surgery import _integer, apply_layout
 
@@ -77,40 +74,12 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwri
     if directory.is_dir() and any(directory.iterdir()) and not overwrite:
         raise FileExistsError(f"save_pruned: {directory} is not empty ({sorted(p.name for p in directory.iterdir())[:5]}"
                               "...); pass overwrite=True to replace its contents, or choose an empty folder")
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
-    try:
+    with staged_folder(directory) as staging:
         plain_hf, why = _write(model, staging, tokenizer, origin)
-        _publish(staging, directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     result = Saved(directory, plain_hf, why)
     log.info("save_pruned: %s is %s (%s)", directory,
              "a plain transformers checkpoint" if result.plain_hf else "loadable with headprune.load_pruned", why)
     return result
-
-
-def _publish(staging: Path, directory: Path) -> None:
-    """Give `staging`'s files the permissions a plain open() would, then rename it to `directory`;
-    an existing `directory` is moved aside first and removed only once the new one is in place."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in staging.rglob("*"):
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-    os.chmod(staging, 0o777 & ~umask)
-    old = None
-    if directory.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".old", dir=directory.parent))
-        os.replace(directory, old / directory.name)
-    try:
-        os.replace(staging, directory)
-    except BaseException:
-        if old is not None:
-            os.replace(old / directory.name, directory)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write(model: nn.Module, directory: Path, tokenizer, origin: str | None) -> tuple[bool, str]:

@@ -16,11 +16,17 @@ into a plain folder that every later load reads like any saved model:
         headprune_gguf.json    where it came from: file, size, full sha256, versions
 
 `HEADPRUNE_CACHE` unset: `$XDG_CACHE_HOME/headprune`, else `~/.cache/headprune`. The key is the
-file's content (sha256 of 98 MB: under 0.1 s), so a replaced file converts again and a copy
-elsewhere reuses the folder. The folder is written under a temporary name beside it and renamed
-when complete, under a per-key lock, so a kill leaves no half folder and concurrent processes
-(DDP ranks) convert once (the empty `.<key>.lock` files stay). Clear the cache by deleting the
-folder (`rm -rf ~/.cache/headprune/models`); the next load converts again.
+file's content (sha256 of 98 MB: under 0.1 s, computed once per process and file), so a replaced
+file converts again and a copy elsewhere reuses the folder. The folder is written under a
+temporary name beside it and renamed when complete (atomic.py `staged_folder`, as exports are,
+with 0666 / 0777 less the umask so other users of a shared cache can read it), under a per-key
+lock, so a kill leaves no half folder and concurrent processes (DDP ranks) convert once (the
+empty `.<key>.lock` files stay). A cached folder that is damaged (no or unreadable config.json,
+a truncated model.safetensors) is converted again, with a warning. Clear the cache by deleting
+the folder (`rm -rf ~/.cache/headprune/models`); the next load converts again.
+
+A GGUF file that ends early (a cut download or copy) is named as truncated before conversion; a
+cache that cannot be written (read-only, or a file) is an error naming HEADPRUNE_CACHE.
 """
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
+
+from headprune.atomic import staged_folder
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +91,25 @@ def gguf_source(name: str) -> Path | None:
     return found[0] if found else None
 
 
+_KEYS: dict[tuple, str] = {}  # (file, inode, size, mtime, ctime) -> sha256: hashed once per process
+RACY_S = 2.0  # a file changed this recently is hashed again (its times may not show a rewrite yet)
+
+
 def file_key(path: Path) -> str:
-    """sha256 of the file's bytes (hex)."""
+    """sha256 of the file's bytes (hex), remembered for the process while the file is unchanged
+    (same inode, size and times; a file changed in the last `RACY_S` seconds is hashed again, since
+    a rewrite within the file system's time resolution would keep its times)."""
+    stat = Path(path).stat()
+    identity = (str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    if identity in _KEYS:
+        return _KEYS[identity]
+    digest = _sha256(Path(path))
+    if time.time() - max(stat.st_mtime, stat.st_ctime) > RACY_S:
+        _KEYS[identity] = digest
+    return digest
+
+
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -93,40 +118,96 @@ def file_key(path: Path) -> str:
 
 
 def converted(path: Path, cache: Path | None = None) -> Path:
-    """The plain folder converted from the GGUF file `path`: read from the cache when there,
-    else converted now (once, atomically) into `cache` (default `cache_root()`)."""
+    """The plain folder converted from the GGUF file `path`: read from the cache when there (and
+    whole), else converted now (once, atomically) into `cache` (default `cache_root()`)."""
     cache = Path(cache) if cache is not None else cache_root()
     digest = file_key(path)
     key = digest[:16]
-    if (found := _cached(cache, key)) is not None:
+    if (found := _cached(cache, key)) is not None and (damage := damaged(found)) is None:
         return found
-    cache.mkdir(parents=True, exist_ok=True)
+    check_gguf(path)
+    _check_cache_writable(cache, path)
     with _locked(cache / f".{key}.lock"):
-        if (found := _cached(cache, key)) is not None:  # another process converted it meanwhile
-            return found
-        for stale in cache.glob(f".{key}.*.tmp"):  # left by a killed conversion
+        if (found := _cached(cache, key)) is not None:
+            if (damage := damaged(found)) is None:  # another process converted it meanwhile
+                return found
+            log.warning("the cached conversion %s is damaged (%s): converting %s again", found, damage, path)
+            aside = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=cache))
+            os.replace(found, aside / found.name)  # removed with the stale folders below
+        for stale in [*cache.glob(f".{key}.*.tmp"), *cache.glob(f".{key}.*.old")]:  # left by a killed conversion
             shutil.rmtree(stale, ignore_errors=True)
         folder = cache / f"{path.stem}-{key}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=cache))
-        try:
-            start = time.perf_counter()
-            log.info("converting GGUF %s once into %s (dequantized to float32)", path, folder)
+        start = time.perf_counter()
+        log.info("converting GGUF %s once into %s (dequantized to float32)", path, folder)
+        with staged_folder(folder, prefix=f".{key}.") as tmp:
             convert(path, tmp)
             (tmp / SOURCE_FILE).write_text(json.dumps(_source_record(path, digest), indent=2))
-            os.chmod(tmp, 0o777 & ~_umask())
-            os.rename(tmp, folder)
-            log.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        log.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
     return folder
 
 
 def _cached(cache: Path, key: str) -> Path | None:
     """The complete folder converted from a file with this key, under whatever name it was
     converted from (temporary folders start with a dot)."""
-    found = [f for f in cache.glob(f"*-{key}") if f.is_dir() and not f.name.startswith(".")]
+    found = [f for f in cache.glob(f"*-{key}") if f.is_dir() and not f.name.startswith(".")] if cache.is_dir() else []
     return found[0] if found else None
+
+
+def damaged(folder: Path) -> str | None:
+    """Why a cached folder cannot be used as it is (None: it can): config.json missing or not
+    JSON, no weights, or a weights file that is truncated (its header says more bytes than it holds)."""
+    from headprune.deploy.hf import weight_shapes
+
+    config = folder / "config.json"
+    try:
+        json.loads(config.read_text())
+    except (OSError, ValueError) as err:
+        return f"{config} cannot be read ({type(err).__name__}: {err})"
+    if not list(folder.glob("*.safetensors")):
+        return f"{folder} holds no model.safetensors"
+    try:
+        weight_shapes(folder)
+    except ValueError as err:
+        return str(err).split(": the weights file")[0]
+    return None
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse, naming the file, a GGUF file that is not one or that ends early (a cut download or
+    copy), before transformers fails on it with a struct or reshape error naming nothing."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"GGUF file {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); allowed: a "
+                         ".gguf file as llama.cpp writes it")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as err:  # noqa: BLE001 - struct.error, ValueError, IndexError: all mean a cut file
+        raise ValueError(f"GGUF file {path} is truncated or damaged ({size} bytes; reading it failed with "
+                         f"{type(err).__name__}: {err}); download or copy it again") from None
+    if end > size:
+        raise ValueError(f"GGUF file {path} is truncated: its tensors end at byte {end}, the file has {size}; "
+                         "download or copy it again")
+
+
+def _check_cache_writable(cache: Path, path: Path) -> None:
+    """The cache folder exists (created if needed) and a file can be created in it; otherwise an
+    error naming HEADPRUNE_CACHE, the setting that moves it."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=cache):
+            pass
+    except OSError as err:
+        setting = os.environ.get("HEADPRUNE_CACHE")
+        where = f"HEADPRUNE_CACHE={setting}" if setting else "the default model cache (HEADPRUNE_CACHE unset)"
+        kind = NotADirectoryError if isinstance(err, (NotADirectoryError, FileExistsError)) else PermissionError
+        raise kind(f"{where}: {cache} cannot be written ({err.strerror or err}), and the GGUF file {path.name} is "
+                   "converted into it once before its first use; allowed: HEADPRUNE_CACHE=<a folder you can write>, "
+                   "or a cache that already holds this conversion") from None
 
 
 def convert(path: Path, into: Path) -> None:
@@ -167,8 +248,3 @@ def _locked(lock: Path):
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
 
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
