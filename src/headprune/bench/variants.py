@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
-from headprune.heads.adapters import get_adapter, head_layout
+from headprune.heads.adapters import get_adapter, head_layout, out_in_weight
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import heads_of_kv_groups, kv_group_heads, prune_heads
 
@@ -181,8 +180,7 @@ class SparseLinear(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        weight = module.weight.detach()
-        weight = weight.t() if isinstance(module, Conv1D) else weight  # (out, in)
+        weight = out_in_weight(module).detach()  # (out, in)
         self.out_features = weight.shape[0]
         with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state"
             warnings.simplefilter("ignore", UserWarning)

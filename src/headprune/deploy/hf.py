@@ -22,7 +22,7 @@ from transformers import AutoConfig
 
 from headprune.atomic import staged_folder, write_json_atomic
 from headprune.heads.adapters import get_adapter, head_layout
-from headprune.heads.surgery import _integer, apply_layout
+from headprune.heads.surgery import apply_layout, integer_id
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +121,10 @@ def plain_counts(model: nn.Module) -> tuple[tuple[int, int] | None, str]:
     adapter, layout = get_adapter(model), head_layout(model)
     if not adapter.config_head_dim:
         return None, f"the {adapter.name} family's config has no head_dim of its own"
-    group = adapter.group_size(model.config)
     per_layer = set()
     for kept in layout:
-        groups = {h // group for h in kept}
-        sizes = {sum(1 for h in kept if h // group == g) for g in groups}
+        groups = adapter.kv_groups(model.config, kept)
+        sizes = {len(heads) for heads in groups.values()}
         if not kept or len(sizes) != 1:
             return None, "a layer has no heads or a KV group partly kept"
         per_layer.add((len(kept), len(groups)))
@@ -183,7 +182,7 @@ def read_layout(directory: str | Path) -> list[list[int]]:
     layout = saved["layout"]
     if not isinstance(layout, list) or not all(isinstance(kept, list) for kept in layout):
         raise ValueError(f"{path}: 'layout' must be a list with one list of kept head ids per layer; got {layout!r}")
-    layout = [[_integer(h, f"{LAYOUT_FILE} layer {i} head") for h in kept] for i, kept in enumerate(layout)]
+    layout = [[integer_id(h, f"{LAYOUT_FILE} layer {i} head") for h in kept] for i, kept in enumerate(layout)]
     num_heads = saved.get("num_heads")
     for i, kept in enumerate(layout):
         twice = sorted({h for h in kept if kept.count(h) > 1})

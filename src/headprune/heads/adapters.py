@@ -7,6 +7,12 @@ columns of which weights belong to each head (`head_rows`, in the family's own w
 GPT-2's fused `c_attn` included). Head gating (`mask.py`), scoring, physical removal
 (`surgery.py`) and optimizer-state surgery only talk to adapters, so adding a family means
 adding one `register_adapter(ArchAdapter(...))` entry here (docs/adding_an_architecture.md).
+
+Two facts live here and nowhere else: which KV head a query head reads (`ArchAdapter.kv_head`,
+and `kv_groups` built on it), and how a projection stores its weight (Linear (out, in), GPT-2's
+Conv1D (in, out): `feature_dim`, `out_in_weight`, `num_features`, `set_num_features`,
+`stores_in_out`); surgery, folding, the headless layer, the bench's sparse copies and saving
+ask these instead of testing for Conv1D themselves.
 """
 from __future__ import annotations
 
@@ -36,8 +42,7 @@ class Rows:
 
     def weight_dim(self) -> int:
         """The dimension of `module.weight` along which these features lie."""
-        conv = isinstance(self.module, Conv1D)
-        return int(conv) if self.outputs else int(not conv)
+        return feature_dim(self.module, self.outputs)
 
     def param_slices(self, with_bias: bool = True) -> list[tuple[nn.Parameter, int, slice]]:
         """(parameter, dim, slice) of the weight, and of the bias for output features."""
@@ -52,6 +57,37 @@ class Rows:
         dim = self.weight_dim()
         w = self.module.weight.narrow(dim, self.start, self.stop - self.start)
         return w if dim == 0 else w.t()
+
+
+
+# -- a projection's weight layout: Linear (out, in), GPT-2's Conv1D (in, out) -----------------------
+def stores_in_out(module: nn.Module) -> bool:
+    """True when `module.weight` is stored (in, out) (GPT-2's Conv1D), False for (out, in) (Linear)."""
+    return isinstance(module, Conv1D)
+
+
+def feature_dim(module: nn.Module, outputs: bool) -> int:
+    """The dimension of `module.weight` that indexes its output features (`outputs=True`) or its
+    input features."""
+    return int(stores_in_out(module)) if outputs else int(not stores_in_out(module))
+
+
+def num_features(module: nn.Module, outputs: bool) -> int:
+    """How many output (or input) features the projection's weight has now."""
+    return int(module.weight.shape[feature_dim(module, outputs)])
+
+
+def set_num_features(module: nn.Module, outputs: bool, n: int) -> None:
+    """Record on the module that it now has `n` output (or input) features, under the attribute
+    its class reads (Conv1D `nf` / `nx`, Linear `out_features` / `in_features`)."""
+    conv = stores_in_out(module)
+    setattr(module, ("nf" if conv else "out_features") if outputs else ("nx" if conv else "in_features"), n)
+
+
+def out_in_weight(module: nn.Module) -> torch.Tensor:
+    """The projection's weight as (out, in), a view (transposed for Conv1D)."""
+    return module.weight.t() if stores_in_out(module) else module.weight
+
 
 LAYOUT_ATTR = "headprune_layout"
 
@@ -127,13 +163,18 @@ class ArchAdapter:
         """Query heads per KV head (1 without grouped-query attention)."""
         return self.num_heads(config) // self.num_kv_heads(config)
 
+    def kv_head(self, config, head: int) -> int:
+        """The KV head (original id) that query head `head` reads: the one place that knows it is
+        `head // group_size` (HF's `repeat_kv` repeats each KV head for consecutive query heads)."""
+        return head // self.group_size(config)
+
     def kv_groups(self, config, heads) -> dict[int, list[int]]:
-        """{KV group id: the query heads of `heads` that read it}, groups in ascending order; the
-        one place that knows query head h reads KV head h // group_size."""
-        group, out = self.group_size(config), {}
+        """{KV head id: the query heads of `heads` that read it}, KV heads and their query heads in
+        ascending order (`kv_head`); `kv_groups(config, range(num_heads))` is every group."""
+        out: dict[int, list[int]] = {}
         for h in sorted(heads):
-            out.setdefault(h // group, []).append(h)
-        return out
+            out.setdefault(self.kv_head(config, h), []).append(h)
+        return dict(sorted(out.items()))
 
     def head_rows(self, model: nn.Module, layer: int) -> dict[int, dict[str, Rows]]:
         """{original head id: {"q"|"k"|"v"|"o": Rows}} for the heads `layer` physically holds.
@@ -144,14 +185,14 @@ class ArchAdapter:
         [all kept q | all kept KV k | all kept KV v] along its outputs."""
         attn = self.attention(self.blocks(model)[layer])
         kept = layer_heads(model, layer)
-        d, group = self.head_dim(model.config), self.group_size(model.config)
-        kv_kept = sorted({h // group for h in kept})  # KV heads the layer holds, in order
+        d = self.head_dim(model.config)
+        kv_kept = list(self.kv_groups(model.config, kept))  # KV heads the layer holds, in order
         q, k, v, o = (attn.get_submodule(path) for path in (self.q, self.k, self.v, self.o))
         k_offset = len(kept) * d if self.fused_qkv else 0
         v_offset = k_offset + len(kv_kept) * d if self.fused_qkv else 0
         rows = {}
         for pos, head in enumerate(kept):
-            kv = kv_kept.index(head // group)
+            kv = kv_kept.index(self.kv_head(model.config, head))
             rows[head] = {"q": Rows(q, True, pos * d, (pos + 1) * d),
                           "k": Rows(k, True, k_offset + kv * d, k_offset + (kv + 1) * d),
                           "v": Rows(v, True, v_offset + kv * d, v_offset + (kv + 1) * d),
@@ -165,8 +206,7 @@ class ArchAdapter:
         flags: dict[nn.Module, torch.Tensor] = {}
         for path in dict.fromkeys((self.q, self.k, self.v)):
             module = attn.get_submodule(path)
-            width = module.weight.shape[1] if isinstance(module, Conv1D) else module.weight.shape[0]
-            flags[module] = torch.zeros(width, dtype=torch.bool)
+            flags[module] = torch.zeros(num_features(module, outputs=True), dtype=torch.bool)
         for parts in self.head_rows(model, layer).values():
             for part in ("q", "k"):
                 r = parts[part]

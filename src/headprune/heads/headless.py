@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicLayer
-from transformers.pytorch_utils import Conv1D
 
+from headprune.heads.adapters import num_features
 
 
 class HeadlessAttention(nn.Module):
@@ -41,8 +41,7 @@ class HeadlessAttention(nn.Module):
         if self.out is None:
             return hidden_states.new_zeros(batch, tokens, 0), None  # (B, T, 0)
         proj = self.get_submodule(self.out)
-        width = proj.weight.shape[1] if isinstance(proj, Conv1D) else proj.weight.shape[0]
-        output = hidden_states.new_zeros(batch, tokens, width)  # (B, T, hidden)
+        output = hidden_states.new_zeros(batch, tokens, num_features(proj, outputs=True))  # (B, T, hidden)
         if proj.bias is not None:
             output = output + proj.bias
         return output, None

@@ -27,9 +27,8 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
-from headprune.heads.adapters import LAYOUT_ATTR, ArchAdapter, get_adapter, head_layout
+from headprune.heads.adapters import LAYOUT_ATTR, ArchAdapter, feature_dim, get_adapter, head_layout, set_num_features
 from headprune.heads.headless import HeadlessAttention
 
 log = logging.getLogger(__name__)
@@ -88,11 +87,10 @@ def apply_layout(model: nn.Module, layout: list[list[int]]) -> nn.Module:
 
 
 def kv_group_heads(model: nn.Module) -> list[list[int]]:
-    """Original query head ids sharing each KV head (one group per head without GQA)."""
+    """Original query head ids sharing each KV head, in KV head order (one group per head without
+    GQA): the adapter's `kv_groups` over every head."""
     adapter = get_adapter(model)
-    n_heads, n_kv = adapter.num_heads(model.config), adapter.num_kv_heads(model.config)
-    size = n_heads // n_kv
-    return [list(range(g * size, (g + 1) * size)) for g in range(n_kv)]
+    return list(adapter.kv_groups(model.config, range(adapter.num_heads(model.config))).values())
 
 
 def heads_of_kv_groups(model: nn.Module, groups: Mapping[int, Iterable[int]]) -> dict[int, list[int]]:
@@ -101,12 +99,12 @@ def heads_of_kv_groups(model: nn.Module, groups: Mapping[int, Iterable[int]]) ->
     n_layers = len(get_adapter(model).blocks(model))
     heads = {}
     for layer, ids in groups.items():
-        layer = _integer(layer, "layer")
+        layer = integer_id(layer, "layer")
         if not 0 <= layer < n_layers:
             raise ValueError(f"layer {layer} is out of range: the model has layers 0..{n_layers - 1}")
         heads[layer] = []
         for g in _ids(ids, f"groups[{layer}]"):
-            g = _integer(g, f"KV group (layer {layer})")
+            g = integer_id(g, f"KV group (layer {layer})")
             if not 0 <= g < len(table):
                 raise ValueError(f"KV group {g} of layer {layer} is out of range: allowed 0..{len(table) - 1}")
             heads[layer] += table[g]
@@ -141,10 +139,9 @@ def scale_heads(model: nn.Module, factors: torch.Tensor) -> nn.Module:
             continue
         o = adapter.out_proj(block)
         scale = factors[layer, layout[layer]].to(o.weight).repeat_interleave(head_dim)  # (h * D,)
-        if isinstance(o, Conv1D):  # weight (in, out)
-            o.weight.mul_(scale.view(-1, 1))
-        else:  # Linear: weight (out, in)
-            o.weight.mul_(scale.view(1, -1))
+        shape = [1, 1]
+        shape[feature_dim(o, outputs=False)] = -1  # along the input features, in either weight layout
+        o.weight.mul_(scale.view(shape))
     return model
 
 
@@ -161,7 +158,7 @@ def _validated(heads: HeadSpec, n_layers: int, n_heads: int) -> dict[int, set[in
             pairs.append(tuple(item))
     request: dict[int, set[int]] = {}
     for layer, head in pairs:
-        layer, head = _integer(layer, "layer"), _integer(head, f"head (layer {layer})")
+        layer, head = integer_id(layer, "layer"), integer_id(head, f"head (layer {layer})")
         if not 0 <= layer < n_layers:
             raise ValueError(f"layer {layer} is out of range: the model has layers 0..{n_layers - 1}")
         if not 0 <= head < n_heads:
@@ -176,8 +173,10 @@ def _ids(ids, what: str) -> list:
     return list(ids)
 
 
-def _integer(value, what: str) -> int:
-    """`value` as an int if it is one (1, 1.0 from JSON, a 0-d integer tensor), else a ValueError."""
+def integer_id(value, what: str) -> int:
+    """A layer, head or KV group id `value` as an int if it is one (1, 1.0 from JSON, a 0-d integer
+    tensor), else a ValueError naming `what` (e.g. "head (layer 3)"): every id read from a request
+    or a saved layout goes through it."""
     if isinstance(value, bool):
         raise ValueError(f"{what} id {value!r} is not an integer")
     if isinstance(value, torch.Tensor) and value.dim() == 0:
@@ -239,9 +238,8 @@ def _make_headless(adapter: ArchAdapter, block: nn.Module, core: nn.Module, head
 
 
 def _keep(module: nn.Module, index: torch.Tensor, outputs: bool, sliced: list[Sliced] | None) -> None:
-    """Keep only the output (or input) features `index` of a Linear or a Conv1D (weight (in, out))."""
-    conv = isinstance(module, Conv1D)
-    dim = int(conv) if outputs else int(not conv)
+    """Keep only the output (or input) features `index` of a projection (the adapter's weight layout)."""
+    dim = feature_dim(module, outputs)
     index = index.to(module.weight.device)
     for name, param_dim in (("weight", dim), ("bias", 0)):
         old = getattr(module, name, None)
@@ -253,8 +251,7 @@ def _keep(module: nn.Module, index: torch.Tensor, outputs: bool, sliced: list[Sl
         setattr(module, name, new)
         if sliced is not None:
             sliced.append(Sliced(old, new, param_dim, index))
-    attr = ("nf" if conv else "out_features") if outputs else ("nx" if conv else "in_features")
-    setattr(module, attr, len(index))
+    set_num_features(module, outputs, len(index))
 
 
 def _pad_queries(q: nn.Module, o: nn.Module, slots: list[int], n_slots: int, head_dim: int) -> list:
