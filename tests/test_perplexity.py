@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers as tf
 
-from headprune.evaluation import perplexity, text_windows
+from headprune.evaluation import Windows, perplexity, text_windows
 from headprune.models.byte_tokenizer import ByteTokenizer
 from tests.helpers import smollm2
 
@@ -106,3 +106,43 @@ def test_smollm2_perplexity_on_the_first_1024_tokens_of_tiny_shakespeare(data_di
     assert result["ppl"] == pytest.approx(40.8, abs=0.5)  # issue 24's figure
     short = perplexity(model, text_windows(tokenizer, text, seq=128, max_tokens=1024, bos=True))
     assert math.isfinite(short["ppl"]) and short["ppl"] > result["ppl"]  # less context per token
+
+
+def batched_sum_ppl(model, windows, batch_size) -> float:
+    """The `evaluation` perplexity as it was computed before `val` and `evaluation` shared one
+    implementation (the committed llm_kv numbers): summed float cross-entropy per batch of windows."""
+    total, count = 0.0, 0
+    for batch in windows.inputs().split(batch_size):  # (B, T)
+        with torch.no_grad():
+            logits = model(input_ids=batch, use_cache=False).logits[:, :-1]  # (B, T-1, V)
+        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(),
+                                                   reduction="sum").item()
+        count += batch[:, 1:].numel()
+    return math.exp(total / count)
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_evaluation_numbers_are_bit_identical_to_the_earlier_implementation(bos):
+    model = tiny_lm()
+    windows = text_windows(ByteTokenizer(), TEXT, seq=48, max_tokens=480, bos=bos)  # 10 windows, batches of 4
+    assert perplexity(model, windows, batch_size=4)["ppl"] == batched_sum_ppl(model, windows, 4)
+
+
+def test_val_is_the_same_implementation_on_bos_free_windows_of_the_held_out_part(data_dir):
+    """`val` (tasks.evaluate over the data module's validation blocks) equals `perplexity` over
+    `Windows.cut` of the held-out tokens at block_size without BOS, and the data module's
+    val_windows() says so in the keys of a perplexity record."""
+    from headprune.data.language_model import TextLMDataModule, held_out_start
+    from headprune.tasks import evaluate
+
+    tok = ByteTokenizer()
+    dm = TextLMDataModule(tok, file="tinyshakespeare/input.txt", data_dir=str(data_dir), block_size=32,
+                          score_samples=4, max_train_samples=8, max_validation_samples=6, eval_batch_size=4)
+    dm.setup("fit")
+    text = (data_dir / "tinyshakespeare" / "input.txt").read_bytes()
+    assert dm.held_out_ids.tolist() == list(text[held_out_start(len(text), 0.1):])
+    model = tiny_lm()
+    val = evaluate(model, dm.val_dataloader())
+    record = perplexity(model, Windows.cut(dm.held_out_ids, 32, max_tokens=6 * 32), batch_size=4)
+    assert val == {"loss": record["loss"], "ppl": record["ppl"]}
+    assert dm.val_windows() == {k: record[k] for k in ("seq", "windows", "tokens", "targets", "bos")}

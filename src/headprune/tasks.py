@@ -5,6 +5,11 @@ gradient-based metrics all use these functions, so they agree on every number:
 - classification: cross-entropy of (B, C) logits; validation {"acc", "loss"} (mean per example);
 - causal_lm: mean next-token cross-entropy over each example's real tokens; validation
   {"loss", "ppl"}: the mean loss per token and its exponential, the perplexity.
+
+Perplexity has one implementation, `evaluate` (its causal-LM branch sums `next_token_loss_sum`):
+`val` runs it on the data module's validation blocks (fed as trained on: no BOS, the first
+token of each block unscored), and headprune.evaluation.perplexity runs it on fixed windows of
+held-out text with BOS stated; the two differ only in the windows and the BOS rule they name.
 """
 from __future__ import annotations
 
@@ -26,9 +31,10 @@ def check_task(task: str) -> str:
     return task
 
 
-def forward_logits(model: nn.Module, batch: dict) -> torch.Tensor:
+def forward_logits(model: nn.Module, batch: dict, **options) -> torch.Tensor:
+    """The model's logits on the batch's model inputs; `options` go to the forward (use_cache=False)."""
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    return model(**inputs).logits
+    return model(**inputs, **options).logits
 
 
 def per_example_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -44,6 +50,17 @@ def per_example_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
     token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
     weights = target_weights(batch)  # (B, T-1)
     return (token_loss * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+
+
+def next_token_loss_sum(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, int]:
+    """(summed next-token cross-entropy, number of targets) of a causal-LM batch: position t
+    predicts token t+1 wherever t+1 is real and labelled (`target_weights`), so the first token
+    of every row is context only. The perplexity rule of `evaluate`, which sums these over batches."""
+    targets = batch.get("labels", batch["input_ids"])[:, 1:]  # (B, T-1)
+    if "attention_mask" in batch:
+        targets = targets.masked_fill(batch["attention_mask"][:, 1:] == 0, -100)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum")
+    return loss, int((targets != -100).sum())
 
 
 def target_counts(batch: dict) -> torch.Tensor:
@@ -94,23 +111,26 @@ def headline(val: dict) -> tuple[str, float]:
 def evaluate(model: nn.Module, dataloader, device: torch.device | str = "cpu",
              max_batches: int | None = None) -> dict[str, float]:
     """Validation metrics over `dataloader`, in eval mode: {"acc", "loss"} for (B, C)
-    classification logits, {"loss", "ppl"} (per token) for (B, T, V) causal-LM logits."""
+    classification logits, {"loss", "ppl"} for (B, T, V) causal-LM logits: the per-token mean of
+    `next_token_loss_sum` over every batch and its exponential (the one perplexity; a causal LM
+    runs without its KV cache)."""
     was_training = model.training
     model.eval()
+    options = {"use_cache": False} if is_causal_lm(model) else {}
     correct, loss_sum, count, lm = 0, 0.0, 0.0, False
     try:
         for i, batch in enumerate(dataloader):
             if max_batches is not None and i >= max_batches:
                 break
             batch = to_device(batch, device)
-            logits = forward_logits(model, batch)
-            losses = per_example_loss(logits, batch)  # (B,)
+            logits = forward_logits(model, batch, **options)
             lm = logits.dim() == 3
-            if lm:  # weight each example's mean by its number of targets: a per-token mean
-                weights = target_counts(batch)  # (B,)
-                loss_sum += float((losses * weights).sum())
-                count += float(weights.sum())
+            if lm:  # summed over tokens: a per-token mean
+                loss, targets = next_token_loss_sum(logits, batch)
+                loss_sum += loss.item()
+                count += targets
             else:
+                losses = per_example_loss(logits, batch)  # (B,)
                 loss_sum += float(losses.sum())
                 correct += int((logits.argmax(-1) == batch["labels"]).sum())
                 count += batch["labels"].shape[0]

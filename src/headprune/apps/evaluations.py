@@ -4,6 +4,8 @@ model before pruning and on the exported one, written to results.json `evaluatio
 - perplexity in non-overlapping windows of each `perplexity_seqs` length over the first
   `perplexity_tokens` tokens of the held-out text (the data module's validation tail: the same
   tokens for every arm of an experiment), `bos` saying whether each window starts with BOS;
+  `evaluation.val` names the windows and BOS rule of the run's `val` perplexity, which the same
+  implementation computes (headprune.tasks.evaluate) on the validation blocks;
 - zero-shot accuracy on `zero_shot_tasks` through lm-eval-harness, with chance level
   (`sst2_local` ships with headprune; any lm-eval task name runs where a network is available);
 - greedy answers to fixed chat prompts (`generate`).
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -72,6 +74,13 @@ def settings(cfg: DictConfig) -> EvaluationSettings:
     return EvaluationSettings(**OmegaConf.to_container(block, resolve=True)) if block else EvaluationSettings()
 
 
+def header(options: EvaluationSettings, datamodule) -> dict:
+    """results.json `evaluation` before any model is evaluated: the settings, and `val`: the
+    windows and BOS rule of the run's `val` perplexity (the same implementation as the
+    perplexities here, on the data module's validation blocks, without BOS)."""
+    return {"settings": asdict(options), "val": datamodule.val_windows()}
+
+
 def evaluate_llm(model, tokenizer, datamodule, options: EvaluationSettings, data_dir: str | None) -> dict:
     """Every evaluation of the module docstring on `model`, with the seconds each took."""
     from headprune.evaluation.generation import generate_answers
@@ -79,13 +88,11 @@ def evaluate_llm(model, tokenizer, datamodule, options: EvaluationSettings, data
     from headprune.evaluation.zero_shot import zero_shot
 
     out: dict = {"perplexity": {}, "seconds": {}}
-    ids = datamodule.held_out_ids[:options.perplexity_tokens]
     bos = tokenizer.bos_token_id if options.bos else None
     start = time.perf_counter()
     for seq in options.perplexity_seqs:
-        n = len(ids) // seq
-        out["perplexity"][f"seq{seq}"] = perplexity(model, Windows(ids[:n * seq].view(n, seq), seq, bos),
-                                                    options.batch_size)
+        windows = Windows.cut(datamodule.held_out_ids, seq, bos, options.perplexity_tokens)
+        out["perplexity"][f"seq{seq}"] = perplexity(model, windows, options.batch_size)
     out["seconds"]["perplexity"] = round(time.perf_counter() - start, 3)
     if options.zero_shot_tasks:
         start = time.perf_counter()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -174,7 +174,7 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
 def _evaluate(results: RunResults, which: str, setup: Setup, cfg: DictConfig) -> None:
     """results.json `evaluation.<which>`: the LLM evaluations of the model as it is now."""
     start = time.perf_counter()
-    block = results.data.setdefault("evaluation", {"settings": asdict(setup.evaluation)})
+    block = results.data.setdefault("evaluation", evaluations.header(setup.evaluation, setup.datamodule))
     block[which] = evaluations.evaluate_llm(setup.module.model, setup.tokenizer, setup.datamodule, setup.evaluation,
                                             cfg.data.get("data_dir"))
     setup.stages[f"evaluate_{which}"] = round(time.perf_counter() - start, 3)

@@ -24,15 +24,22 @@ from headprune.data.textdata import resolve_data_file
 log = logging.getLogger(__name__)
 
 
+def held_out_start(n_tokens: int, validation_share: float) -> int:
+    """Where the held-out part of an `n_tokens` corpus starts: round((1 - validation_share) *
+    n_tokens). The one split rule: training blocks, score blocks, `val` blocks and every
+    evaluation window (headprune.evaluation) read it from here."""
+    return round((1 - validation_share) * n_tokens)
+
+
 def split_blocks(n_tokens: int, block_size: int, validation_share: float, score_samples: int,
                  seed: int) -> dict[str, list[int]]:
     """Start offsets of the "train", "score" and "validation" blocks of an `n_tokens` corpus.
 
     Train and score blocks lie in [0, cut), validation blocks in [cut, n_tokens), where
-    cut = round((1 - validation_share) * n_tokens); blocks never overlap. The score blocks are a
+    cut = held_out_start(n_tokens, validation_share); blocks never overlap. The score blocks are a
     seeded random choice of the training part's blocks, listed in text order.
     """
-    cut = round((1 - validation_share) * n_tokens)
+    cut = held_out_start(n_tokens, validation_share)
     train = list(range(0, cut - block_size + 1, block_size))
     validation = list(range(cut, n_tokens - block_size + 1, block_size))
     if not validation:
@@ -129,10 +136,18 @@ class TextLMDataModule(L.LightningDataModule):
         self.score_set = Blocks(ids, starts["score"], self.block_size)
         self.val_set = Blocks(ids, validation, self.block_size)
         # the held-out tail as one token run (perplexity windows of any length over the same tokens)
-        self.held_out_ids = ids[round((1 - self.validation_share) * len(ids)):]  # (N_val,)
+        self.held_out_ids = ids[held_out_start(len(ids), self.validation_share):]  # (N_val,)
         self._loaded = True
         log.info("%s: %d tokens -> %d train, %d score, %d validation blocks of %d tokens", self.name or "text",
                  len(ids), len(train), len(starts["score"]), len(validation), self.block_size)
+
+    def val_windows(self) -> dict:
+        """What `val` is measured on, in the keys of an evaluation perplexity record: `windows`
+        blocks of `seq` = block_size tokens from the held-out part's first token, fed as trained
+        on, without BOS, so the first token of each block is context only (`targets`)."""
+        n = len(self.val_set)
+        return {"seq": self.block_size, "windows": n, "tokens": n * self.block_size,
+                "targets": n * (self.block_size - 1), "bos": False}
 
     # -- loaders -----------------------------------------------------------------------------
     def _loader(self, data: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
