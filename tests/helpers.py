@@ -228,3 +228,40 @@ def tiny_chat_lm(tok, seed: int = 0):
                             num_hidden_layers=2, intermediate_size=64, max_position_embeddings=512,
                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return tf.LlamaForCausalLM(config).eval()
+
+
+# -- GGUF export and llama.cpp (test_gguf_export.py, test_llamacpp.py) ----------------------------------
+def bpe_tokenizer():
+    """tiny_tokenizer's bytes plus two merges ("Ġ t", "h e"): llama.cpp's BPE needs at least one merge."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for merged in ("Ġt", "he"):
+        vocab[merged] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "t"), ("h", "e")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    return tok
+
+
+# Uneven: layer 1 attention-free, layer 2 one of four KV groups, layer 3 a partly kept group (padded).
+UNEVEN = {1: list(range(8)), 2: [2, 3, 4, 5, 6, 7], 3: [1, 4, 5, 6, 7]}
+
+
+def tiny_llama(tok, prune: dict | None = None, seed: int = 0, **overrides):
+    """A random Llama (4 layers, 8 query / 4 KV heads of 8) sized to `tok`, pruned to `prune`."""
+    from headprune import prune_heads
+
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(**{**dict(
+        vocab_size=len(tok), hidden_size=64, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4,
+        intermediate_size=128, max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), **overrides})
+    model = tf.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random init is near zero: larger weights give logits worth comparing
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    return prune_heads(model, prune) if prune else model

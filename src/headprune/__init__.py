@@ -1,5 +1,6 @@
 """headprune: attention-head pruning for transformers."""
 from headprune.deploy.fold import fold
+from headprune.deploy.gguf_export import save_gguf
 from headprune.deploy.hf import load_pruned, save_pruned
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.mask import HeadMask
@@ -11,5 +12,5 @@ from headprune.selection.rounds import Round, prune_round
 
 __all__ = ["HeadMask", "Loaders", "Pruner", "Round", "count_params", "fold", "get_adapter", "get_metric", "head_layout",
            "heads_of_kv_groups", "kv_group_heads", "load_pruned", "prune_heads", "prune_round", "prune_to_budget",
-           "save_pruned", "scale_heads", "score_heads"]
+           "save_gguf", "save_pruned", "scale_heads", "score_heads"]
 __version__ = "0.1.0"

@@ -1,0 +1,133 @@
+"""Pruned Llama-family models as vLLM `DeciLMForCausalLM` checkpoints (`block_configs`), for the
+layouts that architecture can express.
+
+vLLM's reading rules (vllm/model_executor/models/nemotron_nas.py, read, not served here: vLLM
+does not run on our CPUs): a layer whose `block_configs[i].attention.no_op` is true has no
+attention (no input norm, no Q/K/V/O weights); any other layer has all `num_attention_heads`
+query heads and `num_attention_heads // attention.n_heads_in_group` KV heads; its FFN width is
+`ffn.ffn_mult` through DeciLM's rounding (int(2 * ffn_mult * hidden / 3), rounded up to a multiple
+of 256). So a pruned layout is expressible when every layer keeps all its KV groups (and so all
+its query heads) or none, and the FFN width survives that rounding; anything else is refused
+with the reason (`deci_refusal`).
+
+`save_deci` writes config.json (model_type `nemotron-nas`, architectures DeciLMForCausalLM,
+block_configs) and model.safetensors without the attention weights of the no-op layers, into a
+new folder (temporary sibling, renamed when complete). Loading it in vLLM also needs the
+DeciLM config class (NVIDIA's `configuration_decilm.py`, trust_remote_code); this module does not
+ship it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from headprune.heads.adapters import get_adapter, head_layout
+
+_FFN_ROUND = 256  # DeciLM rounds FFN widths up to multiples of this
+
+
+def ffn_mult_to_width(ffn_mult: float, hidden: int) -> int:
+    """The FFN width DeciLM (and vLLM, llama.cpp's converter) derive from `ffn_mult`."""
+    width = int(2 * ffn_mult * hidden / 3)
+    return width if width % _FFN_ROUND == 0 else width + _FFN_ROUND - width % _FFN_ROUND
+
+
+def deci_refusal(model: nn.Module) -> str | None:
+    """Why vLLM's DeciLMForCausalLM cannot express `model`'s layout (None: it can)."""
+    config = model.config
+    if config.model_type != "llama":
+        return f"model_type={config.model_type!r}: DeciLM is a Llama variant; allowed: llama"
+    adapter = get_adapter(model)
+    n_heads = adapter.num_heads(config)
+    for i, kept in enumerate(head_layout(model)):
+        if kept and len(kept) != n_heads:
+            return (f"layer {i} keeps {len(kept)} of {n_heads} query heads: DeciLM's layers have all "
+                    f"num_attention_heads={n_heads} query heads or no attention (attention.no_op); allowed: layouts "
+                    "where every layer keeps all its KV groups or none (the `deci` GGUF expresses the others)")
+    hidden = int(config.hidden_size)
+    mult = _ffn_mult(config)
+    if ffn_mult_to_width(mult, hidden) != int(config.intermediate_size):
+        return (f"intermediate_size={config.intermediate_size} is not what DeciLM derives from any ffn_mult with "
+                f"hidden_size={hidden} (int(2 * ffn_mult * hidden / 3) rounded up to a multiple of {_FFN_ROUND}); "
+                f"allowed: FFN widths that are multiples of {_FFN_ROUND}")
+    if all(not kept for kept in head_layout(model)):
+        return "every layer is attention-free; allowed: at least one layer with attention"
+    return None
+
+
+def _ffn_mult(config) -> float:
+    return 3 * int(config.intermediate_size) / (2 * int(config.hidden_size))
+
+
+def deci_config(model: nn.Module) -> dict:
+    """config.json of the DeciLM checkpoint (a ValueError with the reason when refused)."""
+    reason = deci_refusal(model)
+    if reason is not None:
+        raise ValueError(f"vLLM DeciLM export refused: {reason}")
+    config = model.config.to_dict()
+    adapter = get_adapter(model)
+    n_heads, n_kv = adapter.num_heads(model.config), adapter.num_kv_heads(model.config)
+    blocks = []
+    for kept in head_layout(model):
+        attention = {"no_op": not kept, "replace_with_linear": False,
+                     "n_heads_in_group": n_heads // n_kv if kept else None}
+        blocks.append({"attention": attention,
+                       "ffn": {"no_op": False, "replace_with_linear": False, "ffn_mult": _ffn_mult(model.config)}})
+    config.pop("num_key_value_heads", None)  # per layer now
+    config.update(model_type="nemotron-nas", architectures=["DeciLMForCausalLM"], block_configs=blocks)
+    return config
+
+
+def read_block_configs(config: dict) -> list[tuple[int, int, int]]:
+    """(query heads, KV heads, FFN width) per layer as vLLM's DeciLM reads config.json (its rules, in
+    the module docstring); (0, 0, width) for a no-op attention."""
+    out = []
+    for block in config["block_configs"]:
+        attention, ffn = block["attention"], block["ffn"]
+        width = ffn_mult_to_width(ffn["ffn_mult"], config["hidden_size"])
+        if attention["no_op"]:
+            out.append((0, 0, width))
+        else:
+            out.append((config["num_attention_heads"], config["num_attention_heads"] // attention["n_heads_in_group"],
+                        width))
+    return out
+
+
+def save_deci(model: nn.Module, directory: str | Path, overwrite: bool = False) -> Path:
+    """Write the DeciLM checkpoint (config.json + model.safetensors) into `directory`."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    config = deci_config(model)
+    if directory.exists() and any(directory.iterdir()) and not overwrite:
+        raise FileExistsError(f"save_deci: {directory} is not empty; pass overwrite=True to replace it")
+    adapter = get_adapter(model)
+    drop = [f"model.layers.{i}." + part for i, kept in enumerate(head_layout(model)) if not kept
+            for part in (f"{adapter.attn_path}.", "input_layernorm.")]
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith(tuple(drop))}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        save_file({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()},
+                  str(staging / "model.safetensors"))
+        umask = os.umask(0)
+        os.umask(umask)
+        for p in staging.iterdir():
+            os.chmod(p, 0o666 & ~umask)
+        os.chmod(staging, 0o777 & ~umask)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return directory

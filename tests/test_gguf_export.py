@@ -1,0 +1,194 @@
+"""GGUF export (deploy/gguf_export.py) and the vLLM DeciLM config (deploy/vllm_deci.py), read back
+with the `gguf` package's reader; llama.cpp running the files: test_llamacpp.py."""
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from headprune import prune_heads, save_gguf
+from headprune.deploy.gguf_export import gguf_layout, gguf_refusal, permute_rotary
+from headprune.deploy.vllm_deci import deci_config, deci_refusal, read_block_configs, save_deci
+from tests.helpers import UNEVEN, bpe_tokenizer, tiny, tiny_bert, tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return bpe_tokenizer()
+
+
+def fields(path) -> dict:
+    reader = gguf.GGUFReader(str(path))
+    return {k: f.contents() for k, f in reader.fields.items()}, {t.name: t for t in reader.tensors}
+
+
+def rope_half(x, pos, theta=10000.0):
+    """transformers' rotary: dimension i rotates with i + d/2. x: (T, d)."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos[:, None] * inv[None]  # (T, d/2)
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    rot = torch.cat([-x[:, d // 2:], x[:, : d // 2]], -1)
+    return x * cos + rot * sin
+
+
+def rope_pairs(x, pos, theta=10000.0):
+    """llama.cpp's normal rotary: dimension 2i rotates with 2i + 1. x: (T, d)."""
+    d = x.shape[-1]
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos[:, None] * inv[None]
+    a, b = x[:, 0::2], x[:, 1::2]
+    out = torch.empty_like(x)
+    out[:, 0::2] = a * ang.cos() - b * ang.sin()
+    out[:, 1::2] = a * ang.sin() + b * ang.cos()
+    return out
+
+
+def test_permuted_rows_give_llamacpp_rotary_the_same_scores():
+    """q.k after transformers' rotary on the original rows == after llama.cpp's on the permuted rows."""
+    g = torch.Generator().manual_seed(0)
+    heads, d, hidden = 3, 8, 16
+    wq, wk = torch.randn(heads * d, hidden, generator=g, dtype=torch.float64), torch.randn(heads * d, hidden,
+                                                                                          generator=g, dtype=torch.float64)
+    x, pos = torch.randn(5, hidden, generator=g, dtype=torch.float64), torch.arange(5, dtype=torch.float64)
+    pq, pk = permute_rotary(wq, heads), permute_rotary(wk, heads)
+    for h in range(heads):
+        rows = slice(h * d, (h + 1) * d)
+        hf = rope_half(x @ wq[rows].T, pos) @ rope_half(x @ wk[rows].T, pos).T
+        cpp = rope_pairs(x @ pq[rows].T, pos) @ rope_pairs(x @ pk[rows].T, pos).T
+        torch.testing.assert_close(cpp, hf)
+        assert not torch.allclose(rope_pairs(x @ wq[rows].T, pos) @ rope_pairs(x @ wk[rows].T, pos).T, hf)
+
+
+def test_layouts_uniform_llama_uneven_deci(tok):
+    dense = gguf_layout(tiny_llama(tok))
+    assert (dense.arch, dense.heads, dense.kv_heads, dense.padded_heads) == ("llama", [8] * 4, [4] * 4, 0)
+    uniform = gguf_layout(tiny_llama(tok, {i: [6, 7] for i in range(4)}))
+    assert (uniform.arch, uniform.heads, uniform.kv_heads) == ("llama", [6] * 4, [3] * 4)
+    uneven = gguf_layout(tiny_llama(tok, UNEVEN))
+    # layer 3 keeps heads 0, 2, 3: groups 0 (one head) and 1 (two): one zero query head padded in
+    assert (uneven.arch, uneven.heads, uneven.kv_heads, uneven.padded_heads) == ("deci", [8, 0, 2, 4], [4, 0, 1, 2], 1)
+    assert uneven.kv_bytes_per_token() == [2 * kv * 8 * 2 for kv in (4, 0, 1, 2)]
+
+
+@pytest.mark.parametrize("weights", ["f32", "f16", "q8_0"])
+def test_deci_file_holds_per_layer_shapes(tmp_path, tok, weights):
+    model = tiny_llama(tok, UNEVEN)
+    out = save_gguf(model, tmp_path / "m.gguf", tokenizer=tok, weights=weights)
+    meta, tensors = fields(out.path)
+    assert meta["general.architecture"] == "deci"
+    assert meta["deci.attention.head_count"] == [8, 0, 2, 4]
+    assert meta["deci.attention.head_count_kv"] == [4, 0, 1, 2]
+    assert meta["deci.feed_forward_length"] == [128] * 4
+    assert (meta["deci.attention.key_length"], meta["deci.attention.value_length"],
+            meta["deci.rope.dimension_count"]) == (8, 8, 8)
+    assert not [n for n in tensors if n.startswith("blk.1.attn")]  # attention-free: no attention tensors
+    # numpy shape (rows, cols) = transformers' (out, in); llama.cpp's ne is reversed
+    assert list(tensors["blk.2.attn_q.weight"].shape) == [64, 16] and list(tensors["blk.2.attn_k.weight"].shape) == [64, 8]
+    assert list(tensors["blk.3.attn_q.weight"].shape) == [64, 32] and list(tensors["blk.3.attn_output.weight"].shape) == [32, 64]
+    kinds = {t.tensor_type for n, t in tensors.items() if not n.endswith("norm.weight")}
+    want = {"f32": {gguf.GGMLQuantizationType.F32}, "f16": {gguf.GGMLQuantizationType.F16},
+            "q8_0": {gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16}}[weights]
+    assert kinds == want
+    if weights == "q8_0":  # rows of 8 or 16 values are no whole 32-value block: F16
+        assert out.f16_fallback == ["blk.2.attn_output.weight"]
+    assert "output.weight" in tensors  # not tied
+    assert meta["tokenizer.ggml.tokens"][:3] == [tok.convert_ids_to_tokens(i) for i in range(3)]
+    assert meta["tokenizer.chat_template"] == tok.chat_template
+
+
+def test_padded_query_head_is_zero_and_rows_are_permuted(tmp_path, tok):
+    model = tiny_llama(tok, UNEVEN)
+    out = save_gguf(model, tmp_path / "m.gguf", tokenizer=tok, weights="f32")
+    _, tensors = fields(out.path)
+    attn = model.model.layers[3].self_attn
+    q = np.asarray(tensors["blk.3.attn_q.weight"].data)  # (4 heads * 8, 64): slots 0 (head 0), 1 (pad), 2, 3
+    o = np.asarray(tensors["blk.3.attn_output.weight"].data)  # (64, 4 * 8)
+    assert not q[8:16].any() and not o[:, 8:16].any()
+    assert np.array_equal(q[16:32], permute_rotary(attn.q_proj.weight.detach()[8:24], 2).numpy())
+    assert np.array_equal(o[:, 16:32], attn.o_proj.weight.detach()[:, 8:24].numpy())
+    k = np.asarray(tensors["blk.3.attn_k.weight"].data)
+    assert np.array_equal(k, permute_rotary(attn.k_proj.weight.detach(), 2).numpy())
+
+
+def test_uniform_file_is_llama_with_scalars_and_copies_a_source_vocabulary(tmp_path, tok):
+    source = save_gguf(tiny_llama(tok), tmp_path / "dense.gguf", tokenizer=tok, weights="f16")
+    pruned = tiny_llama(tok, {i: [0, 1] for i in range(4)}, tie_word_embeddings=True)
+    out = save_gguf(pruned, tmp_path / "kv.gguf", source_gguf=source.path, weights="f16")
+    meta, tensors = fields(out.path)
+    src, _ = fields(source.path)
+    assert meta["general.architecture"] == "llama"
+    assert (meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]) == (6, 3)
+    assert meta["llama.attention.key_length"] == 8
+    assert {k: v for k, v in meta.items() if k.startswith("tokenizer.")} == \
+        {k: v for k, v in src.items() if k.startswith("tokenizer.")}
+    assert "output.weight" not in tensors  # tied: llama.cpp reuses token_embd
+
+
+def test_refusals_say_why_before_writing(tmp_path, tok):
+    target = tmp_path / "x.gguf"
+    cases = {
+        "an encoder": tiny_bert(),
+        "model_type='gpt2'": tiny("gpt2"),
+        "layer 0 keeps no heads": tiny_llama(tok, {0: list(range(8))}),
+        "rope_type='llama3'": tiny_llama(tok, rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0,
+                                                               "factor": 8.0, "low_freq_factor": 1.0,
+                                                               "high_freq_factor": 4.0,
+                                                               "original_max_position_embeddings": 64}),
+        "sliding_window=4": tiny("mistral"),
+    }
+    for reason, model in cases.items():
+        assert reason in (gguf_refusal(model) or ""), (reason, gguf_refusal(model))
+        with pytest.raises(ValueError, match="GGUF export refused"):
+            save_gguf(model, target, tokenizer=tok)
+    biased = tiny_llama(tok, attention_bias=True)
+    prune_heads(biased, {2: list(range(8))})
+    with torch.no_grad():
+        biased.model.layers[2].self_attn.o_proj.bias.fill_(0.5)
+    assert "non-zero bias" in gguf_refusal(biased)
+    with pytest.raises(ValueError, match="weights='q4'"):
+        save_gguf(tiny_llama(tok), target, tokenizer=tok, weights="q4")
+    with pytest.raises(ValueError, match="needs the vocabulary"):
+        save_gguf(tiny_llama(tok), target)
+    assert list(tmp_path.iterdir()) == []  # nothing written, no temporary file left
+    target.write_bytes(b"old")
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        save_gguf(tiny_llama(tok), target, tokenizer=tok)
+    assert target.read_bytes() == b"old"
+
+
+def test_a_failed_write_leaves_the_old_file(tmp_path, tok, monkeypatch):
+    target = tmp_path / "x.gguf"
+    target.write_bytes(b"old")
+
+    def boom(self):
+        raise OSError("disk full")
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_gguf(tiny_llama(tok), target, tokenizer=tok, overwrite=True)
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["x.gguf"]
+
+
+# -- vLLM DeciLMForCausalLM ---------------------------------------------------------------------------
+def test_block_configs_read_back_as_vllm_reads_them(tmp_path, tok):
+    model = tiny_llama(tok, {1: list(range(8)), 3: list(range(8))}, intermediate_size=256)
+    config = deci_config(model)
+    assert config["architectures"] == ["DeciLMForCausalLM"] and config["model_type"] == "nemotron-nas"
+    assert read_block_configs(config) == [(8, 4, 256), (0, 0, 256), (8, 4, 256), (0, 0, 256)]
+    folder = save_deci(model, tmp_path / "deci")
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.0.self_attn.q_proj.weight" in keys and "model.layers.0.input_layernorm.weight" in keys
+    assert not [k for k in keys if k.startswith(("model.layers.1.self_attn", "model.layers.1.input_layernorm"))]
+    assert "model.layers.1.mlp.up_proj.weight" in keys
+
+
+def test_block_configs_refuse_what_deci_cannot_express(tok):
+    assert "layer 2 keeps 6 of 8 query heads" in deci_refusal(tiny_llama(tok, {2: [0, 1]}, intermediate_size=256))
+    assert "intermediate_size=128" in deci_refusal(tiny_llama(tok, {1: list(range(8))}))
+    with pytest.raises(ValueError, match="vLLM DeciLM export refused"):
+        deci_config(tiny_llama(tok, {2: [0, 1]}))
+    assert deci_refusal(tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=10, hidden_size=64, num_attention_heads=4,
+                                                           num_hidden_layers=1, intermediate_size=256))) is None
