@@ -192,3 +192,26 @@ def test_block_configs_refuse_what_deci_cannot_express(tok):
         deci_config(tiny_llama(tok, {2: [0, 1]}))
     assert deci_refusal(tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=10, hidden_size=64, num_attention_heads=4,
                                                            num_hidden_layers=1, intermediate_size=256))) is None
+
+
+# -- headprune-export --gguf --------------------------------------------------------------------------
+def test_export_cli_writes_a_deci_gguf_from_a_save_pruned_folder(tmp_path, tok, capsys):
+    from headprune import save_pruned
+    from headprune.apps.export import main as export_main
+
+    save_pruned(tiny_llama(tok, UNEVEN), tmp_path / "model", tokenizer=tok)
+    assert export_main([str(tmp_path / "model"), "--gguf", str(tmp_path / "m.gguf"), "--gguf-weights", "f32"]) == 0
+    meta, _ = fields(tmp_path / "m.gguf")
+    assert meta["deci.attention.head_count_kv"] == [4, 0, 1, 2]
+    assert '"vocabulary_from": "tokenizer"' in capsys.readouterr().out
+
+
+def test_export_cli_refuses_before_writing(tmp_path, tok, capsys):
+    from headprune import save_pruned
+    from headprune.apps.export import main as export_main
+
+    save_pruned(tiny_llama(tok, {0: list(range(8))}), tmp_path / "model", tokenizer=tok)
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(tmp_path / "model"), "--gguf", str(tmp_path / "m.gguf")])
+    assert exit_.value.code == 2 and "layer 0 keeps no heads" in capsys.readouterr().err
+    assert not (tmp_path / "m.gguf").exists()

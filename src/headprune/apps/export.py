@@ -1,9 +1,16 @@
-"""`headprune-export`: a pruned model as ONNX, checked against PyTorch with ONNX Runtime.
+"""`headprune-export`: a pruned model as ONNX, checked against PyTorch with ONNX Runtime, or as GGUF.
 
     headprune-export outputs/<run dir> --onnx model.onnx        # the run's export/ folder
     headprune-export <a save_pruned folder> --onnx model.onnx
     headprune-export <folder> --onnx-decode decode.onnx         # causal LMs: the KV-cache decode graph
     headprune-export <folder> --onnx model.onnx --onnx-decode decode.onnx
+    headprune-export <run dir or folder> --gguf model.gguf [--gguf-weights f16|f32|q8_0]
+
+--gguf (Llama-family causal LMs) writes a GGUF file llama.cpp serves (deploy/gguf_export.py):
+architecture `llama` when every layer keeps the same heads, `deci` when layers differ (0 heads:
+an attention-free layer); the vocabulary and chat template are copied from the GGUF the dense
+model came from (model=smollm2) or written from the folder's tokenizer. A layout or model the
+format cannot express exits 2 with the reason before anything is written.
 
 --onnx writes the full-sequence graph (input_ids, attention_mask -> logits) and compares ONNX
 Runtime's logits with PyTorch's on a batch of another shape than the export's. --onnx-decode
@@ -18,10 +25,15 @@ passes when all of these hold (deploy/onnx.py `agreement`):
   the pruned PyTorch model keeps.
 
 Prints the figures and writes them beside each file as <name>.check.json (with the export's
-seconds and bytes); exits 1 when a check fails, saying which bound on stderr. Arguments that
-cannot work (a negative or non-finite tolerance, a --min-argmax-agreement outside [0, 1], an
-output path that is a folder or lies under a file, the same path twice, --onnx-decode for an
-encoder or a sliding-window decoder, neither --onnx nor --onnx-decode) exit 2 before the export.
+seconds and bytes); exits 1 when a check fails, saying which bound on stderr. Each graph is
+exported and checked in a temporary folder and only then moved over an earlier file at its path
+(deploy/onnx_files.py): an interrupted export leaves the earlier graph, its weights file
+(<name>.onnx.<8 hex>.data) and its check as they were. Graphs are exported in float32 (the check
+json's `dtype`, the saved model's `source_dtype`): ONNX Runtime's CPU kernels do not run a
+bfloat16 graph. Arguments that cannot work (a missing source, a run dir without an export, a
+negative or non-finite tolerance, a --min-argmax-agreement outside [0, 1], an output path that
+is a folder or lies under a file, the same path twice, --onnx-decode for an encoder or a
+sliding-window decoder, neither --onnx nor --onnx-decode) exit 2 before the export.
 """
 from __future__ import annotations
 
@@ -32,27 +44,40 @@ import sys
 import time
 from pathlib import Path
 
-from headprune.atomic import write_json_atomic
-
 
 def model_folder(path: Path) -> Path:
-    """A run dir's export/ folder, or the folder itself."""
+    """A run dir's export/ folder, or the folder itself; a FileNotFoundError saying what to do
+    when there is no model to export."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder; allowed: a headprune-train run dir (results.json) "
+                                "or a save_pruned folder (config.json)")
     if (path / "results.json").is_file():
         export = path / "export"
         if not (export / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is a run dir without an exported model ({export}): run it with export=true")
+            raise FileNotFoundError(f"{path} is a run dir without an exported model ({export}): {_no_export(path)}")
         return export
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is neither a run dir (results.json) nor a model folder (config.json)")
     return path
 
 
-def onnx_bytes(path: Path) -> int | None:
-    """The bytes of an .onnx file and of its external-data file, if the exporter wrote one (None: no file)."""
-    data = path.with_name(path.name + ".data")
-    if not path.is_file():
-        return None
-    return path.stat().st_size + (data.stat().st_size if data.is_file() else 0)
+def _no_export(run: Path) -> str:
+    """Why a run dir holds no export, read from its results.json, and what to do."""
+    try:
+        data = json.loads((run / "results.json").read_text())
+    except (OSError, ValueError):
+        data = {}
+    data = data if isinstance(data, dict) else {}
+    if (data.get("config") or {}).get("export", True) is False:
+        return "it ran with export=false; run it again with export=true"
+    recorded = (data.get("final") or {}).get("export_dir")
+    if recorded:
+        return f"its results.json records the export at {recorded}, which holds no model (moved or deleted?)"
+    checkpoint = run / "checkpoints" / "last.ckpt"
+    again = (f"resume it with ckpt_path={checkpoint}" if checkpoint.is_file() else
+             "it wrote no checkpoint, so run it again with overwrite=true")
+    return (f"the run did not finish (killed, failed or still running: results.json has no final export); {again}, "
+            "and export it once it has finished")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,11 +97,21 @@ def main(argv: list[str] | None = None) -> int:
                              f"(default {MIN_ARGMAX_AGREEMENT:g}: all)")
     parser.add_argument("--decode-steps", type=int, default=4,
                         help="greedy decode steps the decode graph is checked over (default 4)")
+    parser.add_argument("--gguf", type=Path, help="Llama-family causal LMs: the .gguf file to write (llama.cpp)")
+    parser.add_argument("--gguf-weights", default="f16", choices=["f32", "f16", "q8_0"],
+                        help="weight type of --gguf (default f16; norms and biases stay f32)")
     args = parser.parse_args(argv)
     problem = argument_problem(args)
     if problem:
         parser.error(problem)  # exit 2 before the (tens of seconds) export
-    folder = model_folder(args.source)
+    try:
+        folder = model_folder(args.source)
+    except FileNotFoundError as err:
+        parser.error(str(err))
+    if args.gguf is not None:
+        write_gguf(parser, folder, args.gguf, args.gguf_weights)
+        if args.onnx is None and args.onnx_decode is None:
+            return 0
     if args.onnx_decode is not None:
         from transformers import AutoConfig
 
@@ -91,8 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as err:  # pragma: no cover - the message is the point
         raise SystemExit(f"headprune-export needs the onnx extra: pip install \"headprune[onnx]\" ({err})") from None
     from headprune.deploy.hf import load_pruned
+    from headprune.deploy.onnx_files import onnx_bytes, publish, staged_onnx
 
     model = load_pruned(folder).eval()
+    source_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if source_dtype != "float32":
+        print(f"headprune-export: {folder} holds a {source_dtype} model; exporting and checking it in float32 "
+              "(ONNX Runtime's CPU kernels do not run a bfloat16 graph)", file=sys.stderr)
+        model = model.float()
     bounds = {"tolerance": args.tolerance, "rel_tolerance": args.rel_tolerance, "min_argmax": args.min_argmax_agreement}
     jobs = []
     if args.onnx is not None:
@@ -102,15 +143,18 @@ def main(argv: list[str] | None = None) -> int:
                      lambda m, p: check_onnx_decode(m, p, steps=args.decode_steps), judge_decode))
     failed = []
     for kind, path, export, check, verdict in jobs:
-        start = time.perf_counter()
-        export(model, path)
-        seconds = time.perf_counter() - start
-        report = {"source": str(folder), kind: str(path), "export_s": round(seconds, 1), "onnx_bytes": onnx_bytes(path),
-                  **check(model, path)}
-        failures = verdict(report, **bounds)
-        report.update(bounds={"tolerance": args.tolerance, "rel_tolerance": args.rel_tolerance,
-                              "min_argmax_agreement": args.min_argmax_agreement}, passed=not failures, failures=failures)
-        write_json_atomic(path.with_suffix(".check.json"), report)
+        with staged_onnx(path) as staged:  # exported and checked beside `path`, then moved over it
+            start = time.perf_counter()
+            export(model, staged)
+            seconds = time.perf_counter() - start
+            report = {"source": str(folder), kind: str(path), "export_s": round(seconds, 1),
+                      "onnx_bytes": onnx_bytes(staged), "dtype": "float32", "source_dtype": source_dtype,
+                      **check(model, staged)}
+            failures = verdict(report, **bounds)
+            report.update(bounds={"tolerance": args.tolerance, "rel_tolerance": args.rel_tolerance,
+                                  "min_argmax_agreement": args.min_argmax_agreement}, passed=not failures,
+                          failures=failures)
+            publish(staged, path, report)
         print(json.dumps(report, indent=2))
         if failures:
             failed.append(f"--{kind.replace('_', '-')} {path}: " + "; ".join(failures))
@@ -123,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def argument_problem(args: argparse.Namespace) -> str | None:
     """Why the arguments cannot work, checked before the export; None when they can."""
-    if args.onnx is None and args.onnx_decode is None:
-        return "nothing to write: give --onnx PATH (full-sequence graph), --onnx-decode PATH (causal LMs' decode graph) or both"
+    if args.onnx is None and args.onnx_decode is None and args.gguf is None:
+        return ("nothing to write: give --onnx PATH (full-sequence graph), --onnx-decode PATH (causal LMs' decode "
+                "graph), --gguf PATH (llama.cpp) or several")
     for name, value in (("--tolerance", args.tolerance), ("--rel-tolerance", args.rel_tolerance)):
         if not math.isfinite(value) or value < 0:
             return f"{name} {value}: allowed: a finite number >= 0"
@@ -134,7 +179,7 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         return f"--decode-steps {args.decode_steps}: allowed: an integer >= 1"
     if args.onnx is not None and args.onnx_decode is not None and args.onnx.resolve() == args.onnx_decode.resolve():
         return f"--onnx and --onnx-decode are the same path ({args.onnx}); allowed: two different files"
-    for name, onnx in (("--onnx", args.onnx), ("--onnx-decode", args.onnx_decode)):
+    for name, onnx in (("--onnx", args.onnx), ("--onnx-decode", args.onnx_decode), ("--gguf", args.gguf)):
         if onnx is None:
             continue
         if onnx.is_dir():
@@ -145,6 +190,33 @@ def argument_problem(args: argparse.Namespace) -> str | None:
                     return f"{name} {onnx}: {parent} is a file, not a folder; allowed: a path in a folder"
                 break
     return None
+
+
+def write_gguf(parser: argparse.ArgumentParser, folder: Path, path: Path, weights: str) -> None:
+    """The --gguf export of `folder`: refused (exit 2, the reason) before writing when the format cannot
+    express it; the vocabulary from the dense model's GGUF when it came from one, else the folder's tokenizer."""
+    from headprune.deploy.gguf_export import gguf_refusal, save_gguf
+    from headprune.deploy.hf import load_pruned, read_origin
+    from headprune.models.gguf import gguf_source
+
+    model = load_pruned(folder).eval()
+    reason = gguf_refusal(model)
+    if reason:
+        parser.error(f"--gguf {path}: {reason}")
+    origin = read_origin(folder)
+    source = gguf_source(origin) if origin else None
+    tokenizer = None
+    if source is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    start = time.perf_counter()
+    out = save_gguf(model, path, tokenizer=tokenizer, source_gguf=source, weights=weights, overwrite=True)
+    print(json.dumps({"source": str(folder), "gguf": str(path), "arch": out.arch, "weights": weights,
+                      "gguf_bytes": out.bytes, "export_s": round(time.perf_counter() - start, 1),
+                      "vocabulary_from": str(source) if source else "tokenizer", "heads": out.layout.heads,
+                      "kv_heads": out.layout.kv_heads, "padded_heads": out.layout.padded_heads,
+                      "f16_fallback": out.f16_fallback}, indent=2))
 
 
 if __name__ == "__main__":
