@@ -195,7 +195,7 @@ def toy_section():
     """A section written as a new bench module would be: settings, run, table, summary, lines."""
     return Section(
         "toy", ToySettings,
-        run=lambda setup: [{"variant": f"v{i}", "seed": setup.cfg.seed} for i in range(setup.bench.toy.rows)],
+        run=lambda inputs: [{"variant": f"v{i}", "seed": inputs.cfg.seed} for i in range(inputs.bench.toy.rows)],
         table=lambda rows: render.table("## Toy", rows, [render.GRID[0], render.fmt("seed", "d")]),
         summary=lambda rows, results: {"n": len(rows)},
         summary_lines=lambda block: [f"- toy: {block['n']} rows"])

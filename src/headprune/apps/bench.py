@@ -22,7 +22,7 @@ from headprune.apps.components import instantiate_group
 from headprune.apps.config_paths import config_dir
 from headprune.bench.config import apply_quick, check, register_bench_schema
 from headprune.bench.report import summary, write_reports
-from headprune.bench.sections import SECTIONS, Setup
+from headprune.bench.sections import SECTIONS, SectionInputs
 from headprune.costs.timing import Clock
 from headprune.lightning.loggers import finish_wandb
 from headprune.results import flatten
@@ -43,11 +43,11 @@ def run(cfg: DictConfig) -> dict:
     output_dir = Path(cfg.paths.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     results = {"meta": _meta(cfg, device), **{name: [] for name in SECTIONS}}
-    setup = Setup(cfg, device, getattr(torch, bench.dtype), Clock(device),
+    inputs = SectionInputs(cfg, device, getattr(torch, bench.dtype), Clock(device),
                   exported=load_pruned(bench.pruned_dir) if bench.pruned_dir else None)
     for name, section in SECTIONS.items():
-        if section.enabled(setup):
-            results[name] = section.run(setup)
+        if section.enabled(inputs):
+            results[name] = section.run(inputs)
     results["meta"]["load_after"] = _load()
     results["summary"] = summary(results)
     paths = write_reports(results, output_dir)

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from headprune.bench import render
-from headprune.bench.sections import Section, Setup, check_variants, kinds, one_of, register
+from headprune.bench.sections import Section, SectionInputs, check_variants, kinds, one_of, register
 from headprune.bench.variants import Variant, build_variants
 from headprune.costs.flops import model_attention_flops, ratio
 from headprune.costs.timing import Case, Clock, ModuleTimer, interleaved
@@ -154,25 +154,25 @@ def _generation_flops(v: Variant, batch: int, prompt_len: int, new_tokens: int, 
     return at(prompt_len, prompt_len) + sum(at(1, prompt_len + i + 1) for i in range(new_tokens))
 
 
-def run(setup: Setup) -> list[dict]:
+def run(inputs: SectionInputs) -> list[dict]:
     """The rows of every decoder: the exported causal LM when given, else each of `models`."""
-    d, rows = setup.bench.decoder, []
-    for name, variants in _variants(setup):
-        rows += bench_decoder(variants, d.batch, d.prompt_len, d.new_tokens, setup.clock, model_name=name,
-                              **setup.rounds)
+    d, rows = inputs.bench.decoder, []
+    for name, variants in _variants(inputs):
+        rows += bench_decoder(variants, d.batch, d.prompt_len, d.new_tokens, inputs.clock, model_name=name,
+                              **inputs.rounds)
     return rows
 
 
-def _variants(setup: Setup):
+def _variants(inputs: SectionInputs):
     """(name, variants) per decoder, built one at a time."""
-    bench = setup.bench
-    if setup.exported_is_lm:
-        yield setup.exported_variants(kinds(bench.decoder))
+    bench = inputs.bench
+    if inputs.exported_is_lm:
+        yield inputs.exported_variants(kinds(bench.decoder))
         return
     for name in bench.decoder.models:
         spec = OmegaConf.to_container(bench.decoder_configs[name], resolve=True)
-        dense = build_decoder(spec, bench.decoder.attn_implementation, seed=setup.cfg.seed)
-        dense = dense.to(setup.device, setup.dtype)
+        dense = build_decoder(spec, bench.decoder.attn_implementation, seed=inputs.cfg.seed)
+        dense = dense.to(inputs.device, inputs.dtype)
         yield name, build_variants(dense, kinds(bench.decoder), list(bench.layouts))
 
 

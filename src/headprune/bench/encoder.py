@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from headprune.bench import render
-from headprune.bench.sections import GridSettings, Section, Setup, check_grid, check_variants, kinds, register
+from headprune.bench.sections import GridSettings, Section, SectionInputs, check_grid, check_variants, kinds, register
 from headprune.bench.variants import Variant
 from headprune.costs.flops import ffn_flops, model_attention_flops, ratio
 from headprune.costs.replay import record_attention_calls, replay
@@ -83,11 +83,11 @@ def _flops(v: Variant, batch: int, seq: int, dims: dict) -> tuple[float, float]:
     return attention, attention + len(v.heads) * ffn_flops(batch, seq, dims["hidden"], dims["intermediate"])
 
 
-def run(setup: Setup) -> list[dict]:
-    settings = setup.bench.encoder
-    name, variants = setup.encoder_variants(kinds(settings), list(setup.bench.layouts))
-    return bench_encoder(variants, list(settings.batches), list(settings.seqs), setup.clock, model_name=name,
-                         **setup.rounds)
+def run(inputs: SectionInputs) -> list[dict]:
+    settings = inputs.bench.encoder
+    name, variants = inputs.encoder_variants(kinds(settings), list(inputs.bench.layouts))
+    return bench_encoder(variants, list(settings.batches), list(settings.seqs), inputs.clock, model_name=name,
+                         **inputs.rounds)
 
 
 def check(settings, bench) -> None:

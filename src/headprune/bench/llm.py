@@ -30,7 +30,7 @@ from omegaconf import MISSING
 from headprune.bench import render
 from headprune.bench.decoder import attention_share, decode, kv_cache_bytes, prefill
 from headprune.bench.origin import export_name, load_dense, origin_of
-from headprune.bench.sections import Section, Setup, register
+from headprune.bench.sections import Section, SectionInputs, register
 from headprune.bench.variants import Variant, exported_variants
 from headprune.costs.flops import model_attention_flops
 from headprune.costs.timing import Case, interleaved
@@ -66,13 +66,13 @@ def origin(bench) -> str:
     return next(iter(found.values()))
 
 
-def run(setup: Setup) -> list[dict]:
-    settings, dirs, dense_name = setup.bench.llm, exports(setup.bench), origin(setup.bench)
-    models = [load_pruned(d, dtype=setup.dtype).eval().to(setup.device) for d in dirs]
+def run(inputs: SectionInputs) -> list[dict]:
+    settings, dirs, dense_name = inputs.bench.llm, exports(inputs.bench), origin(inputs.bench)
+    models = [load_pruned(d, dtype=inputs.dtype).eval().to(inputs.device) for d in dirs]
     for d, m in zip(dirs, models):
         if not is_causal_lm(m):
             raise ValueError(f"bench.llm.pruned_dirs: {d} holds no causal LM; allowed: exports of a causal LM")
-    dense = load_dense(dense_name, models[0], dirs[0], setup.device, setup.dtype)
+    dense = load_dense(dense_name, models[0], dirs[0], inputs.device, inputs.dtype)
     variants = exported_variants(dense, models[0], [])[:1]
     for d, m in zip(dirs, models):
         variants.append(exported_variants(dense, m, [])[1])
@@ -86,18 +86,18 @@ def run(setup: Setup) -> list[dict]:
         for threads in settings.threads:
             torch.set_num_threads(threads)
             for prompt_len in settings.prompt_lens:
-                rows += _at_prompt(setup, variants, prompt_len, threads, dense_name, dict(zip(map(id, models), dirs)))
+                rows += _at_prompt(inputs, variants, prompt_len, threads, dense_name, dict(zip(map(id, models), dirs)))
     finally:
         torch.set_num_threads(before)
     return rows
 
 
-def _at_prompt(setup: Setup, variants: list[Variant], prompt_len: int, threads: int, model: str,
+def _at_prompt(inputs: SectionInputs, variants: list[Variant], prompt_len: int, threads: int, model: str,
                dirs: dict) -> list[dict]:
     """The rows of every batch at one prompt length: one batch-1 prefill per model, then per batch."""
-    s, rounds, clock = setup.bench.llm, setup.rounds, setup.clock
+    s, rounds, clock = inputs.bench.llm, inputs.rounds, inputs.clock
     g = torch.Generator().manual_seed(rounds["seed"])
-    prompt = torch.randint(0, variants[0].model.config.vocab_size, (1, prompt_len), generator=g).to(setup.device)
+    prompt = torch.randint(0, variants[0].model.config.vocab_size, (1, prompt_len), generator=g).to(inputs.device)
     with torch.no_grad():
         starts = [prefill(v.model, prompt) for v in variants]  # (cache, next token (1, 1)) per model
     rows = []

@@ -16,7 +16,7 @@ import torch
 from omegaconf import MISSING
 
 from headprune.bench import render
-from headprune.bench.sections import Section, Setup, check_grid, check_sparsities, register
+from headprune.bench.sections import Section, SectionInputs, check_grid, check_sparsities, register
 from headprune.bench.variants import Variant
 from headprune.costs.timing import Clock, interleaved
 
@@ -68,16 +68,16 @@ def bench_onnxruntime(variants: list[Variant], batches: list[int], seqs: list[in
     return rows
 
 
-def run(setup: Setup) -> list[dict]:
-    settings = setup.bench.onnxruntime
-    name, variants = setup.encoder_variants({"pruned": list(settings.sparsities)}, ["uniform"])
-    return bench_onnxruntime(variants, list(settings.batches), list(settings.seqs), setup.clock, model_name=name,
-                             threads=setup.bench.threads, **setup.rounds)
+def run(inputs: SectionInputs) -> list[dict]:
+    settings = inputs.bench.onnxruntime
+    name, variants = inputs.encoder_variants({"pruned": list(settings.sparsities)}, ["uniform"])
+    return bench_onnxruntime(variants, list(settings.batches), list(settings.seqs), inputs.clock, model_name=name,
+                             threads=inputs.bench.threads, **inputs.rounds)
 
 
-def applies(setup: Setup) -> bool:
+def applies(inputs: SectionInputs) -> bool:
     """CPU sessions of an encoder: not on a GPU run, nor for an exported causal LM."""
-    return setup.device.type == "cpu" and not setup.exported_is_lm
+    return inputs.device.type == "cpu" and not inputs.exported_is_lm
 
 
 def check(settings, bench) -> None:

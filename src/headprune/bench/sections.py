@@ -30,17 +30,17 @@ class Section:
 
     name: str
     settings: type  # dataclass: the schema of the `bench.<name>` block
-    run: Callable[[Setup], list[dict]]  # the rows of bench.json's `<name>` list
+    run: Callable[[SectionInputs], list[dict]]  # the rows of bench.json's `<name>` list
     table: Callable[[list[dict]], list[str]]  # markdown lines of its bench.md table
     summary: Callable[[list[dict], dict], dict]  # (rows, all results) -> its block of the summary
     summary_lines: Callable[[dict], list[str]]  # that block as markdown bullets
     check: Callable[[DictConfig, DictConfig], None] = lambda settings, bench: None  # raise ValueError
-    applies: Callable[[Setup], bool] = lambda setup: True  # beyond `enabled` (ONNX Runtime: CPU only)
+    applies: Callable[[SectionInputs], bool] = lambda inputs: True  # beyond `enabled` (ONNX Runtime: CPU only)
     plot: Callable[[Any, list[dict], dict], None] | None = None  # (axes, rows, summary block)
     panel: int | None = None  # its panel of bench.png, left to right
 
-    def enabled(self, setup: Setup) -> bool:
-        return bool(setup.bench[self.name].enabled) and self.applies(setup)
+    def enabled(self, inputs: SectionInputs) -> bool:
+        return bool(inputs.bench[self.name].enabled) and self.applies(inputs)
 
 
 SECTIONS: dict[str, Section] = {}
@@ -55,7 +55,7 @@ def register(section: Section) -> Section:
 
 
 @dataclass
-class Setup:
+class SectionInputs:
     """What every section's run reads: the composed config, where and how to time, and the model
     loaded from `bench.pruned_dir` when one is given."""
 

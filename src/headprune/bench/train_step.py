@@ -15,7 +15,7 @@ from torch import nn
 
 from headprune.bench import render
 from headprune.bench.encoder import _dims, _flops
-from headprune.bench.sections import GridSettings, Section, Setup, check_grid, check_variants, kinds, register
+from headprune.bench.sections import GridSettings, Section, SectionInputs, check_grid, check_variants, kinds, register
 from headprune.bench.variants import Variant
 from headprune.costs.flops import ratio
 from headprune.costs.timing import Clock, interleaved
@@ -76,11 +76,11 @@ def bench_train_step(variants: list[Variant], batches: list[int], seqs: list[int
     return rows
 
 
-def run(setup: Setup) -> list[dict]:
-    settings = setup.bench.train_step
-    name, variants = setup.encoder_variants(kinds(settings), list(setup.bench.layouts))
-    return bench_train_step(variants, list(settings.batches), list(settings.seqs), setup.clock, model_name=name,
-                            **setup.rounds)
+def run(inputs: SectionInputs) -> list[dict]:
+    settings = inputs.bench.train_step
+    name, variants = inputs.encoder_variants(kinds(settings), list(inputs.bench.layouts))
+    return bench_train_step(variants, list(settings.batches), list(settings.seqs), inputs.clock, model_name=name,
+                            **inputs.rounds)
 
 
 def check(settings, bench) -> None:
