@@ -7,9 +7,11 @@ from headprune.apps.export import main as export_main
 from tests.helpers import PRUNE, tiny
 
 
-def test_export_cli_names_what_it_cannot_use(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"neither a run dir \(results\.json\) nor a model folder"):
+def test_export_cli_names_what_it_cannot_use(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
         export_main([str(tmp_path), "--onnx", str(tmp_path / "x.onnx")])
+    assert exit_.value.code == 2
+    assert "neither a run dir (results.json) nor a model folder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("tolerance", ["-1", "nan", "inf"])
@@ -45,8 +47,134 @@ def test_export_cli_says_why_it_exits_1(tmp_path, monkeypatch, capsys):
     """A difference over --tolerance: exit 1 with a line on stderr saying so."""
     import headprune.deploy.onnx
 
-    monkeypatch.setattr(headprune.deploy.onnx, "export_onnx", lambda model, path: path)
+    monkeypatch.setattr(headprune.deploy.onnx, "export_onnx", lambda model, path: _fake_graph(path, 1.0))
     monkeypatch.setattr(headprune.deploy.onnx, "check_onnx", lambda model, path: {"max_abs_diff": 0.5})
     save_pruned(prune_heads(tiny("bert"), PRUNE), tmp_path / "model")
     assert export_main([str(tmp_path / "model"), "--onnx", str(tmp_path / "m.onnx")]) == 1
     assert "exceeds --tolerance" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source, named", [
+    ("missing", "no such file or folder; allowed: a headprune-train run dir"),
+    ("killed", "the run did not finish (killed, failed or still running: results.json has no final export); it "
+               "wrote no checkpoint, so run it again with overwrite=true"),
+    ("killed_with_checkpoint", "the run did not finish (killed, failed or still running: results.json has no final "
+                               "export); resume it with ckpt_path="),
+    ("export_false", "it ran with export=false; run it again with export=true"),
+    ("export_moved", "its results.json records the export at"),
+])
+def test_export_cli_says_what_to_do_when_there_is_no_model(source, named, tmp_path, capsys):
+    """A missing source or a run dir without an export: exit 2 with what to do, not a raw
+    FileNotFoundError nor "run it with export=true" to a run that ran with it."""
+    import json
+
+    run = tmp_path / "run"
+    if source != "missing":
+        run.mkdir()
+        final = {"export_dir": str(run / "export")} if source == "export_moved" else {}
+        (run / "results.json").write_text(json.dumps({"config": {"export": source != "export_false"},
+                                                      "baseline": {}, "rounds": [], "final": final}))
+    if source == "killed_with_checkpoint":
+        (run / "checkpoints").mkdir()
+        (run / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(run), "--onnx-decode", str(tmp_path / "x.onnx")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert named in err and str(run) in err
+    assert not list(tmp_path.glob("*.onnx"))
+
+
+def _fake_graph(path, value: float) -> None:
+    """A real one-tensor ONNX graph at `path` (output = its weight, `value`) with its weight in an
+    external-data file beside it, as torch's exporter writes `<name>.onnx` + `<name>.onnx.data`."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.full((4,), value, dtype=np.float32), "w")
+    graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [weight])
+    onnx.save(helper.make_model(graph), str(path), save_as_external_data=True, location=path.name + ".data",
+              size_threshold=0)
+
+
+def _graph_value(path) -> float:
+    """What the graph at `path` computes, run by ONNX Runtime with the weights it references."""
+    from headprune.deploy.onnx import onnx_session
+
+    return float(onnx_session(path).run(None, {})[0][0])
+
+
+def test_an_interrupted_onnx_export_leaves_the_earlier_graph_its_weights_and_its_check(tmp_path, monkeypatch):
+    """Ctrl-C while headprune-export overwrites an earlier x.onnx (during the export, or during
+    the check): x.onnx still runs with its own weights and x.check.json still describes it;
+    nothing is left beside them. A completed export then replaces the whole set."""
+    import json
+
+    import headprune.deploy.onnx_decode as decode
+
+    save_pruned(prune_heads(tiny("llama"), PRUNE), tmp_path / "model")
+    target = tmp_path / "x.onnx"
+    version = {"value": 1.0, "interrupt": None}
+
+    def export(model, path):
+        _fake_graph(path, version["value"])
+        if version["interrupt"] == "export":
+            raise KeyboardInterrupt
+        return path
+
+    def check(model, path, steps=4):
+        if version["interrupt"] == "check":
+            raise KeyboardInterrupt
+        return {"graph_value": _graph_value(path)}
+
+    monkeypatch.setattr(decode, "export_onnx_decode", export)
+    monkeypatch.setattr(decode, "check_onnx_decode", check)
+    monkeypatch.setattr(decode, "judge_decode", lambda report, **bounds: [])
+    args = [str(tmp_path / "model"), "--onnx-decode", str(target)]
+    assert export_main(args) == 0
+    first = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    assert _graph_value(target) == 1.0 and json.loads((tmp_path / "x.check.json").read_text())["graph_value"] == 1.0
+    for when in ("export", "check"):
+        version.update(value=2.0, interrupt=when)
+        with pytest.raises(KeyboardInterrupt):
+            export_main(args)
+        assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == first, when
+        assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["model"], when  # no staging left
+        assert _graph_value(target) == 1.0
+    version.update(value=3.0, interrupt=None)
+    assert export_main(args) == 0
+    assert _graph_value(target) == 3.0
+    check_json = json.loads((tmp_path / "x.check.json").read_text())
+    assert check_json["graph_value"] == 3.0 and check_json["passed"]
+    data = [p.name for p in tmp_path.glob("x.onnx*.data")]
+    assert len(data) == 1 and check_json["onnx_bytes"] == target.stat().st_size + (tmp_path / data[0]).stat().st_size
+
+
+def test_a_bfloat16_model_is_exported_and_checked_in_float32(tmp_path, monkeypatch, capsys):
+    """ONNX Runtime's CPU kernels do not run a bfloat16 graph (NOT_IMPLEMENTED Mul(14) after the
+    file was written): the graph is exported and checked in float32, and the check json says so."""
+    import json
+
+    import torch
+
+    import headprune.deploy.onnx_decode as decode
+
+    save_pruned(prune_heads(tiny("llama"), PRUNE).to(torch.bfloat16), tmp_path / "model")
+    seen = []
+
+    def export(model, path):
+        seen.append(next(model.parameters()).dtype)
+        _fake_graph(path, 1.0)
+        return path
+
+    monkeypatch.setattr(decode, "export_onnx_decode", export)
+    monkeypatch.setattr(decode, "check_onnx_decode", lambda model, path, steps=4: {
+        "checked_dtype": str(next(model.parameters()).dtype)})
+    monkeypatch.setattr(decode, "judge_decode", lambda report, **bounds: [])
+    assert export_main([str(tmp_path / "model"), "--onnx-decode", str(tmp_path / "x.onnx")]) == 0
+    assert seen == [torch.float32]
+    check = json.loads((tmp_path / "x.check.json").read_text())
+    assert (check["dtype"], check["source_dtype"], check["checked_dtype"]) == ("float32", "bfloat16", "torch.float32")
+    assert "holds a bfloat16 model; exporting and checking it in float32" in capsys.readouterr().err
