@@ -36,11 +36,24 @@ CONF = config_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 BUILT = {"schedule": Schedule, "metric": None, "layer_policy": LayerPolicy, "recovery": Recovery, "budget": Budget}
 TYPED = {"schedule": SCHEDULES, "layer_policy": LAYER_POLICIES, "recovery": RECOVERIES, "budget": BUDGETS}
-PRESETS = {("budget", "kv67"): "kv"}  # option files that preset another option's class
 
 
 def _options(group):
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def _base(group, option):
+    """The option another option presets (its `defaults` name a sibling file, as budget/kv67 names
+    kv), else None."""
+    defaults = OmegaConf.load(CONF / group / f"{option}.yaml").get("defaults") or []
+    siblings = [d for d in defaults if isinstance(d, str) and (CONF / group / f"{d}.yaml").is_file()]
+    return siblings[0] if siblings else None
+
+
+def _class_option(group, option):
+    """The option whose class `group=option` builds: its own, or that of the option it presets."""
+    base = _base(group, option)
+    return option if base is None else _class_option(group, base)
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in _options(g)])
@@ -52,7 +65,19 @@ def test_every_config_composes(group, option, cfg_factory):
         built = instantiate(cfg[key])
         assert callable(built) if base is None else isinstance(built, base), (key, type(built))
     if group in BUILT and group != "metric":  # the option chosen is the class built
-        assert type(instantiate(cfg[group])) is TYPED[group][PRESETS.get((group, option), option)], (group, option)
+        assert type(instantiate(cfg[group])) is TYPED[group][_class_option(group, option)], (group, option)
+
+
+PRESETS = [(g, o) for g in GROUPS for o in _options(g) if _base(g, o) is not None]
+
+
+@pytest.mark.parametrize("group,option", PRESETS)
+def test_a_preset_composes_its_base_and_changes_only_what_it_sets(group, option, cfg_factory):
+    """A preset (budget=kv67: budget=kv at target 0.67) is its base option with its own keys set,
+    so a change to the base reaches it: no copy of the base's other settings to drift."""
+    preset, base = (OmegaConf.to_container(cfg_factory(f"{group}={o}")[group]) for o in (option, _base(group, option)))
+    own = set(OmegaConf.load(CONF / group / f"{option}.yaml")) - {"defaults"}
+    assert set(base) <= set(preset) and {k for k in preset if preset[k] != base.get(k)} <= own, (group, option)
 
 
 def _results(path):
