@@ -7,6 +7,7 @@
 - `least_squares`: no training, least-squares scales of the surviving heads and a bias per layer
   (`least_squares.py`);
 - `bias_compensation`: no training, the removed heads' mean output as bias (FLAP, `bias_compensation.py`);
+- `refit`: no training, each layer's output projection re-solved on its kept heads (ridge, `refit.py`);
 - `none`: nothing (the schedule must have no epochs after pruning).
 """
 from __future__ import annotations
@@ -18,10 +19,12 @@ from headprune.recovery.finetune import Finetune
 from headprune.recovery.least_squares import LeastSquares
 from headprune.recovery.lora import Lora
 from headprune.recovery.none import NoRecovery
+from headprune.recovery.refit import Refit
 
 RECOVERIES: dict[str, type[Recovery]] = {"finetune": Finetune, "distill": Distill, "lora": Lora,
                                          "least_squares": LeastSquares,
-                                         "bias_compensation": BiasCompensation, "none": NoRecovery}
+                                         "bias_compensation": BiasCompensation, "refit": Refit,
+                                         "none": NoRecovery}
 
 
 def make_recovery(recovery: Recovery | str | None) -> Recovery:
@@ -35,4 +38,4 @@ def make_recovery(recovery: Recovery | str | None) -> Recovery:
     return RECOVERIES[recovery]()
 
 
-__all__ = ["RECOVERIES", "BiasCompensation", "Distill", "Finetune", "LeastSquares", "Lora", "NoRecovery", "Recovery", "make_recovery"]
+__all__ = ["RECOVERIES", "BiasCompensation", "Distill", "Finetune", "LeastSquares", "Lora", "NoRecovery", "Recovery", "Refit", "make_recovery"]

@@ -92,3 +92,48 @@ def _by_name(block: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor,
     if "use_cache" in named:
         named["use_cache"] = False
     return hidden, named
+
+
+def block_with_out_proj(model: nn.Module, layer: int, inputs: BlockInputs, hidden: torch.Tensor,
+                        stop: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block `layer` of `model` on `hidden`: (its attention output projection's output (B, T, E),
+    the block's output (B, T, E), or None with `stop`: the block ends right after the projection)."""
+    o = get_adapter(model).out_proj(get_adapter(model).blocks(model)[layer])
+    seen = {}
+
+    def keep(module, args, output):
+        seen["o"] = output
+        if stop:
+            raise Stop
+
+    handle = o.register_forward_hook(keep)
+    try:
+        next_hidden = run_block(model, layer, inputs, hidden)
+    except Stop:
+        next_hidden = None
+    finally:
+        handle.remove()
+    return seen["o"], next_hidden
+
+
+def out_proj_input(model: nn.Module, layer: int, inputs: BlockInputs, hidden: torch.Tensor) -> torch.Tensor:
+    """The input of block `layer`'s attention output projection on `hidden`, after every pre-hook
+    registered before this call (a HeadMask's gate): (B, T, kept heads x head_dim). The block stops
+    there. A layer whose projection never runs (no heads left) is a ValueError."""
+    o = get_adapter(model).out_proj(get_adapter(model).blocks(model)[layer])
+    seen = {}
+
+    def capture_input(module, args):
+        seen["x"] = args[0]
+        raise Stop
+
+    handle = o.register_forward_pre_hook(capture_input)
+    try:
+        run_block(model, layer, inputs, hidden)
+    except Stop:
+        pass
+    finally:
+        handle.remove()
+    if "x" not in seen:
+        raise ValueError(f"layer {layer}: the attention output projection did not run (a layer without heads?)")
+    return seen["x"]
