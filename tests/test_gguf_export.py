@@ -215,3 +215,17 @@ def test_export_cli_refuses_before_writing(tmp_path, tok, capsys):
         export_main([str(tmp_path / "model"), "--gguf", str(tmp_path / "m.gguf")])
     assert exit_.value.code == 2 and "layer 0 keeps no heads" in capsys.readouterr().err
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_ci_runs_the_readme_test_command_with_llamacpp():
+    """.ci/run runs the README's test command as written, and that command installs llama.cpp
+    (portable build: a native one crashed on quantized weights)."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    readme, ci = (repo / "README.md").read_text(), (repo / ".ci" / "run").read_text()
+    command = next(c for c in re.findall(r"```bash\n(.*?)\n```", readme, re.S) if c.endswith(".venv/bin/pytest"))
+    assert command in ci.splitlines()
+    assert 'CMAKE_ARGS="-DGGML_NATIVE=OFF"' in command and '".[dev,llamacpp]"' in command
+    assert 'llamacpp = ["llama-cpp-python' in (repo / "pyproject.toml").read_text()
