@@ -1,11 +1,16 @@
-"""The LLM field's evaluations of a causal LM run (`evaluation:` in train.yaml), on the dense
-model before pruning and on the exported one, written to results.json `evaluation`:
+"""The LLM field's evaluations of a causal LM run (the `evaluation:` block, whose fields and
+defaults are `EvaluationSettings`: the one source, train.yaml only lists its schema), on the
+dense model before pruning and on the exported one, written to results.json `evaluation`:
 
-- perplexity in non-overlapping windows of each `perplexity_seqs` length over the first
-  `perplexity_tokens` tokens of the held-out text (the data module's validation tail: the same
-  tokens for every arm of an experiment), `bos` saying whether each window starts with BOS;
-  `evaluation.val` names the windows and BOS rule of the run's `val` perplexity, which the same
-  implementation computes (headprune.tasks.evaluate) on the validation blocks;
+- `perplexity.seq<N>`: perplexity in non-overlapping windows of each `perplexity_seqs` length
+  over the first `perplexity_tokens` tokens of the held-out text (the data module's validation
+  tail: the same tokens for every arm of an experiment), `bos` saying whether each window starts
+  with BOS; `evaluation.val` names the windows and BOS rule of the run's `val` perplexity, which
+  the same implementation computes (headprune.tasks.evaluate) on the validation blocks;
+- `perplexity_other.<corpus>.seq<N>`: the same windows, seqs, token count and BOS rule on the
+  held-out part of each of `other_corpora` (headprune.data.corpora: `sst2` = SST-2's validation
+  sentences, newline-joined), text the run did not calibrate on: a repair that overfits the
+  calibration corpus shows here (issue 30);
 - zero-shot accuracy on `zero_shot_tasks` through lm-eval-harness, with chance level
   (`sst2_local` ships with headprune; any lm-eval task name runs where a network is available);
 - greedy answers to fixed chat prompts (`generate`).
@@ -19,6 +24,7 @@ from typing import List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from headprune.data.corpora import check_corpora, corpus_file, corpus_ids
 from headprune.tasks import max_positions
 
 log = logging.getLogger(__name__)
@@ -26,17 +32,20 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EvaluationSettings:
-    """`evaluation:` settings (typed: a misspelt field fails at compose)."""
+    """`evaluation:` settings and their defaults, the one place they are written (the Hydra
+    schema `schema/evaluation` is this class, so a misspelt field fails at compose).
+    experiment=llm_kv turns the block on."""
 
     enabled: bool = False
     dense: bool = True  # evaluate the dense model too (an experiment's arms share one dense run)
-    perplexity_seqs: List[int] = field(default_factory=lambda: [128, 2048])
-    perplexity_tokens: int = 8192
-    bos: bool = True
+    perplexity_seqs: List[int] = field(default_factory=lambda: [128, 2048])  # window lengths
+    perplexity_tokens: int = 8192  # held-out tokens every window length covers (the first ones)
+    bos: bool = True  # each window starts with the tokenizer's BOS
+    other_corpora: List[str] = field(default_factory=list)  # perplexity_other on these (data.corpora)
     batch_size: int = 4
-    zero_shot_tasks: List[str] = field(default_factory=lambda: ["sst2_local"])
-    zero_shot_limit: Optional[int] = None
-    generate: bool = True
+    zero_shot_tasks: List[str] = field(default_factory=lambda: ["sst2_local"])  # local tasks or lm-eval names
+    zero_shot_limit: Optional[int] = None  # the first n documents of each task (null: all)
+    generate: bool = True  # greedy answers to the fixed chat prompts
     max_new_tokens: int = 32
 
     def check(self, task: str) -> None:
@@ -53,6 +62,7 @@ class EvaluationSettings:
             raise ValueError("evaluation.batch_size and evaluation.max_new_tokens must be >= 1")
         if self.zero_shot_limit is not None and self.zero_shot_limit < 1:
             raise ValueError(f"evaluation.zero_shot_limit={self.zero_shot_limit} must be >= 1 or null")
+        check_corpora(self.other_corpora, "evaluation.other_corpora")
 
     def check_model(self, model, datamodule) -> None:
         """The longest window fits the model's positions and the held-out text."""
@@ -67,6 +77,11 @@ class EvaluationSettings:
         if held < self.perplexity_tokens:
             raise ValueError(f"evaluation.perplexity_tokens={self.perplexity_tokens} exceeds the {held} held-out tokens "
                              f"of data={datamodule.name}; allowed: at most {held}")
+        for name in self.other_corpora:
+            held = len(corpus_ids(name, "held_out", datamodule.tokenizer, datamodule.data_dir, "evaluation.other_corpora"))
+            if held < self.perplexity_tokens:
+                raise ValueError(f"evaluation.perplexity_tokens={self.perplexity_tokens} exceeds the {held} held-out "
+                                 f"tokens of evaluation.other_corpora {name!r}; allowed: at most {held}")
 
 
 def settings(cfg: DictConfig) -> EvaluationSettings:
@@ -78,7 +93,11 @@ def header(options: EvaluationSettings, datamodule) -> dict:
     """results.json `evaluation` before any model is evaluated: the settings, and `val`: the
     windows and BOS rule of the run's `val` perplexity (the same implementation as the
     perplexities here, on the data module's validation blocks, without BOS)."""
-    return {"settings": asdict(options), "val": datamodule.val_windows()}
+    head = {"settings": asdict(options), "val": datamodule.val_windows()}
+    if options.other_corpora:
+        head["other_corpora"] = {name: str(corpus_file(name, "held_out", datamodule.data_dir, "evaluation.other_corpora"))
+                                 for name in options.other_corpora}
+    return head
 
 
 def evaluate_llm(model, tokenizer, datamodule, options: EvaluationSettings, data_dir: str | None) -> dict:
@@ -89,11 +108,20 @@ def evaluate_llm(model, tokenizer, datamodule, options: EvaluationSettings, data
 
     out: dict = {"perplexity": {}, "seconds": {}}
     bos = tokenizer.bos_token_id if options.bos else None
+
+    def perplexities(ids) -> dict:
+        return {f"seq{seq}": perplexity(model, Windows.cut(ids, seq, bos, options.perplexity_tokens), options.batch_size)
+                for seq in options.perplexity_seqs}
+
     start = time.perf_counter()
-    for seq in options.perplexity_seqs:
-        windows = Windows.cut(datamodule.held_out_ids, seq, bos, options.perplexity_tokens)
-        out["perplexity"][f"seq{seq}"] = perplexity(model, windows, options.batch_size)
+    out["perplexity"] = perplexities(datamodule.held_out_ids)
     out["seconds"]["perplexity"] = round(time.perf_counter() - start, 3)
+    if options.other_corpora:
+        start = time.perf_counter()
+        out["perplexity_other"] = {
+            name: perplexities(corpus_ids(name, "held_out", tokenizer, data_dir, "evaluation.other_corpora"))
+            for name in options.other_corpora}
+        out["seconds"]["perplexity_other"] = round(time.perf_counter() - start, 3)
     if options.zero_shot_tasks:
         start = time.perf_counter()
         out["zero_shot"] = zero_shot(model, tokenizer, options.zero_shot_tasks, data_dir=data_dir,
@@ -104,5 +132,6 @@ def evaluate_llm(model, tokenizer, datamodule, options: EvaluationSettings, data
         out["generation"] = generate_answers(model, tokenizer, max_new_tokens=options.max_new_tokens)
         out["seconds"]["generation"] = round(time.perf_counter() - start, 3)
     log.info("evaluation: %s", {k: v["ppl"] for k, v in out["perplexity"].items()}
+             | {f"{c}/{k}": v["ppl"] for c, seqs in out.get("perplexity_other", {}).items() for k, v in seqs.items()}
              | {k: v["acc"] for k, v in out.get("zero_shot", {}).items()})
     return out
