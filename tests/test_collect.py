@@ -111,3 +111,47 @@ def test_collect_reports_perplexity_for_lm_runs_and_accuracy_otherwise(tmp_path)
     collect([tmp_path / "cls"], tmp_path / "out_cls")
     assert "ppl" not in (tmp_path / "out_cls" / "runs.csv").read_text().splitlines()[0]
     assert (tmp_path / "out_cls" / "accuracy_vs_sparsity.png").is_file()
+
+
+def test_encoder_and_lm_runs_collected_together_get_one_table_per_task(tmp_path):
+    """An encoder's accuracy is not shown as "–" under perplexity columns (it was: the whole table
+    switched to perplexity): each task has its table, under a heading, and its plot."""
+    _run(tmp_path / "sweep" / "cls", ["model=minilm"], 0.9, [0.85])
+    _fake_run(tmp_path / "sweep" / "lm", {"loss": 1.0, "ppl": 2.72}, [{"loss": 1.1, "ppl": 3.0}])
+    collect([tmp_path / "sweep"], tmp_path / "out")
+    results = (tmp_path / "out" / "results.md").read_text()
+    assert results.startswith("Runs of 2 tasks: one table per task")
+    cls, lm = results.split("## classification (accuracy): 1 run(s)")[1].split("## causal LM (perplexity): 1 run(s)")
+    assert "| model=minilm | 90.00 | 0.100 | 85.00 | 5.00 | target |" in cls and "ppl" not in cls
+    assert "| lm | 2.720 | 0.500 | 3.000 | 1.103 | x |" in lm
+    curves = (tmp_path / "out" / "curves.md").read_text()
+    assert "| model=minilm | 90.00 | 85.00 |" in curves and "| lm | 2.72 | 3.00 |" in curves
+    assert (tmp_path / "out" / "accuracy_vs_sparsity.png").is_file()
+    assert (tmp_path / "out" / "perplexity_vs_sparsity.png").is_file()
+
+
+def test_an_unfinished_run_shows_as_unfinished(tmp_path):
+    """A run killed after its rounds (no final results yet) is not "final sparsity 0.000" with a
+    blank stop reason."""
+    _run(tmp_path / "sweep" / "0", ["metric=taylor"], 0.9, [0.88, 0.80])
+    path = tmp_path / "sweep" / "0" / "results.json"
+    saved = json.loads(path.read_text())
+    saved["final"] = {}
+    path.write_text(json.dumps(saved))
+    collect([tmp_path / "sweep"], tmp_path / "out")
+    assert ("| metric=taylor | 90.00 | – | – | – | unfinished (killed or still running): 2 round(s) recorded, the "
+            "last at sparsity 0.200 |") in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_a_folder_of_symlinked_run_dirs_is_collected(tmp_path, capsys):
+    _run(tmp_path / "runs" / "a", ["metric=taylor"], 0.9, [0.88])
+    _run(tmp_path / "runs" / "b", ["metric=random"], 0.9, [0.70])
+    links = tmp_path / "picked"
+    links.mkdir()
+    (links / "a").symlink_to(tmp_path / "runs" / "a")
+    (links / "b").symlink_to(tmp_path / "runs" / "b")
+    (links / "loop").symlink_to(links)  # a cycle ends
+    assert main([str(links), "--out", str(tmp_path / "out")]) == 0
+    assert "collected 2 runs" in capsys.readouterr().out
+    results = (tmp_path / "out" / "results.md").read_text()
+    assert "metric=taylor" in results and "metric=random" in results

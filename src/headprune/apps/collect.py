@@ -8,7 +8,13 @@ label) and `accuracy_vs_sparsity.png` (one line per run label). `--mean-over met
 runs that differ only in those overrides into one label: mean, sample standard deviation and
 count per point, drawn as a line with a +-1 std band.
 Causal-LM runs (validation `ppl` instead of `acc`) get `ppl` columns, a perplexity table and
-`perplexity_vs_sparsity.png`.
+`perplexity_vs_sparsity.png`. Runs of both tasks collected together get one table per task in
+results.md and curves.md (under a heading naming the task, with a line saying why) and both
+plots: an accuracy column is never left empty for a run that reports perplexity, nor the other
+way round. A run that has not finished (killed, or still running: its results.json has no final
+`val`) shows "–" for its final figures and "unfinished" with the rounds it recorded as its stop
+reason, rather than a final sparsity of 0. Run dirs reached through symbolic links (a folder of
+links to runs) are collected like any other.
 
 A results.json that cannot be read (truncated by a kill, a run still writing it, not a results
 object) is skipped and named on stderr; the command fails only when no run could be read. A null
@@ -21,6 +27,7 @@ import argparse
 import csv
 import io
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -29,6 +36,7 @@ from headprune.atomic import write_json_atomic, write_text_atomic
 
 OVERRIDE_FILE = Path(".hydra") / "overrides.yaml"
 PLOT_FILES = {"acc": "accuracy_vs_sparsity.png", "ppl": "perplexity_vs_sparsity.png"}
+TASKS = {"acc": "classification (accuracy)", "ppl": "causal LM (perplexity)"}  # headings of a mixed table
 DASH = "–"  # a value results.json holds as null (non-finite) or lacks
 
 
@@ -36,9 +44,57 @@ def _fmt(value, spec: str, scale: float = 1) -> str:
     return DASH if value is None else format(scale * value, spec)
 
 
+def run_metric(run: dict) -> str:
+    """"acc" for a classification run, "ppl" for a causal-LM run: what its baseline reports, else
+    its config's model.task."""
+    val = run["baseline"].get("val") or {}
+    if "acc" in val or "ppl" in val:
+        return "acc" if "acc" in val else "ppl"
+    task = ((run.get("config") or {}).get("model") or {}).get("task")
+    return "ppl" if task == "causal_lm" else "acc"
+
+
 def _metric(runs: list[dict]) -> str:
     """"acc" when every run reports accuracy (classification), else "ppl" (causal LM)."""
-    return "acc" if all("acc" in run["baseline"].get("val", {}) for run in runs) else "ppl"
+    return "acc" if all(run_metric(run) == "acc" for run in runs) else "ppl"
+
+
+def by_task(runs: list[dict]) -> dict[str, list[dict]]:
+    """The runs grouped by what they report ("acc", then "ppl"), in their order."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(run_metric(run), []).append(run)
+    return {metric: groups[metric] for metric in TASKS if metric in groups}
+
+
+def _per_task(runs: list[dict], table) -> str:
+    """`table(runs)` when the runs are of one task; else one `table(group)` per task under a
+    heading, after a line saying why."""
+    groups = by_task(runs)
+    if len(groups) == 1:
+        return table(runs)
+    parts = [f"Runs of {len(groups)} tasks: one table per task (a classification run reports no perplexity, "
+             "a causal-LM run no accuracy).\n"]
+    for metric, group in groups.items():
+        parts.append(f"\n## {TASKS[metric]}: {len(group)} run(s)\n\n{table(group)}")
+    return "".join(parts)
+
+
+def unfinished(run: dict) -> bool:
+    """The run has no final results (killed, failed, or still running)."""
+    return "val" not in run["final"]
+
+
+def _stop_reason(run: dict) -> str:
+    if not unfinished(run):
+        return run["final"].get("stop_reason", "")
+    rounds = [r for r in run["rounds"] if r.get("sparsity") is not None]
+    last = f", the last at sparsity {rounds[-1]['sparsity']:.3f}" if rounds else ""
+    return f"unfinished (killed or still running): {len(run['rounds'])} round(s) recorded{last}"
+
+
+def _final_sparsity(run: dict) -> str:
+    return DASH if unfinished(run) else _fmt(run["final"].get("sparsity", 0), ".3f")
 
 
 def _overrides(run_dir: Path) -> dict[str, str]:
@@ -59,7 +115,7 @@ def load_runs(roots: list[Path], skipped: list[str] | None = None) -> list[dict]
     Unreadable ones are appended to `skipped` as "path (why)"; none readable is an error."""
     runs, skipped = [], skipped if skipped is not None else []
     for root in roots:
-        for path in sorted(Path(root).rglob("results.json")):
+        for path in _results_files(Path(root)):
             data, why = _read_results(path)
             if data is None:
                 skipped.append(f"{path} ({why})")
@@ -71,6 +127,22 @@ def load_runs(roots: list[Path], skipped: list[str] | None = None) -> list[dict]
         unreadable = f"; unreadable: {', '.join(skipped)}" if skipped else ""
         raise FileNotFoundError(f"no readable results.json under {[str(r) for r in roots]}{unreadable}")
     return runs
+
+
+def _results_files(root: Path) -> list[Path]:
+    """Every results.json under `root`, symbolic links to folders followed (each real folder once,
+    so a link cycle ends), sorted by path."""
+    found, seen = [], set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        subfolders.sort()
+        if "results.json" in names:
+            found.append(Path(folder) / "results.json")
+    return sorted(found)
 
 
 def _read_results(path: Path) -> tuple[dict | None, str]:
@@ -133,7 +205,11 @@ def _spread(values: list[float], scale: float) -> str:
 
 def curve_table(runs: list[dict], keys: list[str] | None = None, mean_over: list[str] = (),
                 before_finetune: bool = False) -> str:
-    """Markdown: one row per label, one column per sparsity reached by any run."""
+    """Markdown: one row per label, one column per sparsity reached by any run (one table per task)."""
+    return _per_task(runs, lambda group: _curve_table(group, keys, mean_over, before_finetune))
+
+
+def _curve_table(runs: list[dict], keys: list[str] | None, mean_over: list[str], before_finetune: bool) -> str:
     metric = _metric(runs)
     scale = 100 if metric == "acc" else 1
     table = curves(runs, keys, mean_over, before_finetune)
@@ -180,6 +256,11 @@ def to_csv(table: list[dict]) -> str:
 
 
 def final_table(runs: list[dict], keys: list[str] | None = None) -> str:
+    """Markdown: one row per run, its baseline and final figures (one table per task)."""
+    return _per_task(runs, lambda group: _final_table(group, keys))
+
+
+def _final_table(runs: list[dict], keys: list[str] | None = None) -> str:
     if _metric(runs) == "ppl":
         return _final_ppl_table(runs, keys)
     lines = ["| run | baseline acc | final sparsity | final acc | drop (points) | stop reason |",
@@ -187,9 +268,8 @@ def final_table(runs: list[dict], keys: list[str] | None = None) -> str:
     for run in sorted(runs, key=lambda r: label(r, keys)):
         base, final = run["baseline"]["val"].get("acc"), (run["final"].get("val") or {}).get("acc")
         drop = _fmt(None if base is None or final is None else base - final, ".2f", 100)
-        sparsity = _fmt(run["final"].get("sparsity", 0), ".3f")
-        lines.append(f"| {label(run, keys)} | {_fmt(base, '.2f', 100)} | {sparsity} | "
-                     f"{_fmt(final, '.2f', 100)} | {drop} | {run['final'].get('stop_reason', '')} |")
+        lines.append(f"| {label(run, keys)} | {_fmt(base, '.2f', 100)} | {_final_sparsity(run)} | "
+                     f"{_fmt(final, '.2f', 100)} | {drop} | {_stop_reason(run)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -199,8 +279,8 @@ def _final_ppl_table(runs: list[dict], keys: list[str] | None = None) -> str:
     for run in sorted(runs, key=lambda r: label(r, keys)):
         base, final = run["baseline"]["val"].get("ppl"), (run["final"].get("val") or {}).get("ppl")
         ratio = _fmt(final / base if base and final is not None else None, ".3f")
-        lines.append(f"| {label(run, keys)} | {_fmt(base, '.3f')} | {_fmt(run['final'].get('sparsity', 0), '.3f')} | "
-                     f"{_fmt(final, '.3f')} | {ratio} | {run['final'].get('stop_reason', '')} |")
+        lines.append(f"| {label(run, keys)} | {_fmt(base, '.3f')} | {_final_sparsity(run)} | "
+                     f"{_fmt(final, '.3f')} | {ratio} | {_stop_reason(run)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -237,7 +317,8 @@ def collect(roots: list[Path], out: Path, keys: list[str] | None = None, before_
     for name, text in (("runs.csv", to_csv(rows(runs))), ("results.md", final_table(runs, keys)),
                        ("curves.md", curve_table(runs, keys, mean_over, before_finetune))):
         write_text_atomic(out / name, text)
-    plot(runs, out / PLOT_FILES[_metric(runs)], keys, before_finetune, mean_over)
+    for metric, group in by_task(runs).items():  # one plot per task
+        plot(group, out / PLOT_FILES[metric], keys, before_finetune, mean_over)
     # scores only of the first round (the unpruned model's importance map), to keep the file small;
     # the layer-sensitivity profile when a run measured one
     write_json_atomic(out / "runs.json", [{k: r.get(k) for k in ("run_dir", "overrides", "baseline", "final", "model")}
