@@ -92,7 +92,12 @@ def _options(name, layers, seed=0):
     return {}
 
 
-@pytest.mark.parametrize("name", sorted(LAYER_POLICIES))
+# every policy that places a number of heads (measured and attention_drop allocate cost budgets from
+# the model itself: tests/test_measured_allocation.py)
+HEAD_COUNT_POLICIES = sorted(n for n, c in LAYER_POLICIES.items() if not getattr(c, "measures_layout", False))
+
+
+@pytest.mark.parametrize("name", HEAD_COUNT_POLICIES)
 @settings(max_examples=120, deadline=None)
 @given(case=situations())
 def test_policy_budget_and_constraints(name, case):

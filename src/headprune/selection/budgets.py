@@ -59,6 +59,9 @@ class Budget:
 
     def check(self, schedule, policy) -> None:
         """Refuse, before anything runs, settings this budget would silently ignore."""
+        if getattr(policy, "measures_layout", False):
+            raise ValueError(f"layer_policy={policy.name} allocates a cost budget and cannot place a number of heads "
+                             "(budget=heads); allowed: budget=kv, flops or latency")
 
     def check_model(self, model: nn.Module, schedule) -> None:
         layers, heads = model_shape(model)
@@ -221,6 +224,38 @@ def allocate(scores: torch.Tensor, alive: torch.Tensor, costs: LayerCosts, share
     heads' scores, and a layer keeping k units keeps its k most valuable. At least one unit stays
     in the model. Raises ValueError when no layout fits."""
     n_layers = alive.shape[0]
+    plan = unit_plan(scores, alive, policy, model_units)
+    choices, value = plan.choices, plan.value
+    kept = kept_units(choices, value, costs, cost_limit(costs, share), policy, cheapest, share)
+    heads = plan.heads(kept, alive, model_units)
+    predicted = costs.total(kept)
+    full = sum(value[l][choices[l][-1]] for l in range(n_layers))
+    report = {"kept_units_per_layer": kept, "target_share": share, "predicted_cost": predicted,
+              "dense_cost": costs.dense, "predicted_share": predicted / costs.dense, "unit": costs.unit,
+              "retained_importance": sum(value[l][kept[l]] for l in range(n_layers)) / max(full, 1e-30)}
+    return heads, report
+
+
+@dataclass
+class UnitPlan:
+    """Per layer: its alive units, most valuable first (`ranked`: unit ids of `model_units`), the
+    numbers of them it may keep under the policy's constraints (`choices`), and what keeping k
+    is worth by the scores (`value[l][k]`: the sum of its k most valuable units)."""
+
+    ranked: list[list[int]]
+    choices: list[list[int]]
+    value: list[dict[int, float]]
+
+    def heads(self, kept: list[int], alive: torch.Tensor, model_units: list[list[int]]) -> list[tuple[int, int]]:
+        """The alive heads of the units each layer does not keep (layer l keeps its `kept[l]` best)."""
+        return [(l, h) for l, units in enumerate(self.ranked) for u in units[kept[l]:] for h in model_units[u]
+                if alive[l, h]]
+
+
+def unit_plan(scores: torch.Tensor, alive: torch.Tensor, policy, model_units: list[list[int]]) -> UnitPlan:
+    """The units of each layer ranked by the policy's `unit_scores` (shifted to be non-negative),
+    and the choices its `caps` allow (`allocate`'s docstring)."""
+    n_layers = alive.shape[0]
     ranked_scores = policy.unit_scores(scores, alive)
     shifted = ranked_scores - min(float(ranked_scores[alive].min()) if bool(alive.any()) else 0.0, 0.0)
     unit_alive = [[u for u, heads in enumerate(model_units) if bool(alive[l, heads].any())] for l in range(n_layers)]
@@ -232,18 +267,15 @@ def allocate(scores: torch.Tensor, alive: torch.Tensor, costs: LayerCosts, share
     choices = [list(range(max(len(unit_alive[l]) - caps[l] // group, 0), len(unit_alive[l]) + 1))
                for l in range(n_layers)]
     value = [{k: sum(unit_value[l][u] for u in ranked[l][:k]) for k in choices[l]} for l in range(n_layers)]
-    limit = share * costs.dense - costs.fixed
-    kept = _kept(choices, value, costs, limit, policy, cheapest, share)
-    heads = [(l, h) for l in range(n_layers) for u in ranked[l][kept[l]:] for h in model_units[u] if alive[l, h]]
-    predicted = costs.total(kept)
-    full = sum(value[l][choices[l][-1]] for l in range(n_layers))
-    report = {"kept_units_per_layer": kept, "target_share": share, "predicted_cost": predicted,
-              "dense_cost": costs.dense, "predicted_share": predicted / costs.dense, "unit": costs.unit,
-              "retained_importance": sum(value[l][kept[l]] for l in range(n_layers)) / max(full, 1e-30)}
-    return heads, report
+    return UnitPlan(ranked, choices, value)
 
 
-def _kept(choices, value, costs: LayerCosts, limit: float, policy, cheapest: bool, share: float) -> list[int]:
+def cost_limit(costs: LayerCosts, share: float) -> float:
+    """What the layers' summed costs may reach when the layout keeps `share` of the dense cost."""
+    return share * costs.dense - costs.fixed
+
+
+def kept_units(choices, value, costs: LayerCosts, limit: float, policy, cheapest: bool, share: float) -> list[int]:
     """Units kept per layer: the most valuable layout within `limit` (module docstring)."""
     n_layers = len(choices)
     if policy.same_units_per_layer:  # the same number of units in every layer: the most that fits

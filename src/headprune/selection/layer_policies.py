@@ -278,5 +278,94 @@ class SensitivityPolicy(LayerPolicy):
         return _by_quota(scores, alive, quota)
 
 
+@dataclass
+class MeasuringPolicy(LayerPolicy):
+    """A policy that allocates a cost budget itself from measurements of the model on the
+    calibration batches (`measures_layout`: `prune_round` calls `measure_allocation` with the
+    model, mask and scoring loader instead of `budgets.allocate`). It may empty a layer
+    (`min_heads_per_layer=0` by default); `protect_first` / `protect_last` layers lose nothing.
+    It reads the model, so it needs a cost budget (budget=kv, flops or latency)."""
+
+    min_heads_per_layer: int = 0
+    protect_first: int = 0
+    protect_last: int = 0
+
+    measures_layout: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        depth_weights(1, self.protect_first, self.protect_last)
+
+    def caps(self, alive: torch.Tensor) -> list[int]:
+        prior = depth_weights(alive.shape[0], self.protect_first, self.protect_last)
+        return [0 if w == float("inf") else c for w, c in zip(prior, super().caps(alive))]
+
+    def why(self) -> str:
+        return (f"{super().why()}, layer_policy.protect_first={self.protect_first}, "
+                f"layer_policy.protect_last={self.protect_last}")
+
+    def select(self, scores, alive, n_prune, caps, sensitivity=None):
+        raise ValueError(f"layer_policy={self.name} allocates a cost budget from measurements and cannot place a "
+                         "number of heads; allowed: budget=kv, flops or latency")
+
+    @property
+    def name(self) -> str:
+        return next(k for k, v in LAYER_POLICIES.items() if v is type(self))
+
+    def measure_allocation(self, model, mask, loader, scores, costs, share, model_units, max_batches=None):
+        """(heads to prune, allocation report, shortfall or None) for `share` of the dense cost."""
+        raise NotImplementedError
+
+
+@dataclass
+class MeasuredPolicy(MeasuringPolicy):
+    """Units per layer from measured loss rises (`selection.measured`): a cost curve per layer on
+    the first `profile_samples` calibration sequences (null: all of them), a knapsack over
+    layers, then at most `passes` greedy correction passes of the layout measured as a whole, each
+    measuring `candidates` layers per side in context."""
+
+    profile_samples: Optional[int] = 2
+    passes: int = 2
+    candidates: int = 4
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.profile_samples is not None and self.profile_samples < 1:
+            raise ValueError(f"layer_policy.profile_samples={self.profile_samples} must be >= 1 or null (every "
+                             "calibration sequence)")
+        if self.passes < 0:
+            raise ValueError(f"layer_policy.passes={self.passes} must be >= 0")
+        if self.candidates < 1:
+            raise ValueError(f"layer_policy.candidates={self.candidates} must be >= 1")
+
+    def measure_allocation(self, model, mask, loader, scores, costs, share, model_units, max_batches=None):
+        from headprune.selection.measured import measured_allocation
+
+        return measured_allocation(model, mask, loader, scores, costs, share, self, model_units,
+                                   samples=self.profile_samples, passes=self.passes, candidates=self.candidates,
+                                   max_batches=max_batches)
+
+
+@dataclass
+class AttentionDropPolicy(MeasuringPolicy):
+    """He et al. 2024: whole attention sublayers go, those whose output changes the residual
+    stream least (1 - cos, `selection.attention_drop`) first, until the budget is met; measured
+    on the first `samples` calibration sequences (null: all of them)."""
+
+    samples: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.samples is not None and self.samples < 1:
+            raise ValueError(f"layer_policy.samples={self.samples} must be >= 1 or null (every calibration sequence)")
+
+    def measure_allocation(self, model, mask, loader, scores, costs, share, model_units, max_batches=None):
+        from headprune.selection.attention_drop import attention_drop_allocation
+
+        return attention_drop_allocation(model, mask, loader, scores, costs, share, self, model_units,
+                                         samples=self.samples, max_batches=max_batches)
+
+
 LAYER_POLICIES: dict[str, type[LayerPolicy]] = {"global": GlobalPolicy, "uniform": UniformPolicy,
-                                                "depth_prior": DepthPriorPolicy, "sensitivity": SensitivityPolicy}
+                                                "depth_prior": DepthPriorPolicy, "sensitivity": SensitivityPolicy,
+                                                "measured": MeasuredPolicy, "attention_drop": AttentionDropPolicy}

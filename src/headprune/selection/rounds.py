@@ -82,7 +82,9 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, policy: Call
 
     `cost_budget=(costs, share)`: instead of `n_prune` heads, keep the units (KV groups; heads
     without GQA) worth most under `share` of the dense cost (`selection.budgets.allocate`; the
-    cheapest layout the policy allows, with a shortfall, when none fits). `rearrange`: then
+    cheapest layout the policy allows, with a shortfall, when none fits); a policy with
+    `measures_layout` allocates it itself from measurements of `model` on `loader`
+    (`layer_policy=measured`, `attention_drop`). `rearrange`: then
     re-choose, within each layer, which units go by the block-diagonal Fisher
     (`selection.rearrange`, Kwon et al.); with `metric=fisher` the scores are that Fisher's diagonal.
     """
@@ -101,7 +103,12 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, policy: Call
     options = {"sensitivity": sensitivity} if sensitivity is not None else {}
     shortfall, allocation, moved = None, None, None
     model_units = kv_group_heads(model) if cost_budget is not None else [[h] for h in range(mask.num_heads)]
-    if cost_budget is not None:
+    if cost_budget is not None and getattr(policy, "measures_layout", False):  # it measures layouts on `loader`
+        heads, allocation, shortfall = policy.measure_allocation(model, mask, loader, scores, *cost_budget, model_units,
+                                                                 max_batches=max_batches)
+        if shortfall:
+            log.warning("round %d: %s; taking the cheapest layout the layer policy allows", round_no, shortfall)
+    elif cost_budget is not None:
         heads, allocation, shortfall = _allocate(scores, mask.alive(), *cost_budget, policy, model_units, round_no)
     else:
         try:
