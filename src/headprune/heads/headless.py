@@ -41,6 +41,7 @@ class HeadlessAttention(nn.Module):
         if self.out is None:
             return hidden_states.new_zeros(batch, tokens, 0), None  # (B, T, 0)
         proj = self.get_submodule(self.out)
+        proj = getattr(proj, "base_layer", proj)  # under LoRA (peft) the layer it wraps has the shapes
         output = hidden_states.new_zeros(batch, tokens, num_features(proj, outputs=True))  # (B, T, hidden)
         if proj.bias is not None:
             output = output + proj.bias
