@@ -44,12 +44,11 @@ class BiasCompensation(Reconstruction):
                                      "is short)")
 
     def check_model(self, student: nn.Module) -> None:
-        refusal = bias_refusal(student, "recovery=bias_compensation")
-        if refusal:
-            raise ValueError(refusal)
+        """The run's one bias check, before any work: each round's compensation trusts it."""
+        check_bias(student)
 
     def reconstruct(self, pruner, loaders) -> dict:
-        return compensate(pruner.model, pruner.mask, pruner.dense, loaders.score, pruner.max_batches)
+        return _compensate(pruner.model, pruner.mask, pruner.dense, loaders.score, pruner.max_batches)
 
 
 @torch.no_grad()
@@ -57,9 +56,20 @@ def compensate(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, max_b
     """Set every layer's output bias of `model` to the dense bias plus the mean output of the heads
     `mask` has removed (module docstring). `dense`: the unpruned model (no HeadMask). Returns per
     layer the removed heads and the norm of the added bias."""
+    check_bias(model)
+    return _compensate(model, mask, dense, loader, max_batches)
+
+
+def check_bias(model: nn.Module) -> None:
+    """Refuse a model that cannot carry an output-projection bias (`bias_refusal`)."""
     refusal = bias_refusal(model, "recovery=bias_compensation")
     if refusal:
         raise ValueError(refusal)
+
+
+@torch.no_grad()
+def _compensate(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, max_batches: int | None = None) -> dict:
+    """`compensate` on a model already checked (`check_bias`: the recovery's `check_model`)."""
     adapter = get_adapter(dense)
     means = context_means(dense, loader, mask.mask.device, max_batches)  # (L, H, D)
     report = []

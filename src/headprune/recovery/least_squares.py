@@ -66,12 +66,11 @@ class LeastSquares(Reconstruction):
             raise ValueError(f"recovery.bias={self.bias!r} must be true or false")
 
     def check_model(self, student: nn.Module) -> None:
-        refusal = self.bias and bias_refusal(student, "recovery=least_squares with recovery.bias=true")
-        if refusal:
-            raise ValueError(f"{refusal}; or set recovery.bias=false (scales only)")
+        """The run's one bias check, before any work: each round's tuning trusts it."""
+        check_bias(student, self)
 
     def reconstruct(self, pruner, loaders) -> dict:
-        return tune_scales(pruner.model, pruner.mask, pruner.dense, loaders.score, self, pruner.max_batches)
+        return _tune_scales(pruner.model, pruner.mask, pruner.dense, loaders.score, self, pruner.max_batches)
 
 
 @dataclass
@@ -92,8 +91,21 @@ def tune_scales(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, sett
     `settings.bias`) every layer's output bias (module docstring), layer by layer. `dense`: the
     unpruned model (no HeadMask). Returns a report per layer (scales, relative reconstruction
     errors with ones and tuned, the norm of the bias change) and the blocks run."""
-    if settings.bias and (refusal := bias_refusal(model, "recovery=least_squares with recovery.bias=true")):
+    check_bias(model, settings)
+    return _tune_scales(model, mask, dense, loader, settings, max_batches)
+
+
+def check_bias(model: nn.Module, settings: LeastSquares) -> None:
+    """With `settings.bias`, refuse a model that cannot carry an output-projection bias (`bias_refusal`)."""
+    refusal = settings.bias and bias_refusal(model, "recovery=least_squares with recovery.bias=true")
+    if refusal:
         raise ValueError(f"{refusal}; or set recovery.bias=false (scales only)")
+
+
+@torch.no_grad()
+def _tune_scales(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, settings: LeastSquares,
+                 max_batches: int | None = None) -> dict:
+    """`tune_scales` on a model already checked (`check_bias`: the recovery's `check_model`)."""
     device = mask.mask.device
     raw = [to_device(b, device) for i, b in enumerate(loader) if max_batches is None or i < max_batches]
     if not raw:

@@ -20,7 +20,11 @@ FLAG = "attention_bias"  # LlamaConfig: bias on q_proj, k_proj, v_proj and o_pro
 
 
 def bias_refusal(model: nn.Module, who: str) -> str | None:
-    """Why `model` cannot carry an output-projection bias (a message for `who`), or None."""
+    """Why `model` cannot carry an output-projection bias (a message for `who`), or None.
+
+    A run asks once, before any work: the recovery's `check_model` (which `headprune-train` and
+    `prune_to_budget` call), or the plain functions (`tune_scales`, `compensate`) on entry when
+    called directly; `output_bias` then trusts it."""
     adapter = get_adapter(model)
     o = adapter.out_proj(adapter.blocks(model)[0])
     if getattr(o, "bias", None) is not None or FLAG in model.config.to_dict():
@@ -35,13 +39,14 @@ def bias_refusal(model: nn.Module, who: str) -> str | None:
 def output_bias(model: nn.Module, layer: int) -> nn.Parameter:
     """Layer `layer`'s output-projection bias, (E,). When the model has none, every layer's Q, K,
     V and O projections get zero biases (not trained) and `config.attention_bias` becomes true
-    (module docstring); a model that cannot declare one is a ValueError."""
+    (module docstring). The caller has asked `bias_refusal` already (once per run); a config
+    with no such flag is a RuntimeError saying so, never a bias a saved checkpoint would drop."""
     adapter = get_adapter(model)
     blocks = adapter.blocks(model)
     if getattr(adapter.out_proj(blocks[layer]), "bias", None) is None:
-        refusal = bias_refusal(model, "this recovery")
-        if refusal is not None:
-            raise ValueError(refusal)
+        if FLAG not in model.config.to_dict():
+            raise RuntimeError(f"output_bias: model_type={model.config.model_type!r} cannot declare an output "
+                               "bias; ask bias_refusal before fitting one (a recovery's check_model does)")
         for block in blocks:
             attention = adapter.attention(block)
             for path in dict.fromkeys((adapter.q, adapter.k, adapter.v, adapter.o)):

@@ -57,6 +57,7 @@ def prune_to_budget(model: nn.Module, calib_loader, budget, metric: str = "fishe
     if recovery.trains:
         raise ValueError(f"prune_to_budget trains nothing, so {type(recovery).__name__} would do nothing; allowed: "
                          "recovery=least_squares, none, lora, or distill with steps > 0")
+    recovery.check_model(model)  # before any work, as headprune-train does (e.g. a bias the model cannot carry)
     results = RunResults(None)
     start = time.perf_counter()
     pruner = Pruner(model, get_metric(metric), schedule, policy if policy is not None else GlobalPolicy(),
