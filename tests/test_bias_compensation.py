@@ -104,10 +104,10 @@ def test_it_is_a_recovery_of_the_pruner_and_refuses_what_cannot_hold_a_bias():
     mask = HeadMask.for_model(model)
     loader = [inputs(batch=4, tokens=12, seed=s) for s in range(2)]
     report = prune_to_budget(model, loader, {"kind": "kv", "target": 0.5, "batch": 1, "seq": 16}, mask=mask,
-                             recovery="bias_compensation", policy=GlobalPolicy(min_heads_per_layer=0),
+                             recovery="bias_compensation", layer_policy=GlobalPolicy(min_heads_per_layer=0),
                              eval_loader=[inputs(seed=7)])
     record = report["round"]
-    assert len(record["bias_compensation"]["layers"]) == 3 and record["val"] == record["val_after_mask_tuning"]
+    assert len(record["bias_compensation"]["layers"]) == 3 and record["val"] == record["val_after_recovery"]
     with pytest.raises(ValueError, match="recovery=bias_compensation fits .*model_type='qwen2'.*allowed: "):
         BiasCompensation().check_model(tiny("qwen2"))
     with pytest.raises(ValueError, match="a resumed run no longer has"):

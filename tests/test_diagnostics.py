@@ -174,10 +174,11 @@ def test_end_of_run_diagnostics_in_results_heatmaps_and_wandb(tokenizer, data_di
     pruning = HeadPruning(pruner, diagnostics={"metrics": ["entropy", "magnitude"], "duplicate_threshold": 0.2})
     wandb = RecordingWandb()
     trainer = SimpleNamespace(loggers=[wandb], global_step=0, fast_dev_run=False, world_size=1, global_rank=0,
+                              current_epoch=0, datamodule=dm,
                               optimizers=[], strategy=SimpleNamespace(),
                               is_global_zero=True)
-    pruning.step(module, dm, completed_epochs=0, trainer=trainer)
-    pruning.finish(module, dm, trainer=trainer)
+    pruning.on_train_start(trainer, module)
+    pruning.finish(module, dm, trainer)
 
     saved = json.loads((tmp_path / "results.json").read_text())["diagnostics"]
     assert saved["examples"] == 16 and saved["redundancy"]["duplicate_threshold"] == 0.2

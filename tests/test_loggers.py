@@ -99,7 +99,9 @@ def test_wandb_logger_offline(cfg_factory, tmp_path, monkeypatch):
     res = run(cfg)
     keys = {k for data in logged for k in data}
     assert {"prune/val_acc", "prune/sparsity", "prune/heads_layer_0", "prune/head_mask"} <= keys, keys
-    (round_metrics,) = [d for d in logged if "prune/val_acc" in d]
+    (round_metrics,) = [d for d in logged if d.get("prune/round") == 1]
+    (baseline,) = [d for d in logged if d.get("prune/round") == 0]
+    assert baseline["prune/val_acc"] == res["baseline"]["val"]["acc"] and baseline["prune/sparsity"] == 0
     assert round_metrics["prune/val_acc"] == res["rounds"][0]["val"]["acc"]
     summary = {k: v for d in summarised for k, v in d.items()}
     assert summary["final/sparsity"] == 0.25

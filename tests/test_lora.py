@@ -11,6 +11,7 @@ from headprune.apps.train import run
 from headprune.deploy.fold import fold
 from headprune.heads.mask import HeadMask
 from headprune.recovery import Distill, Lora
+from headprune.recovery.base import RecoveryContext
 from headprune.recovery.lora import lora_adapters, lora_targets
 from headprune.recovery.training_steps import lr_factor
 from headprune.results import RunResults
@@ -121,7 +122,7 @@ def test_a_lora_round_trains_merges_and_exports_what_it_trained(tmp_path):
     report = record["lora"]
     assert report["steps"] == 30 and report["rank"] == 8 and report["tokens"] == 30 * 24
     assert report["loss_last"] < report["loss_first"] - 0.1
-    assert record["val"] == record["val_after_mask_tuning"] != record["val_before_finetune"]
+    assert record["val"] == record["val_after_recovery"] != record["val_before_finetune"]
     assert not (tmp_path / "teacher").exists() and pruner.dense is None  # alpha=0: no teacher kept
     tuned = _logits(model)
     fold(model, mask)
@@ -137,7 +138,7 @@ def test_distillation_steps_train_every_weight_against_the_unpruned_model(tmp_pa
                     UniformPolicy(), None, distill, results=RunResults(tmp_path))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     record = pruner.step(0, Loaders(blocks(4), blocks(2, seed=1), train=blocks(4, seed=2)))
-    assert record["distill"]["teacher_seconds"] > 0 and pruner.dense is distill.teacher_model
+    assert record["distill"]["teacher_seconds"] > 0 and pruner.dense is distill.state.model
     assert record["distill"]["trainable_params"] == sum(p.numel() for p in model.parameters())
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
     assert "model.layers.0.mlp.up_proj.weight" in changed and (tmp_path / "teacher" / "config.json").is_file()
@@ -166,7 +167,7 @@ def test_unknown_target_modules_are_named_with_the_allowed_ones():
 
 def test_no_training_data_is_refused():
     with pytest.raises(ValueError, match="recovery=lora with recovery.steps > 0 trains on the training blocks"):
-        Lora(steps=1).train_and_record(None, {"round": 1}, Loaders(blocks(2), train=Blocks()), {})
+        Lora(steps=1).train_and_record(RecoveryContext(None, None, Loaders(blocks(2), train=Blocks())), {"round": 1}, {})
 
 
 # -- runs --------------------------------------------------------------------------------------------
@@ -176,7 +177,7 @@ def test_lora_with_distillation_between_iterative_rounds(tmp_path, data_dir):
     res = run(compose_train(tmp_path, data_dir, *TINY_LM, "recovery=lora", "recovery.steps=2", "recovery.alpha=0.5"))
     assert len(res["rounds"]) == 2 and all(r["lora"]["steps"] == 2 and r["lora"]["teacher_seconds"] > 0
                                            for r in res["rounds"])
-    assert all(r["val"] == r["val_after_mask_tuning"] for r in res["rounds"])
+    assert all(r["val"] == r["val_after_recovery"] for r in res["rounds"])
     assert (tmp_path / "teacher" / "config.json").is_file()
     assert json.loads((tmp_path / "export" / "config.json").read_text())["model_type"] == "gpt2"
 
@@ -216,6 +217,6 @@ def test_prune_to_budget_takes_lora_with_its_training_text():
     from headprune.selection.retraining_free import prune_to_budget
 
     report = prune_to_budget(tiny("llama"), blocks(4), {"kind": "kv", "target": 0.5, "seq": 12}, metric="magnitude",
-                             recovery=Lora(steps=2), policy=UniformPolicy(), rearrange=False,
+                             recovery=Lora(steps=2), layer_policy=UniformPolicy(), rearrange=False,
                              eval_loader=blocks(2, seed=1), train_loader=blocks(4, seed=2))
-    assert report["round"]["lora"]["steps"] == 2 and report["round"]["val"] == report["round"]["val_after_mask_tuning"]
+    assert report["round"]["lora"]["steps"] == 2 and report["round"]["val"] == report["round"]["val_after_recovery"]

@@ -113,7 +113,7 @@ def test_prune_to_budget_refuses_a_training_recovery(tokenizer):
 def test_a_cost_budget_keeps_at_least_one_head(tokenizer):
     report = prune_to_budget(tiny_bert(), [tiny_batch(tokenizer)], {"kind": "flops", "target": 0.05, "batch": 2,
                                                                     "seq": 8}, metric="magnitude", recovery="none",
-                             rearrange=False, policy=GlobalPolicy(min_heads_per_layer=0))
+                             rearrange=False, layer_policy=GlobalPolicy(min_heads_per_layer=0))
     assert sum(report["round"]["heads_per_layer"]) >= 1
 
 
@@ -155,7 +155,7 @@ def test_the_teacher_is_the_pruners_one_dense_copy(tmp_path, tokenizer):
     pruner = Pruner(tiny_bert(), get_metric("magnitude"), OneShot(target_sparsity=0.5, baseline_epochs=0),
                     GlobalPolicy(), FlopsBudget(target=0.6, batch=2, seq=8), distill, results=RunResults(tmp_path))
     pruner.step(0, _loaders(tokenizer))
-    assert pruner.dense is distill.teacher_model and (tmp_path / "teacher" / "config.json").is_file()
+    assert pruner.dense is distill.state.model and (tmp_path / "teacher" / "config.json").is_file()
     logits, loss = distill.training_loss(pruner.model, tiny_batch(tokenizer))
     assert loss.shape == (6,) and distill.take_train_stats()["teacher_seconds"] > 0
 
@@ -168,7 +168,7 @@ def test_a_teacher_folder_is_loaded_as_saved(tmp_path, tokenizer):
     save_pruned(tiny_bert(num_hidden_layers=2), tmp_path / "t2")
     distill = Distill(teacher=str(tmp_path / "t2"))
     distill.check_model(tiny_bert(num_hidden_layers=3))
-    assert distill.teacher_model.config.num_hidden_layers == 2
+    assert distill.state.model.config.num_hidden_layers == 2
     with pytest.raises(ValueError, match="recovery.teacher=.*num_labels=2, the model being pruned 3"):
         Distill(teacher=str(tmp_path / "t2")).check_model(tiny_bert(num_labels=3))
     with pytest.raises(ValueError, match="recovery.teacher=.* hidden states"):

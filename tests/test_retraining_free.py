@@ -40,7 +40,7 @@ def test_kv_budget_prunes_whole_groups_to_the_share():
     batch = [dict(inputs(), labels=None)]
     loader = [{"input_ids": batch[0]["input_ids"], "attention_mask": batch[0]["attention_mask"]}]
     report = prune_to_budget(model, loader, {"kind": "kv", "target": 0.5, "batch": 1, "seq": 8}, metric="magnitude",
-                             recovery="none", rearrange=False, policy=GlobalPolicy(min_heads_per_layer=0))
+                             recovery="none", rearrange=False, layer_policy=GlobalPolicy(min_heads_per_layer=0))
     kept = report["round"]["budget"]["kept_units_per_layer"]
     assert sum(kept) == 3 and report["round"]["budget"]["predicted_share"] == 0.5
     pruned = report["round"]["pruned"]
@@ -51,7 +51,7 @@ def test_a_budget_no_layout_meets_takes_the_cheapest_and_records_the_real_target
     model = tiny("llama")
     loader = [{"input_ids": inputs()["input_ids"], "attention_mask": inputs()["attention_mask"]}]
     report = prune_to_budget(model, loader, {"kind": "kv", "target": 0.2, "batch": 1, "seq": 8}, metric="magnitude",
-                             recovery="none", rearrange=False, policy=GlobalPolicy(min_heads_per_layer=1))
+                             recovery="none", rearrange=False, layer_policy=GlobalPolicy(min_heads_per_layer=1))
     budget = report["round"]["budget"]
     assert budget["kept_units_per_layer"] == [1, 1, 1] and budget["predicted_share"] == 0.5
     assert budget["target_share"] == 0.2  # the target asked for, not the fallback's
@@ -80,8 +80,8 @@ def test_prune_to_budget_meets_a_flops_budget_and_reports_every_stage(tokenizer)
     assert min(report["round"]["heads_per_layer"]) >= 1  # the default policy keeps a head per layer
     assert {"costs", "search", "rearrange", "mask_tuning", "total"} <= set(report["seconds"])
     record = report["round"]  # the Pruner's round record, the same shape as a run's results.json rounds
-    assert set(record["val_after_mask_tuning"]) == {"acc", "loss"} and "rearranged" in record
-    assert record["val"] == record["val_after_mask_tuning"] and "mask_tuning" in record
+    assert set(record["val_after_recovery"]) == {"acc", "loss"} and "rearranged" in record
+    assert record["val"] == record["val_after_recovery"] and "mask_tuning" in record
 
 
 def test_the_app_prunes_to_a_flops_budget_tunes_and_exports_what_it_evaluated(tmp_path, data_dir, monkeypatch):
@@ -119,7 +119,7 @@ def test_the_app_prunes_to_a_flops_budget_tunes_and_exports_what_it_evaluated(tm
     res = train_app.run(cfg)
     (round1,) = res["rounds"]
     assert round1["budget"]["predicted_share"] <= 0.6 and res["budget"]["unit"] == "FLOPs"
-    assert "mask_tuning" in round1 and round1["val"] == round1["val_after_mask_tuning"]
+    assert "mask_tuning" in round1 and round1["val"] == round1["val_after_recovery"]
     assert "gates_folded" in res["final"] and ((seen["mask"] != 0) & (seen["mask"] != 1)).any()
     with torch.no_grad():
         torch.testing.assert_close(load_pruned(tmp_path / "export").eval()(**batch).logits, seen["logits"],
@@ -135,7 +135,7 @@ def test_causal_lms_prune_to_a_kv_budget_and_tune(family):
     mask = HeadMask.for_model(model)
     loader = [inputs(batch=4, tokens=12, seed=s) for s in range(2)]
     report = prune_to_budget(model, loader, {"kind": "kv", "target": 0.5, "batch": 1, "seq": 16}, mask=mask,
-                             policy=GlobalPolicy(min_heads_per_layer=0))
+                             layer_policy=GlobalPolicy(min_heads_per_layer=0))
     assert report["round"]["budget"]["predicted_share"] <= 0.5
     assert all(r["error_tuned"] <= r["error_ones"] + 1e-12 for r in report["round"]["mask_tuning"]["layers"] if r["heads"])
     batch = inputs(seed=9)

@@ -26,10 +26,11 @@ from headprune.apps.objectives import objectives
 from headprune.apps.preflight import check_model, check_settings
 from headprune.apps.resume import check_resume
 from headprune.deploy.fold import fold
-from headprune.deploy.hf import save_pruned
+from headprune.deploy.hf import load_pruned, save_pruned
 from headprune.heads.surgery import count_params
 from headprune.lightning.callbacks import HeadPruning
-from headprune.lightning.loggers import finish_wandb
+from headprune.lightning.loggers import LogSink, finish_wandb, log_evaluation, log_stages
+from headprune.lightning.observer import run_untrained
 from headprune.lightning.module import HeadPruneModule
 from headprune.results import RunResults
 from headprune.models import load_tokenizer
@@ -64,6 +65,7 @@ def run(cfg: DictConfig) -> dict:
             finished = check_resume(cfg, ckpt_path, output_dir, schedule.total_epochs())
             if finished is not None:
                 return finished
+            recovery.check_resume(output_dir)  # e.g. a saved teacher: refused before anything is rewritten
         start = time.perf_counter()
         setup = _setup(cfg, output_dir, schedule, metric, layer_policy, recovery, budget, task)
         setup.evaluation = evaluation
@@ -128,31 +130,42 @@ def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, re
 
 
 def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
+    """The run: the Pruner's loop on its own when nothing trains (no Trainer is built), inside a
+    Trainer's fit (the callback calls the same loop at each epoch end) when something does; then
+    the export, and the LLM evaluations of the saved export as a user loads it."""
     module, datamodule, pruner, pruning = setup.module, setup.datamodule, setup.pruner, setup.pruning
     schedule, budget, results = pruner.schedule, pruner.budget, pruner.results
-    callbacks = [pruning, *instantiate_group(cfg.get("callbacks"))]
     loggers = instantiate_group(cfg.get("logger"))
     epochs = schedule.total_epochs()
-    log.info("schedule: %d baseline epoch(s), %d round(s) to %s, %d epoch(s) per round -> %d epochs",
-             schedule.baseline_epochs, schedule.num_rounds, budget.describe(schedule), schedule.epochs_per_round, epochs)
+    trains = epochs > 0 or bool(cfg.trainer.get("fast_dev_run", False))
+    log.info("schedule: %d baseline epoch(s), %d round(s) to %s, %d epoch(s) per round -> %d epochs%s",
+             schedule.baseline_epochs, schedule.num_rounds, budget.describe(schedule), schedule.epochs_per_round, epochs,
+             "" if trains else " (nothing trains: no Trainer)")
     stages = setup.stages
     results.data["stages"] = stages
+    trainer: L.Trainer | None = None
     try:
-        trainer: L.Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False,
-                                         max_epochs=max(epochs, 1),
-                                         enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks))
-        if setup.evaluation.enabled and setup.evaluation.dense and trainer.is_global_zero:
-            _evaluate(results, "dense", setup, cfg)
+        if trains:
+            callbacks = [pruning, *instantiate_group(cfg.get("callbacks"))]
+            trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, max_epochs=max(epochs, 1),
+                                  enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks))
+        sink = LogSink.of_trainer(trainer) if trainer is not None else LogSink(loggers)
+        writer = trainer is None or trainer.is_global_zero
+        if writer:
+            sink.log_hyperparams(results.data.get("config") or {})
+        if setup.evaluation.enabled and setup.evaluation.dense and writer:
+            _evaluate(results, "dense", setup, cfg, module.model, sink)
         start = time.perf_counter()
-        if epochs == 0 and not trainer.fast_dev_run:
-            pruning.run_without_training(module, datamodule)
+        if trainer is None:
+            run_untrained(pruner, module, datamodule, sink, physical=bool(cfg.pruning.physical),
+                          diagnostics=pruning.diagnostics)
         else:
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
             if "val" not in results.data["final"]:  # resumed at its last epoch (killed during the export)
                 log.info("the checkpoint is at the run's last epoch: finishing the run")
-                pruning.finish(module, datamodule, trainer=trainer)
+                pruning.finish(module, datamodule, trainer)
         stages["train_and_prune"] = round(time.perf_counter() - start, 3)
-        if cfg.get("export", True) and trainer.is_global_zero:
+        if cfg.get("export", True) and writer:
             start = time.perf_counter()
             export_pruned(module, output_dir / "export", results, setup.baseline_params, tokenizer=setup.tokenizer)
             stages["export"] = round(time.perf_counter() - start, 3)
@@ -160,8 +173,10 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
             if measured:
                 results.data["final"].update(measured)
             if setup.evaluation.enabled:
-                _evaluate(results, "pruned", setup, cfg)
+                _evaluate(results, "pruned", setup, cfg, _load_export(output_dir / "export", module.model), sink)
             results.save()
+        if writer:
+            log_stages(sink, stages)
     finally:
         finish_wandb(loggers)  # a failed job in a sweep still finishes its wandb run
     final = results.data["final"]
@@ -171,14 +186,26 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
     return results.data
 
 
-def _evaluate(results: RunResults, which: str, setup: Setup, cfg: DictConfig) -> None:
-    """results.json `evaluation.<which>`: the LLM evaluations of the model as it is now."""
+def _load_export(directory: Path, model) -> object:
+    """The saved export, loaded as a user loads it (`load_pruned`: plain `from_pretrained` when the
+    layout is uniform), in the run model's dtype and on its device: what the evaluation reads, so
+    a save bug cannot hide behind the in-memory model."""
+    param = next(model.parameters())
+    return load_pruned(directory, device=param.device, dtype=param.dtype).eval()
+
+
+def _evaluate(results: RunResults, which: str, setup: Setup, cfg: DictConfig, model, sink: LogSink) -> None:
+    """results.json `evaluation.<which>`: the LLM evaluations of `model` (the dense model, or the
+    export loaded from its folder), also sent to the loggers."""
     start = time.perf_counter()
     block = results.data.setdefault("evaluation", evaluations.header(setup.evaluation, setup.datamodule))
-    block[which] = evaluations.evaluate_llm(setup.module.model, setup.tokenizer, setup.datamodule, setup.evaluation,
+    block[which] = evaluations.evaluate_llm(model, setup.tokenizer, setup.datamodule, setup.evaluation,
                                             cfg.data.get("data_dir"))
+    if which == "pruned":
+        block[which]["model"] = str(results.data["final"].get("export_dir"))
     setup.stages[f"evaluate_{which}"] = round(time.perf_counter() - start, 3)
     results.save()
+    log_evaluation(sink, which, block[which])
 
 
 def _with_eos_ids(metric, metric_cfg: DictConfig, model, tokenizer):

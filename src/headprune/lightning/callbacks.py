@@ -1,12 +1,13 @@
-"""HeadPruning: the Lightning callback that decides WHEN to prune.
+"""HeadPruning: the Lightning callback that adapts the Pruner's loop to a Trainer's fit.
 
-What a run's pruning does and remembers is the trainer-free `selection.pruner.Pruner`; this class
-calls it at the epoch boundaries the schedule names (`Schedule.round_epoch`) and adds what only a
-Trainer has: physical removal of the pruned heads mid-fit with the optimizer state sliced and DDP
-re-wrapped (`lightning/shrink.py`), the wall time and throughput of each round's training, a roll
-back to the epoch's start after a non-finite loss, the RNG state for an exact resume, and logging.
-A schedule that may reject a round (`until_threshold`) keeps the newest round's heads masked
-until the next round accepts it.
+What a run's pruning does and remembers is the trainer-free `selection.pruner.Pruner`, and its
+`advance` decides what is due after each epoch; this class calls it at every epoch end of a fit
+and adds what only a Trainer has: physical removal of the pruned heads mid-fit with the optimizer
+state sliced and DDP re-wrapped (`observer.PruningObserver`, `lightning/shrink.py`), the wall
+time and throughput of each round's training, a roll back to the epoch's start after a
+non-finite loss, the RNG state for an exact resume, and the Trainer's loggers. A schedule that
+may reject a round (`until_threshold`) keeps the newest round's heads masked until the next round
+accepts it. A run that trains nothing never builds a Trainer (`observer.run_untrained`).
 """
 from __future__ import annotations
 
@@ -18,10 +19,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from headprune.distributed import check_ranks
-from headprune.heads.optimizer_state import reset_optimizer_state
 from headprune.lightning import loggers
 from headprune.lightning.diagnose import diagnose
-from headprune.lightning.shrink import shrink, shrink_supported
+from headprune.lightning.observer import PruningObserver, describe_model
 from headprune.lightning.train_clock import TrainClock
 from headprune.selection.pruner import Loaders, Pruner
 
@@ -60,15 +60,18 @@ class HeadPruning(Callback):
 
     # -- Lightning hooks ---------------------------------------------------------------------
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.pruner.results.writer = trainer.is_global_zero
         if self._pending_rng is not None:
             torch.set_rng_state(self._pending_rng["torch"])
             random.setstate(self._pending_rng["python"])
             self._pending_rng = None
+        self._physical = describe_model(self.pruner, pl_module, self.physical, trainer)
+        self.pruner.attach(PruningObserver(self.pruner, pl_module, loggers.LogSink.of_trainer(trainer),
+                                           self._physical, trainer),
+                           writer=trainer.is_global_zero)
+        self.pruner.limit_batches(1 if trainer.fast_dev_run else None)
         if self.pruner.rounds:  # resumed after the first round
             self.pruner.resume()
-        self._describe_model(pl_module, trainer)
-        self.step(pl_module, trainer.datamodule, completed_epochs=trainer.current_epoch, trainer=trainer)
+        self._advance(pl_module, trainer, completed_epochs=trainer.current_epoch)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # what a non-finite loss rolls back to: the state the epoch starts from, which is also what
@@ -87,7 +90,7 @@ class HeadPruning(Callback):
         self.clock.stop()
         if self.check_consistency:
             check_ranks(pl_module.model, pl_module.head_mask, f"epoch {trainer.current_epoch + 1}")
-        self.step(pl_module, trainer.datamodule, completed_epochs=trainer.current_epoch + 1, trainer=trainer)
+        self._advance(pl_module, trainer, completed_epochs=trainer.current_epoch + 1)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self.clock.samples += int(batch["input_ids"].shape[0])
@@ -96,97 +99,45 @@ class HeadPruning(Callback):
             return
         rounds = self.pruner.rounds
         after = f"after round {len(rounds)}" if rounds else "before the first round"
-        self.pruner.stop_reason = (f"non-finite loss ({bad}) while fine-tuning {after} (epoch {trainer.current_epoch}, "
-                                   f"step {trainer.global_step}); the step was skipped, training stopped and the model "
-                                   f"rolled back to the start of epoch {self._rollback_epoch}")
+        self.pruner.stop(f"non-finite loss ({bad}) while fine-tuning {after} (epoch {trainer.current_epoch}, "
+                         f"step {trainer.global_step}); the step was skipped, training stopped and the model "
+                         f"rolled back to the start of epoch {self._rollback_epoch}")
         log.error("%s. The last checkpoint and results.json hold the last good state.", self.pruner.stop_reason)
         trainer.should_stop = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.finish(pl_module, trainer.datamodule, trainer=trainer)
+        self.finish(pl_module, trainer.datamodule, trainer)
 
     # -- when --------------------------------------------------------------------------------
-    def run_without_training(self, pl_module: L.LightningModule, datamodule) -> dict:
-        """Score and prune the model as given, every round back to back (no fine-tuning)."""
-        self._describe_model(pl_module, None)
-        self.step(pl_module, datamodule, completed_epochs=0)
-        return self.finish(pl_module, datamodule)
-
-    def step(self, pl_module, datamodule, completed_epochs: int, trainer: L.Trainer | None = None) -> None:
-        """Do whatever is due after `completed_epochs` training epochs."""
-        p = self.pruner
-        p.max_batches = 1 if trainer is not None and trainer.fast_dev_run else None
-        while p.stop_reason is None:
-            k = len(p.rounds)
-            if k > p.num_rounds or completed_epochs != self.schedule.round_epoch(k):
-                return
-            loaders = self._loaders(datamodule, trainer)
-            if not p.results.data["baseline"]:
-                p.record_baseline(loaders, **self.clock.take(self.pruner.recovery.take_train_stats()))
-            elif "val" not in p.rounds[-1]:
-                if self._record_finetuned(loaders, trainer):
-                    return
-            if k == p.num_rounds:
-                return
-            self._prune(pl_module, k, loaders, trainer)
-
-    def finish(self, pl_module, datamodule, trainer: L.Trainer | None = None) -> dict:
+    def finish(self, pl_module, datamodule, trainer: L.Trainer) -> dict:
         """Fill in anything not yet evaluated (e.g. a fit stopped early) and write `final`."""
         p = self.pruner
         if getattr(pl_module, "nonfinite_loss", None) is not None and self._rollback is not None:
             pl_module.load_state_dict(self._rollback)  # the weights the last checkpoint holds, not blown-up ones
         loaders = self._loaders(datamodule, trainer)
-        if p.rounds and p.results.data["baseline"] and "val" not in p.rounds[-1]:
-            self._record_finetuned(loaders, trainer)
+        if p.rounds and p.results.data["baseline"] and p.awaiting_finetune:
+            p.record_finetuned(loaders, **self.clock.take(p.recovery.take_train_stats()))
         data = p.finish(loaders)
         if self.diagnostics is not None:
-            diagnose(trainer, pl_module, datamodule, p, self.diagnostics)
-        loggers.log_run_summary(trainer, data)
+            diagnose(loggers.LogSink.of_trainer(trainer), pl_module, datamodule, p, self.diagnostics)
         return data
 
     # -- internals ---------------------------------------------------------------------------
-    def _loaders(self, datamodule, trainer) -> Loaders:
-        world = trainer.world_size if trainer is not None else 1
-        self.pruner.sync = (lambda value: trainer.strategy.broadcast(value, src=0)) if world > 1 else None
+    def _advance(self, pl_module, trainer: L.Trainer, completed_epochs: int) -> None:
+        p = self.pruner
+        if not p.due(completed_epochs):
+            return
+        stats = self.clock.take({})
+        world = trainer.world_size
+        sync = (lambda value: trainer.strategy.broadcast(value, src=0)) if world > 1 else None
+        rounds_before = len(p.rounds)
+        p.advance(completed_epochs, lambda: self._loaders(trainer.datamodule, trainer), sync=sync, **stats)
+        if self.check_consistency and len(p.rounds) > rounds_before:
+            check_ranks(pl_module.model, pl_module.head_mask, f"round {len(p.rounds)}")
+        if p.stop_reason is not None:
+            trainer.should_stop = True
+
+    def _loaders(self, datamodule, trainer: L.Trainer) -> Loaders:
+        world = trainer.world_size
         return Loaders.of(datamodule, trainer.global_rank if world > 1 else 0, world,
                           select=bool(self.schedule.selection_samples()), train=self.pruner.recovery.needs_train_data)
-
-    def _record_finetuned(self, loaders: Loaders, trainer) -> bool:
-        stopped = self.pruner.record_finetuned(loaders, **self.clock.take(self.pruner.recovery.take_train_stats()))
-        loggers.log_round(trainer, self.pruner.rounds[-1])
-        if stopped and trainer is not None:
-            trainer.should_stop = True
-        return stopped
-
-    def _prune(self, pl_module, k: int, loaders: Loaders, trainer) -> None:
-        mask = pl_module.head_mask
-        if self._physical and self.schedule.can_reject:  # the previous round was accepted: its heads go now
-            shrink(pl_module, mask.pruned(), trainer)
-        self.pruner.on_pruned = lambda result: self._after_mask(pl_module, result.pruned, trainer)
-        record = self.pruner.step(k, loaders)
-        if self.check_consistency:
-            check_ranks(pl_module.model, pl_module.head_mask, f"round {k + 1}")
-        if "val" in record:  # no fine-tuning follows: the round's result is in
-            loggers.log_round(trainer, record)
-            if self.pruner.stop_reason is not None and trainer is not None:
-                trainer.should_stop = True
-        loggers.log_head_mask(trainer, mask, record["round"])
-
-    def _after_mask(self, pl_module, pruned, trainer) -> None:
-        """Right after a round's heads are masked: reset their optimizer state, remove them."""
-        if self.schedule.reset_optimizer_state and trainer is not None:
-            reset_optimizer_state(trainer.optimizers, pl_module.model, pruned)
-        if self._physical and not self.schedule.can_reject:
-            shrink(pl_module, pruned, trainer)
-
-    def _describe_model(self, pl_module, trainer) -> None:
-        mask = pl_module.head_mask
-        data = self.pruner.results.data
-        data["model"] = {"layers": mask.num_layers, "heads": mask.num_heads}
-        supported, why = shrink_supported(trainer)
-        if self.physical and not supported:
-            log.warning("pruning.physical=true, but %s: pruned heads stay in the model, masked, until the export "
-                        "(pruning.physical_effective=false)", why)
-        self._physical = self.physical and supported
-        data["pruning"] = {"physical": self.physical, "physical_effective": self._physical,
-                           **({"why_not": why} if self.physical and not supported else {})}

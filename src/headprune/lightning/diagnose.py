@@ -7,7 +7,7 @@ import torch
 from headprune.lightning import loggers
 
 
-def diagnose(trainer, pl_module, datamodule, pruner, options: dict) -> None:
+def diagnose(sink, pl_module, datamodule, pruner, options: dict) -> None:
     """Every rank computes (the diagnostics hold collectives), rank 0 draws and logs."""
     from headprune.plots import close
     from headprune.scoring import metric_name
@@ -24,6 +24,6 @@ def diagnose(trainer, pl_module, datamodule, pruner, options: dict) -> None:
     if not results.writer:
         return
     figures = diagnostic_figures(diag, results.output_dir)
-    loggers.log_figures(trainer, {f"diagnostics/{stem}": fig for stem, fig in figures.items()})
+    loggers.log_figures(sink, {f"diagnostics/{stem}": fig for stem, fig in figures.items()})
     for fig in figures.values():
         close(fig)

@@ -83,59 +83,136 @@ def wandb_logger(project: str = "headprune", save_dir: str = ".", name: str | No
                        tags=tags, offline=offline, **kwargs)
 
 
-# -- what the pruning callback sends to a Trainer's loggers ------------------------------------
-def log_metrics(trainer, metrics: dict) -> None:
-    """`metrics` to every logger of `trainer` at its global step (nothing without a Trainer)."""
-    if trainer is None:
-        return
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
+# -- what a run sends to its loggers, with or without a Trainer ----------------------------------
+class LogSink:
+    """A run's loggers and the step their metrics are logged at: a Trainer's (`of_trainer`: its
+    loggers at its global step, rank 0 writes summaries) or, for a run that trains nothing, the
+    loggers the app built (`LogSink(loggers)`: a step that counts the records sent). Every
+    function below takes one, so a retraining-free run logs exactly what a trained one does."""
+
+    def __init__(self, loggers: list | None = None, trainer=None):
+        self.trainer = trainer
+        self._loggers = list(loggers or [])
+        self._step = 0
+
+    @classmethod
+    def of_trainer(cls, trainer) -> "LogSink":
+        return cls(trainer=trainer)
+
+    @property
+    def loggers(self) -> list:
+        return list(self.trainer.loggers) if self.trainer is not None else self._loggers
+
+    @property
+    def writer(self) -> bool:
+        return self.trainer is None or self.trainer.is_global_zero
+
+    def step(self) -> int:
+        return self.trainer.global_step if self.trainer is not None else self._step
+
+    def wandb(self) -> list:
+        return [logger for logger in self.loggers if isinstance(logger, WandbLogger)]
+
+    def log_metrics(self, metrics: dict) -> None:
+        """`metrics` to every logger at the sink's step."""
+        for logger in self.loggers:
+            logger.log_metrics(metrics, step=self.step())
+        if self.trainer is None and self.loggers:
+            self._step += 1
+
+    def log_hyperparams(self, params: dict) -> None:
+        for logger in self.loggers:
+            logger.log_hyperparams(params)
+
+    def summary(self, values: dict) -> None:
+        """`values` in every wandb run's summary (one point per run on a sweep's dashboard)."""
+        if not self.writer:
+            return
+        for logger in self.wandb():
+            logger.experiment.summary.update(values)
 
 
-def log_round(trainer, record: dict) -> None:
+def log_metrics(sink: LogSink | None, metrics: dict) -> None:
+    if sink is not None:
+        sink.log_metrics(metrics)
+
+
+def log_round(sink: LogSink | None, record: dict) -> None:
     """A round's sparsity, validation metrics, heads per layer and the wall time and throughput
     of its fine-tuning, once its `val` is known."""
-    log_metrics(trainer, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
-                          **{f"prune/val_{name}": value for name, value in record["val"].items()},
-                          **{f"prune/{k}": record[k] for k in ("train_seconds", "train_samples_per_s", "teacher_seconds")
-                             if k in record},
-                          **{f"prune/heads_layer_{i}": n for i, n in enumerate(record["heads_per_layer"])}})
+    log_metrics(sink, {"prune/round": record["round"], "prune/sparsity": record["sparsity"],
+                       **{f"prune/val_{name}": value for name, value in (record.get("val") or {}).items()},
+                       **{f"prune/{k}": record[k] for k in ("train_seconds", "train_samples_per_s", "teacher_seconds")
+                          if k in record},
+                       **{f"prune/heads_layer_{i}": n for i, n in enumerate(record["heads_per_layer"])}})
 
 
-def log_run_summary(trainer, data: dict) -> None:
+def log_baseline(sink: LogSink | None, baseline: dict) -> None:
+    """The unpruned model's validation metrics (round 0 of the sparsity curve)."""
+    if baseline.get("val"):
+        log_metrics(sink, {"prune/round": 0, "prune/sparsity": 0.0,
+                           **{f"prune/val_{k}": v for k, v in baseline["val"].items()}})
+
+
+def log_run_summary(sink: LogSink | None, data: dict) -> None:
     """Final sparsity and metrics in the wandb run summary, so a dashboard can plot a sweep's
     metric against sparsity, one point per run."""
-    if trainer is None or not trainer.is_global_zero:
+    if sink is None:
         return
-    final, base = data["final"], data["baseline"].get("val", {})
+    final, base = data["final"], data["baseline"].get("val") or {}
     summary = {"final/sparsity": final["sparsity"], "final/stop_reason": final["stop_reason"],
-               **{f"final/val_{k}": v for k, v in final["val"].items()},
+               **{f"final/val_{k}": v for k, v in (final.get("val") or {}).items()},
                **{f"baseline/val_{k}": v for k, v in base.items()}}
-    if "acc" in base and "acc" in final["val"]:
+    if "acc" in base and "acc" in (final.get("val") or {}):
         summary["final/acc_drop"] = base["acc"] - final["val"]["acc"]
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger):
-            logger.experiment.summary.update(summary)
+    sink.summary(summary)
 
 
-def log_figures(trainer, figures: dict) -> None:
-    """{key: matplotlib figure} as images in every wandb logger of `trainer`."""
-    if trainer is None:
+def flat(prefix: str, value, out: dict | None = None) -> dict:
+    """{prefix/key/...: number} for every number in a nested dict (lists and strings left out)."""
+    out = {} if out is None else out
+    if isinstance(value, dict):
+        for key, item in value.items():
+            flat(f"{prefix}/{key}", item, out)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        out[prefix] = value
+    return out
+
+
+def log_evaluation(sink: LogSink | None, which: str, block: dict) -> None:
+    """An `evaluation.<which>` block (perplexities, zero-shot accuracies, seconds) as metrics and
+    in the summary: `eval/<which>/perplexity/seq2048/ppl`, ..."""
+    if sink is None:
         return
-    for logger in trainer.loggers:
-        if isinstance(logger, WandbLogger):
-            for key, fig in figures.items():
-                logger.log_image(key=key, images=[fig], step=trainer.global_step)
+    values = flat(f"eval/{which}", {k: v for k, v in block.items() if k != "generation"})
+    if values:
+        sink.log_metrics(values)
+        sink.summary(values)
 
 
-def log_head_mask(trainer, mask, round_no: int) -> None:
+def log_stages(sink: LogSink | None, stages: dict) -> None:
+    """Seconds per stage of the run (load, evaluations, pruning, export) in the summary."""
+    if sink is not None and stages:
+        sink.summary(flat("stages", stages))
+
+
+def log_figures(sink: LogSink | None, figures: dict) -> None:
+    """{key: matplotlib figure} as images in every wandb logger."""
+    if sink is None:
+        return
+    for logger in sink.wandb():
+        for key, fig in figures.items():
+            logger.log_image(key=key, images=[fig], step=sink.step())
+
+
+def log_head_mask(sink: LogSink | None, mask, round_no: int) -> None:
     """The kept-heads heatmap after a round, in every wandb logger."""
-    if trainer is None or not any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+    if sink is None or not sink.wandb():
         return
     from headprune.plots import close, head_heatmap
 
     fig = head_heatmap(mask.mask, f"kept heads after round {round_no}", cmap="Greys_r", vmin=0, vmax=1)
-    log_figures(trainer, {"prune/head_mask": fig})
+    log_figures(sink, {"prune/head_mask": fig})
     close(fig)
 
 

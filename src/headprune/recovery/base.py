@@ -1,35 +1,70 @@
-"""What every recovery is: settings plus hooks that the Pruner (and the LightningModule's training
-step) call at fixed points of a run. A recovery overrides the hooks it needs; adding one is one
-file here, one entry in `RECOVERIES` and one `conf/recovery/<name>.yaml`.
+"""What every recovery is: settings (its dataclass fields) plus hooks that the Pruner (and the
+LightningModule's training step) call at fixed points of a run. A recovery sees the run only
+through a `RecoveryContext` (the model, its mask, the unpruned copy, the loaders, the run dir):
+never the Pruner. What a recovery learns during a run (a teacher, timings) is its `state`, kept
+apart from the settings. Adding one is one file here, one entry in `RECOVERIES` and one
+`conf/recovery/<name>.yaml`.
 
 Hooks, in the order a run meets them:
 - `check(schedule)`: refuse, before anything runs, a schedule this recovery cannot work with;
 - `check_model(student)`: the same for the model (a distillation teacher is loaded and checked);
-- `before_first_round(pruner)`: once, when round 1 is about to prune (`pruner.dense` is the
-  unpruned model when `needs_dense`);
-- `resume(pruner)`: instead of the above, when a run continues after round 1;
-- `after_round(pruner, record, loaders)`: after each round's heads are masked (tuning);
+- `check_resume(run_dir)`: refuse, before anything is written, a resume this recovery cannot do;
+- `before_first_round(ctx)`: once, when round 1 is about to prune (`ctx.dense` is the unpruned
+  model when `needs_dense`);
+- `resume(ctx)`: instead of the above, when a run continues after round 1; returns the unpruned
+  model when it restores one (a saved teacher), for the run to keep as its dense copy;
+- `after_round(ctx, record)`: after each round's heads are masked (tuning, step training);
 - `training_loss(model, batch)`: the per-example loss of every fine-tuning step.
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from headprune.tasks import forward_logits, per_example_loss
+from headprune.heads.mask import HeadMask
+from headprune.tasks import evaluate, forward_logits, per_example_loss
 
 log = logging.getLogger(__name__)
+
+# results.json round key of the validation metrics right after a recovery tuned or trained a round
+# (before any fine-tuning epochs of the schedule)
+AFTER_RECOVERY = "val_after_recovery"
+
+
+@dataclass
+class RecoveryContext:
+    """The part of a run a recovery may read and change. `loaders` has `score` (calibration),
+    `val`, `train` (the training text of a step-budget recovery); `dense` is the frozen unpruned
+    copy when the recovery (or the budget) needs one; `run_dir` is None outside a run folder;
+    `writer` is False on the data-parallel ranks that must not write files."""
+
+    model: nn.Module
+    mask: HeadMask
+    loaders: Any
+    dense: nn.Module | None = None
+    run_dir: Path | None = None
+    writer: bool = True
+    max_batches: int | None = None
+
+    def evaluate(self, loader: Iterable | None) -> dict | None:
+        if loader is None:
+            return None
+        return evaluate(self.model, loader, self.mask.mask.device, max_batches=self.max_batches)
 
 
 class Recovery:
     """A recovery that trains on the task loss and has nothing else to do (subclasses add)."""
 
-    needs_dense: bool = False  # the unpruned model is kept (one frozen copy: `Pruner.dense`)
+    needs_dense: bool = False  # the unpruned model is kept (one frozen copy: `RecoveryContext.dense`)
     trains: bool = False  # it works through training after pruning (nothing to do without)
     needs_train_data: bool = False  # it reads the training text itself (`Loaders.train`), checked up front
+    name: str = ""  # the `recovery=` option, for messages and results.json
 
     def check(self, schedule) -> None:
         pass
@@ -37,13 +72,16 @@ class Recovery:
     def check_model(self, student: nn.Module) -> None:
         """Refuse, before any training, what cannot work with this model (load what it needs)."""
 
-    def before_first_round(self, pruner) -> None:
+    def check_resume(self, run_dir: Path) -> None:
+        """Refuse, before a resumed run writes anything, a resume this recovery cannot do."""
+
+    def before_first_round(self, ctx: RecoveryContext) -> None:
         pass
 
-    def resume(self, pruner) -> None:
-        pass
+    def resume(self, ctx: RecoveryContext) -> nn.Module | None:
+        return None
 
-    def after_round(self, pruner, record: dict, loaders) -> None:
+    def after_round(self, ctx: RecoveryContext, record: dict) -> None:
         pass
 
     def training_loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,30 +95,34 @@ class Recovery:
 
 
 class Reconstruction(Recovery):
-    """A recovery that trains nothing: once a round's heads are masked it rewrites gates or
-    biases against the unpruned model (`Pruner.dense`), records what it did under `record_key`
-    and the result under `val_after_mask_tuning` (the key the Pruner takes a round's result from
-    when nothing trains). A resumed run no longer has the unpruned model: it is refused."""
+    """A recovery that trains nothing: once a round's heads are masked it rewrites gates, weights
+    or biases against the unpruned model (`ctx.dense`), records what it did under `record_key`
+    and the validation metrics after it under `AFTER_RECOVERY` (the round's result when nothing
+    trains). A resumed run no longer has the unpruned model: it is refused before anything is
+    written."""
 
     needs_dense: bool = True
     record_key: str = ""  # results.json round entry of the report
     label: str = ""  # what it does, for the log
     resume_refusal: str = ""
 
-    def reconstruct(self, pruner, loaders) -> dict:
+    def reconstruct(self, ctx: RecoveryContext) -> dict:
         raise NotImplementedError
 
-    def resume(self, pruner) -> None:
+    def check_resume(self, run_dir: Path) -> None:
         raise ValueError(self.resume_refusal)
 
-    def after_round(self, pruner, record: dict, loaders) -> None:
+    def resume(self, ctx: RecoveryContext) -> nn.Module | None:
+        raise ValueError(self.resume_refusal)
+
+    def after_round(self, ctx: RecoveryContext, record: dict) -> None:
         start = time.perf_counter()
-        report = self.reconstruct(pruner, loaders)
+        report = self.reconstruct(ctx)
         record[self.record_key] = {**report, "seconds": round(time.perf_counter() - start, 3)}
-        if loaders.val is not None:
-            record["val_after_mask_tuning"] = pruner.evaluate(loaders.val)
+        if ctx.loaders.val is not None:
+            record[AFTER_RECOVERY] = ctx.evaluate(ctx.loaders.val)
             log.info("round %d: %s in %.1f s -> val %s", record["round"], self.label,
-                     record[self.record_key]["seconds"], record["val_after_mask_tuning"])
+                     record[self.record_key]["seconds"], record[AFTER_RECOVERY])
 
 
 def trains_after_pruning(schedule) -> bool:

@@ -26,7 +26,7 @@ from torch import nn
 from headprune.distributed import all_reduce_sum
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
-from headprune.recovery.base import Reconstruction
+from headprune.recovery.base import Reconstruction, RecoveryContext
 from headprune.recovery.blockwise import Stop
 from headprune.recovery.out_bias import bias_refusal, output_bias
 from headprune.tasks import forward_logits, real_tokens, to_device
@@ -47,8 +47,8 @@ class BiasCompensation(Reconstruction):
         """The run's one bias check, before any work: each round's compensation trusts it."""
         check_bias(student)
 
-    def reconstruct(self, pruner, loaders) -> dict:
-        return _compensate(pruner.model, pruner.mask, pruner.dense, loaders.score, pruner.max_batches)
+    def reconstruct(self, ctx: RecoveryContext) -> dict:
+        return _compensate(ctx.model, ctx.mask, ctx.dense, ctx.loaders.score, ctx.max_batches)
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ LightningModule's training step calls `training_loss`); `steps=N` trains N optim
 training text right after each round masks its heads (`training_steps.py`), with no Trainer: the
 LLM way, usable after a retraining-free prune (`schedule.epochs_per_round=0`) and between the
 rounds of an iterative one (the schedule's epochs, if it has any, then train on the same loss).
-`recovery=lora` (lora.py) is the same with LoRA adapters.
+`recovery=lora` (lora.py) is the same with LoRA adapters (`Distilling` holds what both share).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from torch import nn
 
 from headprune.deploy.hf import load_pruned, save_pruned
 from headprune.heads.adapters import model_shape
-from headprune.recovery.base import Recovery, trains_after_pruning
+from headprune.recovery.base import AFTER_RECOVERY, Recovery, RecoveryContext, trains_after_pruning
 from headprune.recovery.training_steps import train_steps, trainable
 from headprune.tasks import MODEL_INPUTS, is_causal_lm, per_example_loss, real_tokens, target_weights
 
@@ -42,19 +42,30 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Distill(Recovery):
-    """`recovery=distill` settings and behaviour. `teacher`: a model folder to distil from; None =
-    the model itself at the end of the baseline epochs: the Pruner's one frozen copy of the
-    unpruned model (`Pruner.dense`), saved once to `<run dir>/teacher/` so a resumed run reloads
-    it. The teacher is a frozen attribute of this object, never a submodule of the student: it
-    is not trained, not in the optimizer and not in checkpoints."""
+class TeacherState:
+    """What a distilling recovery holds during a run (never settings): the frozen teacher, and
+    its forward time since the last `take_train_stats`."""
+
+    model: nn.Module | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class Distilling(Recovery):
+    """The settings and hooks distillation shares (`recovery=distill`, and `recovery=lora` with
+    `alpha > 0`). `teacher`: a model folder to distil from; None = the model itself at the end of
+    the baseline epochs: the run's one frozen copy of the unpruned model (`ctx.dense`), saved once
+    to `<run dir>/teacher/` so a resumed run reloads it. The teacher is `state.model`, never a
+    submodule of the student: it is not trained, not in the optimizer and not in checkpoints.
+    `steps > 0`: train that many optimizer steps on the training text right after each round
+    (`training_steps.py`); `steps = 0`: train in the schedule's epochs (`in_epochs`)."""
 
     alpha: float = 0.9
     temperature: float = 2.0
     hidden_weight: float = 0.0
     teacher: Optional[str] = None
-    steps: int = 0  # > 0: train this many steps after each round, no Trainer (module docstring)
-    lr: float = 5e-5  # peak learning rate of those steps
+    steps: int = 0
+    lr: float = 5e-5  # peak learning rate of the steps
     max_grad_norm: float = 1.0
 
     TEACHER_DIR: ClassVar[str] = "teacher"
@@ -73,24 +84,36 @@ class Distill(Recovery):
             raise ValueError(f"recovery.lr={self.lr!r} must be > 0")
         if not self.max_grad_norm > 0:
             raise ValueError(f"recovery.max_grad_norm={self.max_grad_norm!r} must be > 0")
-        self.teacher_model: nn.Module | None = None  # a folder teacher is loaded by the app at start
-        self.seconds = 0.0  # the teacher's forward time since the last `take_train_stats`
+        self.state = TeacherState()
+
+    # -- what it needs ---------------------------------------------------------------------------
+    @property
+    def uses_teacher(self) -> bool:
+        """Whether a teacher term is on (the KL, or layer matching): its teacher is loaded, kept and
+        reloaded on resume."""
+        return self.alpha > 0 or self.hidden_weight > 0
 
     @property
-    def needs_dense(self) -> bool:
-        return self.teacher is None
-
-    @property
-    def trains(self) -> bool:  # through the schedule's epochs
+    def in_epochs(self) -> bool:
+        """Trains in the schedule's epochs (steps = 0), not for a step budget after each round."""
         return self.steps == 0
 
     @property
-    def needs_train_data(self) -> bool:
-        return self.steps > 0
+    def needs_dense(self) -> bool:
+        return self.uses_teacher and self.teacher is None
 
+    @property
+    def trains(self) -> bool:  # through the schedule's epochs
+        return self.in_epochs
+
+    @property
+    def needs_train_data(self) -> bool:
+        return not self.in_epochs
+
+    # -- hooks -----------------------------------------------------------------------------------
     def check(self, schedule) -> None:
         name = self.record_key
-        if self.steps == 0 and schedule.num_rounds and not trains_after_pruning(schedule):
+        if self.in_epochs and schedule.num_rounds and not trains_after_pruning(schedule):
             raise ValueError(f"recovery={name} trains after each round, but the schedule has no epochs after pruning "
                              "(schedule.epochs_per_round=0, schedule.recover_epochs=0); allowed: either > 0, or "
                              f"recovery.steps > 0 (train that many steps after each round, no epochs), or "
@@ -99,92 +122,117 @@ class Distill(Recovery):
     def check_model(self, student: nn.Module) -> None:
         """Load `teacher` as it was saved (never with the student's config overrides) and refuse one
         that cannot teach this student: another task, vocabulary or label set."""
-        if self.teacher is None:
+        if not self.uses_teacher or self.teacher is None:
             return
-        folder = Path(self.teacher).expanduser()
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"recovery.teacher={self.teacher!r}: {folder} holds no model (no config.json); "
-                                    "allowed: a model folder, e.g. <run dir>/export")
-        try:
-            teacher = load_pruned(folder)
-        except (OSError, ValueError, RuntimeError) as err:
-            raise ValueError(f"recovery.teacher={self.teacher!r} cannot be loaded: {err}") from None
-        if is_causal_lm(teacher) != is_causal_lm(student):
-            raise ValueError(f"recovery.teacher={self.teacher!r} is a {type(teacher).__name__}, the model being pruned "
-                             f"a {type(student).__name__}: a teacher must do the same task")
-        for name in ("vocab_size", "num_labels"):
-            if getattr(teacher.config, name, None) != getattr(student.config, name, None):
-                raise ValueError(f"recovery.teacher={self.teacher!r} has {name}={getattr(teacher.config, name, None)}, "
-                                 f"the model being pruned {getattr(student.config, name, None)}; they must match")
-        layers = model_shape(teacher)[0], model_shape(student)[0]
-        if self.hidden_weight > 0 and layers[0] != layers[1]:
-            raise ValueError(f"recovery.teacher={self.teacher!r} has {layers[0]} layers, the model being pruned "
-                             f"{layers[1]}: recovery.hidden_weight={self.hidden_weight} matches hidden states layer by "
-                             "layer; allowed: a teacher with as many layers, or recovery.hidden_weight=0")
-        self.teacher_model = teacher.eval().requires_grad_(False)
+        self.state.model = load_teacher(Path(self.teacher).expanduser(), student, self.hidden_weight,
+                                        f"recovery.teacher={self.teacher!r}")
 
-    def before_first_round(self, pruner) -> None:
-        if self.teacher_model is not None:
+    def check_resume(self, run_dir: Path) -> None:
+        """A resumed run reloads the teacher saved when round 1 pruned: refuse, before anything is
+        written, a run whose teacher is missing or unreadable."""
+        if not self.uses_teacher or self.teacher is not None:
             return
-        self.teacher_model = pruner.dense
-        folder = self._folder(pruner)
-        if folder is not None and pruner.results.writer:
-            save_pruned(self.teacher_model, folder, overwrite=True)
+        folder = run_dir / self.TEACHER_DIR
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"resuming this recovery={self.record_key} run needs its teacher, saved when round 1 "
+                                    f"pruned, at {folder}; it is missing. Nothing was written. Allowed: start the run "
+                                    "again without ckpt_path and with overwrite=true")
+        try:
+            load_pruned(folder)
+        except (OSError, ValueError, RuntimeError) as err:
+            raise ValueError(f"resuming this recovery={self.record_key} run needs its teacher at {folder}, which cannot "
+                             f"be loaded ({err}). Nothing was written. Allowed: start the run again without ckpt_path "
+                             "and with overwrite=true") from None
+
+    def before_first_round(self, ctx: RecoveryContext) -> None:
+        if not self.uses_teacher or self.state.model is not None:
+            return
+        self.state.model = ctx.dense
+        folder = ctx.run_dir / self.TEACHER_DIR if ctx.run_dir is not None else None
+        if folder is not None and ctx.writer:
+            save_pruned(self.state.model, folder, overwrite=True)
         log.info("distillation teacher: the model as round 1 found it%s", f", saved to {folder}" if folder else "")
 
-    def resume(self, pruner) -> None:
-        if self.teacher_model is not None:
-            return
-        folder = self._folder(pruner)
+    def resume(self, ctx: RecoveryContext) -> nn.Module | None:
+        if not self.uses_teacher or self.state.model is not None:
+            return None
+        folder = ctx.run_dir / self.TEACHER_DIR if ctx.run_dir is not None else None
         if folder is None or not folder.is_dir():
-            raise FileNotFoundError(f"resuming a recovery=distill run needs its teacher, saved when round 1 pruned, "
-                                    f"at {folder}; it is missing")
-        self.teacher_model = pruner.dense = load_pruned(folder).eval().requires_grad_(False)
+            raise FileNotFoundError(f"resuming a recovery={self.record_key} run needs its teacher, saved when round 1 "
+                                    f"pruned, at {folder}; it is missing")
+        self.state.model = load_pruned(folder).eval().requires_grad_(False)
+        return self.state.model
 
-    def after_round(self, pruner, record: dict, loaders) -> None:
-        """`steps > 0`: train the whole model for `steps` steps on the training text."""
-        if self.steps == 0:
-            return
-        with trainable(pruner.model, lambda name: True):
-            self.train_and_record(pruner, record, loaders, {})
-
-    def train_and_record(self, pruner, record: dict, loaders, extra: dict) -> None:
-        """Train `steps` steps of `training_loss` on `loaders.train`; the report goes to
-        `record[record_key]`, the validation metrics after it to `val_after_mask_tuning`."""
-        train = training_loader(loaders, self.record_key)
+    def train_and_record(self, ctx: RecoveryContext, record: dict, extra: dict) -> None:
+        """Train `steps` steps of `training_loss` on the training text; the report goes to
+        `record[record_key]`, the validation metrics after it to `AFTER_RECOVERY`."""
+        train = training_loader(ctx.loaders, self.record_key)
         start = time.perf_counter()
-        report = train_steps(pruner.model, train, lambda model, batch: self.training_loss(model, batch)[1].mean(),
+        report = train_steps(ctx.model, train, lambda model, batch: self.training_loss(model, batch)[1].mean(),
                              self.steps, self.lr, self.max_grad_norm, label=f"round {record['round']}: {self.record_key}")
         report.update(extra, **self.take_train_stats(), seconds=round(time.perf_counter() - start, 3))
         record[self.record_key] = report
-        if loaders.val is not None:
-            record["val_after_mask_tuning"] = pruner.evaluate(loaders.val)
+        if ctx.loaders.val is not None:
+            record[AFTER_RECOVERY] = ctx.evaluate(ctx.loaders.val)
         log.info("round %d: %s, %d steps in %.1f s, loss %.4f -> %.4f; val %s", record["round"], self.record_key,
-                 self.steps, report["seconds"], report["loss_first"], report["loss_last"],
-                 record.get("val_after_mask_tuning"))
+                 self.steps, report["seconds"], report["loss_first"], report["loss_last"], record.get(AFTER_RECOVERY))
 
     def training_loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The task loss until a teacher is in; then the mix of the module docstring."""
-        if self.teacher_model is None:
+        teacher = self.state.model
+        if teacher is None:
             return super().training_loss(model, batch)
         device = batch["input_ids"].device
-        if next(self.teacher_model.parameters()).device != device:
-            self.teacher_model.to(device)
+        if next(teacher.parameters()).device != device:
+            teacher.to(device)
         hidden = self.hidden_weight > 0
         logits, student_hidden = forward_outputs(model, batch, hidden)
         start = time.perf_counter()
         with torch.no_grad():
-            teacher_logits, teacher_hidden = forward_outputs(self.teacher_model, batch, hidden)
-        self.seconds += time.perf_counter() - start
+            teacher_logits, teacher_hidden = forward_outputs(teacher, batch, hidden)
+        self.state.seconds += time.perf_counter() - start
         task = per_example_loss(logits, batch)
         return logits, distill_loss(self, task, logits, teacher_logits, batch, student_hidden, teacher_hidden)
 
     def take_train_stats(self) -> dict:
-        seconds, self.seconds = self.seconds, 0.0
+        seconds, self.state.seconds = self.state.seconds, 0.0
         return {"teacher_seconds": round(seconds, 3)} if seconds else {}
 
-    def _folder(self, pruner) -> Path | None:
-        return pruner.results.output_dir / self.TEACHER_DIR if pruner.results.output_dir is not None else None
+
+@dataclass
+class Distill(Distilling):
+    """`recovery=distill`: the distillation mix, every weight trained (module docstring)."""
+
+    def after_round(self, ctx: RecoveryContext, record: dict) -> None:
+        """`steps > 0`: train the whole model for `steps` steps on the training text."""
+        if self.in_epochs:
+            return
+        with trainable(ctx.model, lambda name: True):
+            self.train_and_record(ctx, record, {})
+
+
+def load_teacher(folder: Path, student: nn.Module, hidden_weight: float, setting: str) -> nn.Module:
+    """The model saved in `folder`, frozen, once it is checked to be able to teach `student`."""
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{setting}: {folder} holds no model (no config.json); "
+                                "allowed: a model folder, e.g. <run dir>/export")
+    try:
+        teacher = load_pruned(folder)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise ValueError(f"{setting} cannot be loaded: {err}") from None
+    if is_causal_lm(teacher) != is_causal_lm(student):
+        raise ValueError(f"{setting} is a {type(teacher).__name__}, the model being pruned "
+                         f"a {type(student).__name__}: a teacher must do the same task")
+    for name in ("vocab_size", "num_labels"):
+        if getattr(teacher.config, name, None) != getattr(student.config, name, None):
+            raise ValueError(f"{setting} has {name}={getattr(teacher.config, name, None)}, "
+                             f"the model being pruned {getattr(student.config, name, None)}; they must match")
+    layers = model_shape(teacher)[0], model_shape(student)[0]
+    if hidden_weight > 0 and layers[0] != layers[1]:
+        raise ValueError(f"{setting} has {layers[0]} layers, the model being pruned "
+                         f"{layers[1]}: recovery.hidden_weight={hidden_weight} matches hidden states layer by "
+                         "layer; allowed: a teacher with as many layers, or recovery.hidden_weight=0")
+    return teacher.eval().requires_grad_(False)
 
 
 def training_loader(loaders, name: str):

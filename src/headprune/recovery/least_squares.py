@@ -32,7 +32,7 @@ from torch import nn
 
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.mask import HeadMask
-from headprune.recovery.base import Reconstruction
+from headprune.recovery.base import Reconstruction, RecoveryContext
 from headprune.recovery.blockwise import Stop, capture, run_block
 from headprune.recovery.normal_equations import NormalEquations, solve_scales
 from headprune.recovery.out_bias import bias_refusal, output_bias
@@ -69,8 +69,8 @@ class LeastSquares(Reconstruction):
         """The run's one bias check, before any work: each round's tuning trusts it."""
         check_bias(student, self)
 
-    def reconstruct(self, pruner, loaders) -> dict:
-        return _tune_scales(pruner.model, pruner.mask, pruner.dense, loaders.score, self, pruner.max_batches)
+    def reconstruct(self, ctx: RecoveryContext) -> dict:
+        return _tune_scales(ctx.model, ctx.mask, ctx.dense, ctx.loaders.score, self, ctx.max_batches)
 
 
 @dataclass

@@ -27,16 +27,17 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from headprune.heads.adapters import get_adapter
-from headprune.recovery.distill import Distill
+from headprune.recovery.base import RecoveryContext
+from headprune.recovery.distill import Distilling
 from headprune.recovery.training_steps import trainable
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Lora(Distill):
-    """`recovery=lora` settings (distill.py's fields plus the adapters'); `alpha` is the weight of
-    the distillation term (0: next-token loss only, no teacher kept)."""
+class Lora(Distilling):
+    """`recovery=lora` settings (distillation's, `Distilling`, plus the adapters'); `alpha` is the
+    weight of the distillation term (0: next-token loss only, no teacher kept)."""
 
     rank: int = 8
     lora_alpha: float = 16.0
@@ -59,26 +60,13 @@ class Lora(Distill):
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"recovery.dropout={self.dropout!r} must be in [0, 1)")
 
-    @property
-    def needs_dense(self) -> bool:
-        return self.alpha > 0 and self.teacher is None
-
     def check_model(self, student: nn.Module) -> None:
         lora_targets(student, self.target_modules)  # names that match nothing fail now
-        if self.alpha > 0:
-            super().check_model(student)
+        super().check_model(student)
 
-    def before_first_round(self, pruner) -> None:
-        if self.alpha > 0:
-            super().before_first_round(pruner)
-
-    def resume(self, pruner) -> None:
-        if self.alpha > 0:
-            super().resume(pruner)
-
-    def after_round(self, pruner, record: dict, loaders) -> None:
-        with lora_adapters(pruner.model, self) as modules:
-            self.train_and_record(pruner, record, loaders, {"rank": self.rank, "modules": modules})
+    def after_round(self, ctx: RecoveryContext, record: dict) -> None:
+        with lora_adapters(ctx.model, self) as modules:
+            self.train_and_record(ctx, record, {"rank": self.rank, "modules": modules})
 
 
 @contextmanager

@@ -4,13 +4,18 @@ Trainer (Torch-Pruning's MetaPruner, composer's split of science and timing).
     pruner = Pruner(model, get_metric("taylor"), Iterative(target_sparsity=0.5), GlobalPolicy())
     report = pruner.run(Loaders(score=score_loader, val=val_loader), finetune=my_finetune)
 
-A round (`step`) scores the heads, picks within the budget and the layer policy
-(`prune_round`), masks them, lets the recovery act (`after_round`: least-squares tuning) and
-records the round in `results`. `record_finetuned` records a round's metrics after its
-fine-tuning and applies the schedule's stopping rule; `finish` writes `final`. The state a run
-needs to continue (rounds, stop reason, sensitivity profile, last accepted mask, the budget's
-cost table) is in `state_dict()`. The Lightning callback (`lightning.callbacks.HeadPruning`)
-only decides when to call these, and adds physical removal, rollback and logging.
+One loop drives every run: `advance(completed_epochs, loaders)` does whatever the schedule has
+due after that many training epochs (the baseline record, the last round's metrics after its
+fine-tuning, the next rounds). `run` calls it with no Trainer (every retraining-free run, and
+`finetune` callables); the Lightning callback (`lightning.callbacks.HeadPruning`) calls it at
+each epoch end of a fit, and adds what only a Trainer has (mid-fit physical removal, rollback).
+A round (`step`) scores the heads, picks within the budget and the layer policy (`prune_round`),
+masks them, lets the recovery act (`after_round`, through a `RecoveryContext`) and records the
+round in `results`. After it, `awaiting_finetune` says whether the round's result waits for
+fine-tuning epochs (`record_finetuned`, which also applies the stopping rule); `finish` writes
+`final`. What the driving code adds at fixed points (physical removal, loggers) it gives as a
+`RunObserver`. The state a run needs to continue (rounds, stop reason, sensitivity profile, last
+accepted mask, the budget's cost table, `awaiting_finetune`) is in `state_dict()`.
 
 `dense` is the one frozen copy of the unpruned model, taken when round 1 prunes if the recovery
 or the budget needs it (distillation teacher, least-squares targets, latency tables); a resumed
@@ -30,6 +35,7 @@ from torch import nn
 from headprune.costs.tables import LayerCosts
 from headprune.heads.mask import HeadMask
 from headprune.recovery import Recovery, make_recovery
+from headprune.recovery.base import AFTER_RECOVERY, RecoveryContext
 from headprune.results import RunResults
 from headprune.selection.budgets import Budget, make_budget
 from headprune.selection.rounds import prune_round
@@ -56,23 +62,45 @@ class Loaders:
                    datamodule.train_dataloader() if train else None)
 
 
+class RunObserver:
+    """What the code driving a Pruner adds at fixed points of a run; each method is a no-op here.
+    `baseline(record)`: the unpruned model's metrics are in; `before_round(k)`: round k (0-based) is about to score (earlier rounds are accepted);
+    `pruned(result)`: right after a round's heads are masked, before the recovery (physical
+    removal, optimizer state of the pruned heads); `recorded(record)`: a round's result is in
+    (loggers); `finished(data)`: `final` is written."""
+
+    def baseline(self, baseline: dict) -> None:
+        pass
+
+    def before_round(self, k: int) -> None:
+        pass
+
+    def pruned(self, result) -> None:
+        pass
+
+    def recorded(self, record: dict) -> None:
+        pass
+
+    def finished(self, data: dict) -> None:
+        pass
+
+
 class Pruner:
-    """A run's pruning state and its steps (module docstring). `sync(value)` makes a value rank 0's
-    on every data-parallel rank; `max_batches` bounds every pass (a smoke run); `on_pruned(round)`
-    is called right after a round's heads are masked, before the recovery (physical removal)."""
+    """A run's pruning state and its steps (module docstring). `max_batches` bounds every pass (a
+    smoke run); `observer` is told of each round (`RunObserver`)."""
 
     def __init__(self, model: nn.Module, metric: Callable, schedule, layer_policy, budget: Budget | dict | None = None,
                  recovery: Recovery | str | None = None, *, mask: HeadMask | None = None, rearrange: bool = False,
                  results: RunResults | None = None, max_batches: int | None = None,
-                 dense_factory: Callable[[], nn.Module] | None = None):
+                 dense_factory: Callable[[], nn.Module] | None = None, observer: RunObserver | None = None):
         self.model = model
         self.mask = mask if mask is not None else HeadMask.for_model(model).to(next(model.parameters()).device)
         self.metric, self.schedule, self.layer_policy = metric, schedule, layer_policy
         self.budget, self.recovery = make_budget(budget), make_recovery(recovery)
         self.rearrange, self.max_batches, self.dense_factory = rearrange, max_batches, dense_factory
         self.results = results if results is not None else RunResults(None)
-        self.sync: Callable[[Any], Any] | None = None
-        self.on_pruned: Callable | None = None
+        self.observer = observer if observer is not None else RunObserver()
+        self.awaiting_finetune = False  # the last round's result waits for its fine-tuning epochs
         self.sparsities = schedule.sparsities()
         self.dense: nn.Module | None = None
         self.costs: LayerCosts | None = None
@@ -93,6 +121,7 @@ class Pruner:
         return {"baseline": self.results.data["baseline"], "rounds": self.rounds, "stop_reason": self.stop_reason,
                 "sensitivity": self.sensitivity, "last_good": None if self.last_good is None else self.last_good.tolist(),
                 "costs": None if self.costs is None else self.costs.to_json(), "budget": self.results.data.get("budget"),
+                "awaiting_finetune": self.awaiting_finetune,
                 "config": self.results.data.get("config")}  # what a resume is checked against
 
     def load_state_dict(self, state: dict) -> None:
@@ -102,11 +131,15 @@ class Pruner:
         self.costs = None if state.get("costs") is None else LayerCosts.from_json(state["costs"])
         if state.get("budget") is not None:
             self.results.data["budget"] = state["budget"]
+        awaiting = state.get("awaiting_finetune")  # checkpoints before it was state: a round without `val`
+        self.awaiting_finetune = bool(awaiting if awaiting is not None else self.rounds and "val" not in self.rounds[-1])
 
     def resume(self) -> None:
         """A run continues after round 1: what round 1 set up comes back (the recovery's teacher, a
         dense model for the budget; the cost table came with the state)."""
-        self.recovery.resume(self)
+        restored = self.recovery.resume(self.context(Loaders(score=None)))
+        if restored is not None:
+            self.dense = restored
         if self.dense is None and self.budget.needs_dense:
             if self.dense_factory is None:
                 raise ValueError(f"resuming a budget={self.budget.kind} run needs a dense model of the same shape "
@@ -115,6 +148,74 @@ class Pruner:
             self.dense = self.dense_factory().to(device).eval().requires_grad_(False)
         if self.costs is None and not self.budget.counts_heads:
             self._measure_costs()
+
+    def context(self, loaders: Loaders) -> RecoveryContext:
+        """What the recovery sees of this run."""
+        return RecoveryContext(self.model, self.mask, loaders, dense=self.dense, run_dir=self.results.output_dir,
+                               writer=self.results.writer, max_batches=self.max_batches)
+
+    def stop(self, reason: str) -> None:
+        """End the run after the current round (e.g. a non-finite training loss): `final` says why."""
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            self.results.save()
+
+    def attach(self, observer: RunObserver, writer: bool | None = None) -> None:
+        """The driving code's observer of this run; `writer`: whether this process writes the run's
+        files (False on data-parallel ranks other than 0)."""
+        self.observer = observer
+        if writer is not None:
+            self.results.writer = writer
+
+    def limit_batches(self, max_batches: int | None) -> None:
+        """Bound every scoring, calibration and evaluation pass (a smoke run: 1)."""
+        self.max_batches = max_batches
+
+    def describe(self, **entries: Any) -> None:
+        """Top-level results.json entries about the run (the model's shape, physical removal)."""
+        self.results.data.update(entries)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def due(self, completed_epochs: int) -> bool:
+        """Whether anything is due after `completed_epochs` training epochs."""
+        k = len(self.rounds)
+        return self.stop_reason is None and k <= self.num_rounds and completed_epochs == self.schedule.round_epoch(k)
+
+    def advance(self, completed_epochs: int, loaders: Loaders | Callable[[], Loaders], *,
+                sync: Callable[[Any], Any] | None = None, **train_stats) -> bool:
+        """Whatever the schedule has due after `completed_epochs` training epochs: the baseline
+        record, the last round's metrics after its fine-tuning, then every round that prunes at
+        this epoch (all of them when nothing trains). `loaders` may be a callable, built only when
+        something is due; `sync(value)` makes a value rank 0's on every data-parallel rank;
+        `train_stats`: figures of the training just done, recorded with its result. True when the
+        run stopped (the stopping rule, or `stop`)."""
+        made = None
+        while self.due(completed_epochs):
+            if made is None:
+                made = loaders() if callable(loaders) else loaders
+            if not self.results.data["baseline"]:
+                self.record_baseline(made, **train_stats, **self.recovery.take_train_stats())
+            elif self.awaiting_finetune:
+                if self.record_finetuned(made, **train_stats, **self.recovery.take_train_stats()):
+                    break
+            train_stats = {}
+            if len(self.rounds) == self.num_rounds:
+                break
+            self.step(len(self.rounds), made, sync=sync)
+        return self.stop_reason is not None
+
+    def run(self, loaders: Loaders, finetune: Callable[[nn.Module, int], None] | None = None) -> dict:
+        """The whole run with no Trainer: `advance` at each round's epoch, `finetune(model, k)` in
+        between when the schedule fine-tunes after round k (use `loss(batch)` inside it for the
+        recovery's training loss; without it nothing trains), then `finish`. Baseline epochs are
+        the caller's: the run starts where round 1 prunes."""
+        epoch = self.schedule.round_epoch(len(self.rounds))
+        while not self.advance(epoch, loaders) and self.awaiting_finetune:
+            k = len(self.rounds) - 1
+            if finetune is not None:
+                finetune(self.model, k)
+            epoch = self.schedule.round_epoch(k + 1)
+        return self.finish(loaders)
 
     # -- steps --------------------------------------------------------------------------------
     def evaluate(self, loader) -> dict | None:
@@ -129,29 +230,32 @@ class Pruner:
     def record_baseline(self, loaders: Loaders, **extra) -> dict:
         self.results.data["baseline"] = {"val": self.evaluate(loaders.val), **self.selection(loaders), **extra}
         self.results.save()
+        self.observer.baseline(self.results.data["baseline"])
         return self.results.data["baseline"]
 
-    def step(self, k: int, loaders: Loaders) -> dict:
+    def step(self, k: int, loaders: Loaders, sync: Callable[[Any], Any] | None = None) -> dict:
         """Round k (0-based): score, pick within the budget and the policy, mask, recover, record."""
         if k == 0:
-            self._start()
+            self._start(loaders)
+        self.observer.before_round(k)
         self.last_good = self.mask.mask.detach().clone().cpu()
         goal = self.budget.goal(self.schedule, k, self.mask.alive(), self.costs)
         result = prune_round(self.model, self.mask, self.metric, self.layer_policy, goal.n_prune, loaders.score,
-                             round_no=k + 1, eval_loader=loaders.val, sensitivity=self.sensitivity, sync=self.sync,
+                             round_no=k + 1, eval_loader=loaders.val, sensitivity=self.sensitivity, sync=sync,
                              max_batches=self.max_batches, rearrange=self.rearrange,
                              cost_budget=(goal.costs, goal.share) if goal.share is not None else None)
         if result.sensitivity is not None:
             self._record_sensitivity(result.sensitivity)
-        if self.on_pruned is not None:
-            self.on_pruned(result)
+        self.observer.pruned(result)
         record = result.record()
-        self.recovery.after_round(self, record, loaders)
+        self.recovery.after_round(self.context(loaders), record)
         self.rounds.append(record)
-        if self.schedule.epochs_per_round == 0:  # nothing trains before the next round: this is its result
-            record["val"] = record.get("val_after_mask_tuning", record.get("val_before_finetune"))
+        self.awaiting_finetune = self.schedule.epochs_per_round > 0
+        if not self.awaiting_finetune:  # nothing trains before the next round: this is its result
+            record["val"] = record.get(AFTER_RECOVERY, record.get("val_before_finetune"))
             record.update(self.selection(loaders))
             self.check_stop()
+            self.observer.recorded(record)
         self.results.save()
         return record
 
@@ -160,8 +264,11 @@ class Pruner:
         record = self.rounds[-1]
         record["val"] = self.evaluate(loaders.val)
         record.update(self.selection(loaders), **extra)
+        self.awaiting_finetune = False
         self.results.save()
-        return self.check_stop()
+        stopped = self.check_stop()
+        self.observer.recorded(record)
+        return stopped
 
     def check_stop(self) -> bool:
         """Apply the schedule's stopping rule to the last round (on the selection slice); a
@@ -180,22 +287,6 @@ class Pruner:
         self.results.save()
         return True
 
-    def run(self, loaders: Loaders, finetune: Callable[[nn.Module, int], None] | None = None) -> dict:
-        """Every remaining round back to back: baseline, then per round `step`, `finetune(model, k)`
-        (when the schedule fine-tunes) and its metrics; then `finish`. Use `loss(batch)` inside
-        `finetune` for the recovery's training loss."""
-        if not self.results.data["baseline"]:
-            self.record_baseline(loaders)
-        for k in range(len(self.rounds), self.num_rounds):
-            if self.stop_reason is not None:
-                break
-            self.step(k, loaders)
-            if "val" not in self.rounds[-1]:
-                if finetune is not None:
-                    finetune(self.model, k)
-                self.record_finetuned(loaders, **self.recovery.take_train_stats())
-        return self.finish(loaders)
-
     def loss(self, batch: dict) -> torch.Tensor:
         """The recovery's mean training loss on one batch (task loss, or distillation once a teacher is in)."""
         return self.recovery.training_loss(self.model, batch)[1].mean()
@@ -205,7 +296,7 @@ class Pruner:
         data = self.results.data
         if not data["baseline"]:
             self.record_baseline(loaders)
-        if self.rounds and "val" not in self.rounds[-1]:
+        if self.rounds and self.awaiting_finetune:
             self.record_finetuned(loaders)
         fresh = evaluate_final if evaluate_final is not None else (
             self.stop_reason is not None or self.schedule.recover_epochs > 0 or not self.rounds)
@@ -220,6 +311,7 @@ class Pruner:
 
             close(head_heatmap(mask.mask, f"kept heads (sparsity {mask.sparsity():.2f})",
                                self.results.output_dir / "head_mask.png", cmap="Greys_r", vmin=0, vmax=1))
+        self.observer.finished(data)
         return data
 
     def final_reason(self) -> str:
@@ -238,13 +330,13 @@ class Pruner:
         return f"constrained: the layer policy's limits let {pruned} of the {planned} heads the target asks for go"
 
     # -- internals ----------------------------------------------------------------------------
-    def _start(self) -> None:
+    def _start(self, loaders: Loaders) -> None:
         """Before round 1: the dense copy (when needed), the budget's costs, the recovery's setup."""
         if self.dense is None and (self.recovery.needs_dense or self.budget.needs_dense):
             self.dense = self.mask.unmasked_copy(self.model).eval().requires_grad_(False)
         if self.costs is None and not self.budget.counts_heads:
             self._measure_costs()
-        self.recovery.before_first_round(self)
+        self.recovery.before_first_round(self.context(loaders))
 
     def _measure_costs(self) -> None:
         start = time.perf_counter()
