@@ -225,7 +225,7 @@ def test_prune_to_budget_takes_it_and_records_the_report():
     mask = HeadMask.for_model(model)
     report = prune_to_budget(model, [inputs(batch=4, tokens=12, seed=s) for s in range(4)],
                              {"kind": "kv", "target": 0.5, "batch": 1, "seq": 16}, recovery="refit", mask=mask,
-                             policy=GlobalPolicy(min_heads_per_layer=0), eval_loader=[inputs(seed=7)])
+                             layer_policy=GlobalPolicy(min_heads_per_layer=0), eval_loader=[inputs(seed=7)])
     record = report["round"]
     assert RECOVERIES["refit"] is Refit and Refit.needs_dense
     assert [layer["layer"] for layer in record["refit"]["layers"]] == [0, 1, 2] and record["refit"]["seconds"] >= 0
@@ -286,3 +286,91 @@ def test_the_app_runs_recovery_refit_on_a_tiny_model(tmp_path, data_dir):
     (round1,) = res["rounds"]
     assert len(round1["refit"]["layers"]) == 3 and round1["refit"]["target"] == "residual"
     assert round1["refit"]["tokens"]["heldout"] > 0 and (tmp_path / "export").is_dir()
+
+
+# -- removal ranked by the refit's leftover error (metric=refit_error) ---------------------------
+def test_greedy_errors_are_the_errors_of_brute_force_refits():
+    """Blocks of columns removed greedily: each step's error is min ||C_kept W' - C W||^2 over the
+    kept columns' W' (least squares refit), the cheapest block first; a score is the running
+    maximum of those step errors."""
+    from headprune.scoring.refit_error import greedy_errors
+
+    g = torch.Generator().manual_seed(3)
+    c = torch.randn(200, 8, generator=g, dtype=torch.float64) @ torch.randn(8, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(8, 5, generator=g, dtype=torch.float64)
+    blocks = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    scores = greedy_errors(c.T @ c, w, blocks, damp=0.0)
+
+    def left(removed):  # error of the best refit without the `removed` blocks
+        cols = [i for b in range(4) if b not in removed for i in blocks[b]]
+        if not cols:
+            return float((c @ w).pow(2).sum())
+        fit = torch.linalg.lstsq(c[:, cols], c @ w).solution
+        return float((c[:, cols] @ fit - c @ w).pow(2).sum())
+
+    removed, worst, expected = [], 0.0, [0.0] * 4
+    while len(removed) < 4:
+        base = left(removed)
+        step = {b: left(removed + [b]) - base for b in range(4) if b not in removed}
+        b = min(step, key=step.get)
+        worst = max(worst, step[b])
+        expected[b] = worst
+        removed.append(b)
+    assert scores == pytest.approx(expected, rel=1e-6)
+    assert sorted(scores) == pytest.approx([expected[b] for b in removed], rel=1e-6)  # rising along the order
+
+
+def test_a_head_the_others_can_replace_goes_first():
+    """GPT-2 layer 1 with head 1 a copy of head 0 (same Q/K/V rows): the refit can give head 0
+    head 1's output columns, so removing one of them leaves no error (undamped) and it ranks lowest."""
+    from headprune.heads.adapters import get_adapter
+    from headprune.scoring import score_heads
+
+    model = tiny("gpt2")
+    rows = get_adapter(model).head_rows(model, 1)
+    with torch.no_grad():
+        for part in ("q", "k", "v"):
+            rows[1][part].weight().copy_(rows[0][part].weight())
+            r0, r1 = rows[0][part], rows[1][part]
+            model.transformer.h[1].attn.c_attn.bias[r1.start:r1.stop] = model.transformer.h[1].attn.c_attn.bias[r0.start:r0.stop]
+    scores = score_heads(model, [inputs(batch=4, tokens=12, seed=s) for s in range(3)], metric="refit_error",
+                         unit="head", damp=0.0)
+    layer = scores[1]
+    assert int(layer.argmin()) in (0, 1) and float(layer.min()) < 1e-6 * float(layer.max())
+    assert float(scores[0].min()) > 1e-3 * float(scores[0].max())  # no such head elsewhere
+
+
+def test_kv_groups_go_whole_under_any_budget_and_policy():
+    """Llama-GQA: unit=kv_group gives a group's heads one equal share each; the selection consumes
+    the scores under a KV budget (uniform policy) and a heads budget (global policy), with the refit."""
+    from headprune.scoring import score_heads
+    from headprune.selection.layer_policies import UniformPolicy
+
+    batches = [inputs(batch=4, tokens=12, seed=s) for s in range(4)]
+    scores = score_heads(tiny("llama"), batches, metric="refit_error")
+    assert torch.equal(scores[:, 0], scores[:, 1]) and torch.equal(scores[:, 2], scores[:, 3])
+    per_head = score_heads(tiny("llama"), batches, metric="refit_error", unit="head")
+    assert not torch.equal(per_head[:, 0], per_head[:, 1])
+    model = tiny("llama")
+    mask = HeadMask.for_model(model)
+    prune_to_budget(model, batches, {"kind": "kv", "target": 0.5, "batch": 1, "seq": 16},
+                             metric="refit_error", recovery="refit", mask=mask, layer_policy=UniformPolicy(),
+                             rearrange=False)
+    lowest = [(l, int(scores[l].argmin())) for l in range(3)]
+    removed = set(map(tuple, mask.pruned()))
+    assert all((l, h) in removed and (l, h ^ 1) in removed for l, h in lowest)  # the cheaper group, whole
+    assert mask.heads_per_layer() == [2, 2, 2]
+    model = tiny("llama")
+    mask = HeadMask.for_model(model)
+    prune_to_budget(model, batches, {"kind": "heads", "target": 0.5}, metric="refit_error", recovery="none", mask=mask,
+                    layer_policy=GlobalPolicy(min_heads_per_layer=0), rearrange=False)
+    assert sum(mask.heads_per_layer()) == 6
+
+
+def test_bad_metric_options_are_refused_with_the_allowed_values():
+    from headprune.scoring import score_heads
+
+    with pytest.raises(ValueError, match="metric.unit='group' is not allowed; allowed: kv_group, head"):
+        score_heads(tiny("llama"), [inputs()], metric="refit_error", unit="group")
+    with pytest.raises(ValueError, match="metric.damp=-1 must be a number >= 0"):
+        score_heads(tiny("llama"), [inputs()], metric="refit_error", damp=-1)

@@ -61,7 +61,8 @@ def random_batch(n=3, t=7, seed=0):
 
 # -- registry and config ---------------------------------------------------------------------------
 def test_every_metric_is_registered_with_info_and_a_config():
-    assert set(METRICS) == {"taylor", "fisher", "lrp", "entropy", "confidence", "magnitude", "random", "l0_gates"}
+    assert set(METRICS) == {"taylor", "fisher", "lrp", "entropy", "confidence", "magnitude", "random", "l0_gates",
+                            "refit_error"}
     for name, info in METRIC_INFO.items():
         assert info.raw_high in ("keep", "prune", "neither") and info.raw and info.uses
         GlobalHydra.instance().clear()

@@ -14,6 +14,7 @@ from headprune.scoring.l0 import l0_gates_importance
 from headprune.scoring.lrp import lrp_importance
 from headprune.scoring.magnitude import magnitude_importance
 from headprune.scoring.random_baseline import random_importance
+from headprune.scoring.refit_error import refit_error_importance
 from headprune.scoring.taylor import taylor_importance
 
 
@@ -42,6 +43,9 @@ METRIC_INFO: dict[str, MetricInfo] = {
                              "keep", "attention maps (eager), forward only"),
     "magnitude": MetricInfo(magnitude_importance, "L2 norm of the head's Q/K/V/O weight slices", "keep",
                             "weights only"),
+    "refit_error": MetricInfo(refit_error_importance, "error the output projection's refit leaves without the unit "
+                              "(grouped OBS on the contexts' Gram inverse, SlimGPT); greedy per layer", "keep",
+                              "forward only, one Gram matrix per layer"),
     "random": MetricInfo(random_importance, "seeded U(0, 1)", "neither", "nothing"),
     "l0_gates": MetricInfo(l0_gates_importance, "P(Hard-Concrete gate open) (Voita et al. 2019)", "keep",
                            "gates trained in fine-tuning, else `steps` forward+backward passes"),
