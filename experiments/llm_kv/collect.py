@@ -24,6 +24,10 @@ ARMS = {"random": "random scores", "magnitude": "weight magnitude", "taylor": "T
         "fisher": "Fisher", "fisher_re": "Fisher + rearrangement",
         "fisher_re_ls": "Fisher + rearrangement + least squares (scales, bias)",
         "fisher_re_bias": "Fisher + rearrangement + bias compensation",
+        "fisher_re_refit": "Fisher + rearrangement + refit of O (residual target)",
+        "fisher_re_refit_att": "Fisher + rearrangement + refit of O (attention target)",
+        "refit_rank_refit": "refit-error ranking (KV groups) + refit of O",
+        "refit_rank_head_refit": "refit-error ranking (heads) + refit of O",
         "fisher_lora": "Fisher + LoRA",
         "fisher_re_lora": "Fisher + rearrangement + LoRA",
         "fisher_re_lora_kd": "Fisher + rearrangement + LoRA on the KL to dense",
@@ -33,7 +37,7 @@ BUDGETS = {"kv67": "2 of 3 KV groups kept", "kv34": "1 of 3 KV groups kept",
            "q50": "half of the query heads kept, placed globally",
            "dense": "nothing pruned: the LoRA steps alone"}
 GROUP = 3  # SmolLM2: 9 query heads share 3 KV heads, 3 query heads per group
-TUNING = ("mask_tuning", "bias_compensation", "lora", "distill")  # a round's recovery report
+TUNING = ("mask_tuning", "bias_compensation", "refit", "lora", "distill")  # a round's recovery report
 
 
 def gather(runs: Path, out: Path) -> None:

@@ -12,6 +12,10 @@
 #   fisher_re        + mask rearrangement by the block Fisher
 #   fisher_re_ls     + least-squares scales and bias (Kwon et al.), streamed layer by layer
 #   fisher_re_bias   + bias compensation (FLAP) instead
+#   fisher_re_refit  + the output projection refit on the kept heads (issue 30; target: residual)
+#   fisher_re_refit_att  the same, refit to the dense attention output (target: attention)
+#   refit_rank_refit  removal ranked by the refit's leftover error (whole KV groups), then the refit
+#   refit_rank_head_refit  the same ranking per query head (q50)
 #   fisher_lora      Fisher + LoRA, no rearrangement (q50, where rearrangement hurt)
 #   fisher_re_lora   + LoRA (rank 8, every projection) for $STEPS steps of 2 x 512 training tokens, merged
 #   fisher_re_lora_kd  the same, trained on the KL to the unpruned model's next-token distribution
@@ -34,6 +38,10 @@ declare -A ARM=(
     [fisher_re]="metric=fisher pruning.rearrange=true recovery=none"
     [fisher_re_ls]="metric=fisher pruning.rearrange=true recovery=least_squares"
     [fisher_re_bias]="metric=fisher pruning.rearrange=true recovery=bias_compensation"
+    [fisher_re_refit]="metric=fisher pruning.rearrange=true recovery=refit recovery.target=residual"
+    [fisher_re_refit_att]="metric=fisher pruning.rearrange=true recovery=refit recovery.target=attention"
+    [refit_rank_refit]="metric=refit_error metric.unit=kv_group pruning.rearrange=false recovery=refit"
+    [refit_rank_head_refit]="metric=refit_error metric.unit=head pruning.rearrange=false recovery=refit"
 )
 STEPS=${STEPS:-50}
 TRAIN="data.max_train_samples=null data.batch_size=2 recovery.steps=$STEPS"
