@@ -138,3 +138,27 @@ def test_bad_llm_values_name_the_field(folders, override, pattern, tmp_path):
 def test_llm_without_an_export_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"bench\.llm\.enabled=true needs pruned exports.*bench\.pruned_dir="):
         run(compose_bench(tmp_path, *ONLY_LLM))
+
+
+@pytest.mark.parametrize("given", ["missing", "not_a_model", "encoder", "no_origin"])
+def test_a_bad_llm_export_is_named_by_the_setting_it_was_given_in(given, tmp_path):
+    """bench.llm.pruned_dirs=[...]: a folder that does not exist, holds no model or holds an
+    encoder is said to be that (not "records no dense model"), naming bench.llm.pruned_dirs[i]
+    (not bench.pruned_dir), before any work."""
+    from tests.helpers import PRUNE, tiny
+
+    good = tmp_path / "good"
+    save_pruned(without_groups(llama(), 1), good, origin=str(tmp_path / "dense"))
+    bad = tmp_path / "bad"
+    if given == "not_a_model":
+        bad.mkdir()
+    elif given == "encoder":
+        save_pruned(prune_heads(tiny("bert"), PRUNE), bad, origin="minilm")
+    elif given == "no_origin":
+        save_pruned(without_groups(llama(), 1), bad)
+    named = {"missing": "does not exist", "not_a_model": r"holds no model \(no config\.json\)",
+             "encoder": r"holds no causal LM \(BertForSequenceClassification\)",
+             "no_origin": "records no dense model"}[given]
+    with pytest.raises((ValueError, FileNotFoundError), match=rf"bench\.llm\.pruned_dirs\[1\]={bad} {named}"):
+        run(compose_bench(tmp_path / "out", *ONLY_LLM, f"bench.llm.pruned_dirs=[{good},{bad}]"))
+    assert not (tmp_path / "out" / "bench.json").exists()

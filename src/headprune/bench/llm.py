@@ -20,8 +20,10 @@ and prompt length:
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List
 
 import torch
@@ -29,7 +31,7 @@ from omegaconf import MISSING
 
 from headprune.bench import render
 from headprune.bench.decoder import attention_share, decode, kv_cache_bytes, prefill
-from headprune.bench.origin import export_name, load_dense, origin_of
+from headprune.bench.origin import check_export, export_name, load_dense, origin_of
 from headprune.bench.sections import Section, SectionInputs, register
 from headprune.bench.variants import Variant, exported_variants
 from headprune.costs.flops import model_attention_flops
@@ -57,9 +59,32 @@ def exports(bench) -> list[str]:
     return list(bench.llm.pruned_dirs) or ([bench.pruned_dir] if bench.pruned_dir else [])
 
 
+def settings_of(bench) -> dict[str, str]:
+    """Each export folder -> the setting it was given in (`bench.llm.pruned_dirs[i]`, else
+    `bench.pruned_dir`), for messages."""
+    if bench.llm.pruned_dirs:
+        return {d: f"bench.llm.pruned_dirs[{i}]" for i, d in enumerate(bench.llm.pruned_dirs)}
+    return {d: "bench.pruned_dir" for d in exports(bench)}
+
+
+def check_causal_lm(pruned_dir: str, setting: str) -> None:
+    """The export's config names a causal-LM class (read from config.json, before any load)."""
+    config = json.loads((Path(pruned_dir).expanduser() / "config.json").read_text())
+    architectures = list(config.get("architectures") or [])
+    if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        raise ValueError(f"{setting}={pruned_dir} holds no causal LM ({', '.join(architectures) or 'no architectures'}"
+                         "); allowed: exports of a causal LM (an encoder's export: bench.pruned_dir with "
+                         "bench.llm.enabled=false)")
+
+
 def origin(bench) -> str:
-    """The one dense model every export came from (bench.dense_model overrides the records)."""
-    found = {d: origin_of(d, bench.dense_model) for d in exports(bench)}
+    """The one dense model every export came from (bench.dense_model overrides the records);
+    each export is first checked to be a folder holding a causal LM."""
+    named = settings_of(bench)
+    for d in exports(bench):
+        check_export(d, named[d])
+        check_causal_lm(d, named[d])
+    found = {d: origin_of(d, bench.dense_model, named[d]) for d in exports(bench)}
     if len(set(found.values())) > 1:
         raise ValueError(f"bench.llm.pruned_dirs come from different dense models ({found}); allowed: exports of "
                          "one model (or name it: bench.dense_model=<name or folder>)")

@@ -4,7 +4,9 @@ Why: a dense model built from the export's own config is the pruned model again 
 plain export says the kept head counts), which reported sparsity 0 and a KV ratio of 1.000. The
 origin is `bench.dense_model` when given, else the `dense_model` the export records
 (`save_pruned(..., origin=...)`, written by every headprune-train export); an export recording
-none is refused before any work, naming the setting to give.
+none is refused before any work, naming the setting to give. Every message names the setting
+the folder was given in (`bench.pruned_dir`, `bench.llm.pruned_dirs[i]`, ...), and a folder that
+does not exist or holds no model is said to be that, not to record no dense model.
 """
 from __future__ import annotations
 
@@ -19,13 +21,26 @@ from headprune.models.build import resolve_pretrained
 from headprune.tasks import is_causal_lm
 
 
-def origin_of(pruned_dir: str, dense_model: str | None) -> str:
-    """`dense_model` when given, else the dense model recorded in `pruned_dir`; raises when neither."""
+def check_export(pruned_dir: str, setting: str = "bench.pruned_dir") -> None:
+    """`pruned_dir` (given as `setting`) is a folder holding a saved model; else an error saying
+    which and naming the setting."""
+    path = Path(pruned_dir).expanduser()
+    what = ("does not exist" if not path.exists() else "is not a folder" if not path.is_dir()
+            else "holds no model (no config.json)" if not (path / "config.json").is_file() else None)
+    if what:
+        raise FileNotFoundError(f"{setting}={pruned_dir} {what}; allowed: a save_pruned folder or a headprune-train "
+                                "run's export/ folder")
+
+
+def origin_of(pruned_dir: str, dense_model: str | None, setting: str = "bench.pruned_dir") -> str:
+    """`dense_model` when given, else the dense model recorded in `pruned_dir` (given as `setting`);
+    raises when neither, or when `pruned_dir` holds no model."""
+    check_export(pruned_dir, setting)
     if dense_model:
         return dense_model
     recorded = read_origin(pruned_dir)
     if recorded is None:
-        raise ValueError(f"bench.pruned_dir={pruned_dir} records no dense model it was pruned from (an export "
+        raise ValueError(f"{setting}={pruned_dir} records no dense model it was pruned from (an export "
                          "written before headprune recorded it, or of a random-init model): give it as "
                          "bench.dense_model=<the model.pretrained name or folder it was pruned from>; the bench "
                          "never compares an export with a model of its own (pruned) config")
