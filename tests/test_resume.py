@@ -110,3 +110,71 @@ def test_resume_after_crash_matches_uninterrupted_run(finished, tmp_path, data_d
     assert a["pruning"]["physical_effective"] is True  # the checkpoint resumed from holds a shrunken model
     assert _strip(b["rounds"]) == _strip(a["rounds"])
     assert b["final"]["pruned"] == a["final"]["pruned"] and b["final"]["val"] == a["final"]["val"]
+
+
+# -- checks made before anything is written (no training: a checkpoint written here) -----------------
+class _NeedsItsRoundOneFiles:
+    """A recovery whose resume needs what round 1 wrote into the run dir (as distillation's teacher)."""
+
+    def __init__(self):
+        self.asked = []
+
+    def check_resume(self, run_dir):
+        self.asked.append(run_dir)
+        if not (run_dir / "teacher" / "config.json").is_file():
+            raise FileNotFoundError(f"resuming needs its teacher at {run_dir / 'teacher'}; it is missing")
+
+
+def _checkpoint(run_dir, rounds: int):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "last.ckpt"
+    torch.save({"state_dict": {}, "callbacks": {"HeadPruning": {"rounds": [{"round": i + 1} for i in range(rounds)],
+                                                                "baseline": {}}}}, path)
+    return path
+
+
+def test_a_resume_past_round_1_asks_the_recovery_before_anything_is_written(tmp_path):
+    """The distillation teacher was checked in on_train_start, after results.json (2 rounds -> 0)
+    and .hydra/config.yaml had been rewritten: the recovery's check_resume now runs in
+    check_resume, before any write, and only for a checkpoint past round 1 (before it, round 1
+    has not written the teacher yet)."""
+    from omegaconf import OmegaConf
+
+    from headprune.apps.resume import check_resume
+
+    cfg = OmegaConf.create({})
+    recovery = _NeedsItsRoundOneFiles()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text('{"rounds": [1, 2], "final": {}}')
+    before = files(tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match="needs its teacher"):
+        check_resume(cfg, str(_checkpoint(tmp_path / "ckpt2", rounds=2)), tmp_path / "run", epochs=3, recovery=recovery)
+    assert recovery.asked == [tmp_path / "run"] and files(tmp_path / "run") == before
+    assert check_resume(cfg, str(_checkpoint(tmp_path / "ckpt0", rounds=0)), tmp_path / "run", epochs=3,
+                        recovery=recovery) is None  # a baseline-epoch checkpoint: nothing to ask yet
+    assert len(recovery.asked) == 1
+
+
+def test_a_run_that_trains_no_epoch_is_told_to_start_again_with_overwrite(tmp_path):
+    """A killed retraining-free LoRA / distill run (0 epochs) has no checkpoint: the resume is
+    refused with advice that works (without ckpt_path, with overwrite=true), and starting again
+    without overwrite=true is refused naming it, not a resume from a checkpoint there is none of."""
+    from omegaconf import OmegaConf
+
+    from headprune.apps.resume import check_resume
+    from headprune.apps.run_dir import refuse_to_overwrite
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "results.json").write_text("{}")
+    with pytest.raises(ValueError, match="start the run again without ckpt_path and with overwrite=true"):
+        check_resume(OmegaConf.create({}), str(run_dir / "checkpoints" / "last.ckpt"), run_dir, epochs=0)
+    with pytest.raises(FileExistsError) as refused:
+        refuse_to_overwrite(run_dir, resuming=False, overwrite=False)
+    assert "it wrote no checkpoint to resume from" in str(refused.value) and "ckpt_path" not in str(refused.value)
+    assert "pass overwrite=true to run it again" in str(refused.value)
+    refuse_to_overwrite(run_dir, resuming=False, overwrite=True)  # the advice works
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    with pytest.raises(FileExistsError, match=rf"resume it with ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"):
+        refuse_to_overwrite(run_dir, resuming=False, overwrite=False)

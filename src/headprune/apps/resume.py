@@ -1,6 +1,8 @@
 """What a resume (`ckpt_path=...`) is checked for before anything is written: the checkpoint can
 be read, it was made with the same experiment (the settings that decide what is pruned, how and
-on which model), and the run it belongs to is not already finished.
+on which model), the run it belongs to is not already finished, and, when the checkpoint is past
+round 1, the recovery can continue it (a distillation run's saved teacher is there and loads:
+`Recovery.check_resume`). A refusal therefore leaves results.json and .hydra/ as they were.
 
 The experiment's settings travel in the checkpoint (the pruning callback's state, `config`);
 checkpoints written before they did are compared with the run dir's results.json `config`.
@@ -30,17 +32,19 @@ def experiment(config: dict) -> dict:
     return {k: v for k, v in flat.items() if k not in FREE}
 
 
-def check_resume(cfg: DictConfig, ckpt_path: str, output_dir: Path, epochs: int) -> dict | None:
-    """Refuse a resume that cannot continue this run (naming what differs); return the finished
-    run's results when there is nothing left to do (None: go on)."""
+def check_resume(cfg: DictConfig, ckpt_path: str, output_dir: Path, epochs: int, recovery=None) -> dict | None:
+    """Refuse a resume that cannot continue this run (naming what differs, or what `recovery`
+    needs and lacks); return the finished run's results when there is nothing left to do (None: go on)."""
     if epochs == 0:
         raise ValueError(f"ckpt_path={ckpt_path}: this schedule trains no epoch (baseline_epochs + rounds x "
-                         "epochs_per_round + recover_epochs = 0), so its runs write no checkpoint to resume from; "
-                         "start the run again without ckpt_path (it trains nothing, so it is short)")
+                         "epochs_per_round + recover_epochs = 0), so its runs (a retraining-free prune, step-budget "
+                         "LoRA or distillation included) write no checkpoint to resume from; start the run again "
+                         "without ckpt_path and with overwrite=true (what it recorded before it stopped is replaced)")
     path = Path(ckpt_path)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such file; allowed: a run's checkpoints/last.ckpt")
-    saved = _saved_config(path, output_dir)
+    checkpoint = _load(path)
+    saved = _saved_config(checkpoint, output_dir)
     if saved is not None:
         now, before = experiment(OmegaConf.to_container(cfg, resolve=True)), experiment(saved)
         differ = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
@@ -60,15 +64,33 @@ def check_resume(cfg: DictConfig, ckpt_path: str, output_dir: Path, epochs: int)
             log.warning("the run in %s is finished (results.json has its final results and %s its export); resuming "
                         "it changes nothing", output_dir, final["export_dir"])
             return data
+    check = getattr(recovery, "check_resume", None)
+    if check is not None and rounds_done(checkpoint):  # the recovery set itself up in round 1
+        check(output_dir)
     return None
 
 
-def _saved_config(path: Path, output_dir: Path) -> dict | None:
+def rounds_done(checkpoint: dict) -> int:
+    """The rounds the checkpoint's pruning state records as done (0: it is from before round 1)."""
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if isinstance(state, dict) and isinstance(state.get("rounds"), list):
+            return len(state["rounds"])
+    return 0
+
+
+def _load(path: Path) -> dict:
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable checkpoint gets the same clear refusal
         raise ValueError(f"ckpt_path={path} cannot be read as a checkpoint ({type(err).__name__}: {err}); allowed: a "
                          "run's checkpoints/last.ckpt") from None
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"ckpt_path={path} holds a {type(checkpoint).__name__}, not a checkpoint; allowed: a run's "
+                         "checkpoints/last.ckpt")
+    return checkpoint
+
+
+def _saved_config(checkpoint: dict, output_dir: Path) -> dict | None:
     for state in (checkpoint.get("callbacks") or {}).values():
         if isinstance(state, dict) and isinstance(state.get("config"), dict):
             return state["config"]

@@ -64,11 +64,14 @@ def prepare(output_dir: Path, cfg: DictConfig) -> logging.Handler | None:
 
 def refuse_to_overwrite(output_dir: Path, resuming: bool, overwrite: bool) -> None:
     """A finished or running run's folder is never written over by a new run, unless asked to
-    (`overwrite=true`) or resuming it (`ckpt_path=...`). Rank 0 decides (other ranks start while
-    rank 0 already owns the folder)."""
+    (`overwrite=true`) or resuming it (`ckpt_path=...`; offered only when the folder holds a
+    checkpoint). Rank 0 decides (other ranks start while rank 0 already owns the folder)."""
     if is_rank_zero() and not (resuming or overwrite) and (output_dir / "results.json").exists():
+        last = output_dir / "checkpoints" / "last.ckpt"
+        resume = (f"resume it with ckpt_path={last}, " if last.is_file() else
+                  "(it wrote no checkpoint to resume from: runs that train no epoch write none) ")
         raise FileExistsError(f"{output_dir} already holds a run's results.json; choose another hydra.run.dir, "
-                              "resume it with ckpt_path=<its checkpoints/last.ckpt>, or pass overwrite=true")
+                              f"{resume}or pass overwrite=true to run it again in this folder")
 
 
 def check_writable(output_dir: Path) -> None:

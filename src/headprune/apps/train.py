@@ -62,7 +62,7 @@ def run(cfg: DictConfig) -> dict:
         evaluation.check(task)
         run_dir.refuse_to_overwrite(output_dir, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
         if ckpt_path:
-            finished = check_resume(cfg, ckpt_path, output_dir, schedule.total_epochs())
+            finished = check_resume(cfg, ckpt_path, output_dir, schedule.total_epochs(), recovery)
             if finished is not None:
                 return finished
             recovery.check_resume(output_dir)  # e.g. a saved teacher: refused before anything is rewritten
