@@ -72,7 +72,7 @@ def test_smollm2_prunes_whole_kv_groups_tunes_and_exports_a_plain_checkpoint(tmp
     calib = [{"input_ids": ids[:2]}]
     mask = HeadMask.for_model(model)
     report = prune_to_budget(model, calib, {"kind": "kv", "target": 0.67}, metric="fisher", mask=mask,
-                             policy=UniformPolicy(), recovery="least_squares")
+                             layer_policy=UniformPolicy(), recovery="least_squares")
     assert report["round"]["budget"]["kept_units_per_layer"] == [2] * 30
     with torch.no_grad():
         tuned = model(input_ids=ids[2:]).logits

@@ -21,3 +21,16 @@ def test_no_two_public_classes_share_a_name():
             if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
                 where[node.name].append(str(path))
     assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
+
+
+def test_the_layer_policy_is_called_layer_policy_in_code_too():
+    """Config and results.json say `layer_policy`; no parameter or keyword argument of the package
+    calls it `policy` (prune_to_budget(policy=...) once did)."""
+    named = []
+    for path, tree in _trees():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.arg) and node.arg == "policy":
+                named.append(f"{path}:{node.lineno} parameter")
+            if isinstance(node, ast.keyword) and node.arg == "policy":
+                named.append(f"{path}:{node.lineno} keyword")
+    assert named == []

@@ -32,7 +32,7 @@ def test_a_run_asks_once_whether_the_model_can_carry_the_bias(recovery, monkeypa
     model = tiny("llama")
     loader = [inputs(batch=4, tokens=12, seed=s) for s in range(2)]
     report = prune_to_budget(model, loader, BUDGET, recovery=recovery, mask=HeadMask.for_model(model),
-                             policy=GlobalPolicy(min_heads_per_layer=1), rearrange=False)
+                             layer_policy=GlobalPolicy(min_heads_per_layer=1), rearrange=False)
     assert report["round"] is not None and model.config.attention_bias
     assert model.model.layers[0].self_attn.o_proj.bias is not None
     assert len(calls) == 1, calls

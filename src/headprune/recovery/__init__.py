@@ -8,12 +8,14 @@
   (`least_squares.py`);
 - `bias_compensation`: no training, the removed heads' mean output as bias (FLAP, `bias_compensation.py`);
 - `refit`: no training, each layer's output projection re-solved on its kept heads (ridge, `refit.py`);
+- `chain`: several of these one after the other (a repair, then training on top of it; `chain.py`);
 - `none`: nothing (the schedule must have no epochs after pruning).
 """
 from __future__ import annotations
 
 from headprune.recovery.base import Recovery
 from headprune.recovery.bias_compensation import BiasCompensation
+from headprune.recovery.chain import Chain
 from headprune.recovery.distill import Distill
 from headprune.recovery.finetune import Finetune
 from headprune.recovery.least_squares import LeastSquares
@@ -24,7 +26,7 @@ from headprune.recovery.refit import Refit
 RECOVERIES: dict[str, type[Recovery]] = {"finetune": Finetune, "distill": Distill, "lora": Lora,
                                          "least_squares": LeastSquares,
                                          "bias_compensation": BiasCompensation, "refit": Refit,
-                                         "none": NoRecovery}
+                                         "chain": Chain, "none": NoRecovery}
 
 
 def make_recovery(recovery: Recovery | str | None) -> Recovery:
@@ -38,4 +40,4 @@ def make_recovery(recovery: Recovery | str | None) -> Recovery:
     return RECOVERIES[recovery]()
 
 
-__all__ = ["RECOVERIES", "BiasCompensation", "Distill", "Finetune", "LeastSquares", "Lora", "NoRecovery", "Recovery", "Refit", "make_recovery"]
+__all__ = ["RECOVERIES", "BiasCompensation", "Chain", "Distill", "Finetune", "LeastSquares", "Lora", "NoRecovery", "Recovery", "Refit", "make_recovery"]

@@ -100,7 +100,7 @@ def drop_layers(change: list[float], choices: list[list[int]], costs, limit: flo
 
 
 def attention_drop_allocation(model: nn.Module, mask: HeadMask, loader, scores: torch.Tensor, costs, share: float,
-                              policy, model_units: list[list[int]], *, samples: int | None,
+                              layer_policy, model_units: list[list[int]], *, samples: int | None,
                               max_batches: int | None = None) -> tuple[list[tuple[int, int]], dict, str | None]:
     """(heads to prune, the allocation report, shortfall or None) under a cost budget: whole layers
     go (`drop_layers`) within the policy's constraints (a layer whose caps keep a head stays)."""
@@ -108,14 +108,14 @@ def attention_drop_allocation(model: nn.Module, mask: HeadMask, loader, scores: 
 
     start = time.perf_counter()
     alive = mask.alive()
-    plan = unit_plan(scores, alive, policy, model_units)
+    plan = unit_plan(scores, alive, layer_policy, model_units)
     change, tokens = attention_change(model, mask, loader, samples, max_batches)
     kept, dropped, fits = drop_layers(change, plan.choices, costs, cost_limit(costs, share))
     shortfall = None
     if not fits:
         shortfall = (f"the {costs.unit} budget {share:.4f} of dense cannot be met by dropping whole attention layers: "
                      f"with every layer the constraints let go dropped ({len(dropped)}), the layout keeps "
-                     f"{costs.total(kept) / costs.dense:.4f} ({policy.why()})")
+                     f"{costs.total(kept) / costs.dense:.4f} ({layer_policy.why()})")
     predicted = costs.total(kept)
     report = {"kept_units_per_layer": kept, "target_share": share, "predicted_cost": predicted,
               "dense_cost": costs.dense, "predicted_share": predicted / costs.dense, "unit": costs.unit,

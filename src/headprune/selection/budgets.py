@@ -57,11 +57,11 @@ class Budget:
         """The settings as results.json `budget` shows them."""
         return {"kind": self.kind, **{k: v for k, v in vars(self).items()}}
 
-    def check(self, schedule, policy) -> None:
+    def check(self, schedule, layer_policy) -> None:
         """Refuse, before anything runs, settings this budget would silently ignore."""
-        if getattr(policy, "measures_layout", False):
-            raise ValueError(f"layer_policy={policy.name} allocates a cost budget and cannot place a number of heads "
-                             "(budget=heads); allowed: budget=kv, flops or latency")
+        if getattr(layer_policy, "measures_layout", False):
+            raise ValueError(f"layer_policy={layer_policy.name} allocates a cost budget and cannot place a number of "
+                             "heads (budget=heads); allowed: budget=kv, flops or latency")
 
     def check_model(self, model: nn.Module, schedule) -> None:
         layers, heads = model_shape(model)
@@ -95,7 +95,7 @@ class CostBudget(Budget):
             if getattr(self, name) < 1:
                 raise ValueError(f"budget.{name}={getattr(self, name)} must be >= 1")
 
-    def check(self, schedule, policy) -> None:
+    def check(self, schedule, layer_policy) -> None:
         if not schedule.sparsities():
             raise ValueError(f"budget={self.kind} with schedule.target_sparsity=0 plans no round, so nothing would be "
                              f"pruned; under a cost budget the schedule's sparsities only spread budget.target over its "
@@ -103,7 +103,7 @@ class CostBudget(Budget):
         if schedule.can_reject:
             raise ValueError(f"budget={self.kind} with schedule=until_threshold is not supported: the threshold stops "
                              "by accuracy, the budget by cost; allowed: schedule=one_shot, iterative or cubic")
-        if policy.needs_sensitivity:
+        if layer_policy.needs_sensitivity:
             raise ValueError(f"layer_policy=sensitivity with budget={self.kind} is not supported: the allocation keeps, "
                              f"per layer, the units worth most under the {self.kind} budget and would measure the "
                              "sensitivity profile only to ignore it; allowed: layer_policy=global, uniform or depth_prior")
@@ -213,7 +213,7 @@ def make_budget(budget: Budget | dict | None) -> Budget:
     return BUDGETS[kind](**fields)
 
 
-def allocate(scores: torch.Tensor, alive: torch.Tensor, costs: LayerCosts, share: float, policy,
+def allocate(scores: torch.Tensor, alive: torch.Tensor, costs: LayerCosts, share: float, layer_policy,
              model_units: list[list[int]], cheapest: bool = False) -> tuple[list[tuple[int, int]], dict]:
     """The heads to prune so that the layout costs at most `share` x `costs.dense` and keeps the
     most importance, within the policy's constraints (`cheapest`: the cheapest layout they allow);
@@ -224,9 +224,9 @@ def allocate(scores: torch.Tensor, alive: torch.Tensor, costs: LayerCosts, share
     heads' scores, and a layer keeping k units keeps its k most valuable. At least one unit stays
     in the model. Raises ValueError when no layout fits."""
     n_layers = alive.shape[0]
-    plan = unit_plan(scores, alive, policy, model_units)
+    plan = unit_plan(scores, alive, layer_policy, model_units)
     choices, value = plan.choices, plan.value
-    kept = kept_units(choices, value, costs, cost_limit(costs, share), policy, cheapest, share)
+    kept = kept_units(choices, value, costs, cost_limit(costs, share), layer_policy, cheapest, share)
     heads = plan.heads(kept, alive, model_units)
     predicted = costs.total(kept)
     full = sum(value[l][choices[l][-1]] for l in range(n_layers))
@@ -252,18 +252,18 @@ class UnitPlan:
                 if alive[l, h]]
 
 
-def unit_plan(scores: torch.Tensor, alive: torch.Tensor, policy, model_units: list[list[int]]) -> UnitPlan:
+def unit_plan(scores: torch.Tensor, alive: torch.Tensor, layer_policy, model_units: list[list[int]]) -> UnitPlan:
     """The units of each layer ranked by the policy's `unit_scores` (shifted to be non-negative),
     and the choices its `caps` allow (`allocate`'s docstring)."""
     n_layers = alive.shape[0]
-    ranked_scores = policy.unit_scores(scores, alive)
+    ranked_scores = layer_policy.unit_scores(scores, alive)
     shifted = ranked_scores - min(float(ranked_scores[alive].min()) if bool(alive.any()) else 0.0, 0.0)
     unit_alive = [[u for u, heads in enumerate(model_units) if bool(alive[l, heads].any())] for l in range(n_layers)]
     unit_value = [{u: float(shifted[l, model_units[u]][alive[l, model_units[u]]].sum()) for u in unit_alive[l]}
                   for l in range(n_layers)]
     ranked = [sorted(unit_alive[l], key=lambda u: (-unit_value[l][u], u)) for l in range(n_layers)]
     group = len(model_units[0])
-    caps = policy.caps(alive)
+    caps = layer_policy.caps(alive)
     choices = [list(range(max(len(unit_alive[l]) - caps[l] // group, 0), len(unit_alive[l]) + 1))
                for l in range(n_layers)]
     value = [{k: sum(unit_value[l][u] for u in ranked[l][:k]) for k in choices[l]} for l in range(n_layers)]
@@ -275,10 +275,11 @@ def cost_limit(costs: LayerCosts, share: float) -> float:
     return share * costs.dense - costs.fixed
 
 
-def kept_units(choices, value, costs: LayerCosts, limit: float, policy, cheapest: bool, share: float) -> list[int]:
+def kept_units(choices, value, costs: LayerCosts, limit: float, layer_policy, cheapest: bool,
+               share: float) -> list[int]:
     """Units kept per layer: the most valuable layout within `limit` (module docstring)."""
     n_layers = len(choices)
-    if policy.same_units_per_layer:  # the same number of units in every layer: the most that fits
+    if layer_policy.same_units_per_layer:  # the same number of units in every layer: the most that fits
         shared = sorted(set.intersection(*(set(c) for c in choices)) - {0}, reverse=True)
         if cheapest:
             return [shared[-1] if shared else choices[0][0]] * n_layers

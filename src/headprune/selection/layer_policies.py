@@ -2,7 +2,7 @@
 
 A policy is a small typed object holding its options (Hydra builds it from
 `conf/layer_policy/<name>.yaml`); calling it is a pure function
-`policy(scores, alive, n_prune, sensitivity=None) -> list[(layer, head)]`:
+`layer_policy(scores, alive, n_prune, sensitivity=None) -> list[(layer, head)]`:
 `scores` is (layers, heads), higher = more important; `alive` is the bool keep-mask (True =
 not yet pruned). Heads already pruned are never chosen again. Each policy returns exactly
 `n_prune` heads or raises `ShortfallError` explaining which constraint makes that impossible.

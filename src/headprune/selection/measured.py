@@ -239,7 +239,7 @@ def correct(probe: Probe, base: torch.Tensor, ranked: list[list[int]], kept: lis
     return kept, loss, records
 
 
-def measured_allocation(model: nn.Module, mask: HeadMask, loader, scores: torch.Tensor, costs, share: float, policy,
+def measured_allocation(model: nn.Module, mask: HeadMask, loader, scores: torch.Tensor, costs, share: float, layer_policy,
                         model_units: list[list[int]], *, samples: int | None, passes: int, candidates: int,
                         max_batches: int | None = None) -> tuple[list[tuple[int, int]], dict, str | None]:
     """(heads to prune, the allocation report, shortfall or None): curves, knapsack, correction
@@ -250,7 +250,7 @@ def measured_allocation(model: nn.Module, mask: HeadMask, loader, scores: torch.
 
     start = time.perf_counter()
     alive = mask.alive()
-    plan = unit_plan(scores, alive, policy, model_units)
+    plan = unit_plan(scores, alive, layer_policy, model_units)
     probe = Probe.of(model, mask, loader, samples, max_batches)
     base = mask.mask.detach().clone()
     base_loss, curves = cost_curves(probe, base, plan.ranked, plan.choices, model_units)
@@ -259,9 +259,9 @@ def measured_allocation(model: nn.Module, mask: HeadMask, loader, scores: torch.
     limit = cost_limit(costs, share)
     shortfall = None
     try:
-        kept = kept_units(plan.choices, values, costs, limit, policy, False, share)
+        kept = kept_units(plan.choices, values, costs, limit, layer_policy, False, share)
     except ValueError as err:
-        kept = kept_units(plan.choices, values, costs, limit, policy, True, share)
+        kept = kept_units(plan.choices, values, costs, limit, layer_policy, True, share)
         shortfall = f"the {costs.unit} budget {share:.4f} of dense cannot be met: {err}"
     knapsack = list(kept)
     additive = base_loss + sum(curves[l][k] - base_loss for l, k in enumerate(kept))

@@ -34,7 +34,7 @@ from headprune.selection.schedules import OneShot
 
 
 def prune_to_budget(model: nn.Module, calib_loader, budget, metric: str = "fisher", recovery="least_squares",
-                    policy=None, rearrange: bool = True, mask: HeadMask | None = None, eval_loader=None,
+                    layer_policy=None, rearrange: bool = True, mask: HeadMask | None = None, eval_loader=None,
                     max_batches: int | None = None, train_loader=None) -> dict[str, Any]:
     """Mask (and scale) the heads of `model` down to `budget` without training; returns a report:
     `round` (the Pruner's round record: heads, allocation, predicted cost share, the tuning report,
@@ -43,7 +43,7 @@ def prune_to_budget(model: nn.Module, calib_loader, budget, metric: str = "fishe
 
     `budget`: a Budget, or its fields with `kind` ({"kind": "flops", "target": 0.5}); `target` is
     the share of the dense model's cost (heads: of its heads) to keep, in (0, 1]. `recovery`:
-    "least_squares", "none" or such a Recovery. `policy`: a layer policy whose constraints bound
+    "least_squares", "none" or such a Recovery. `layer_policy`: a layer policy whose constraints bound
     each layer (default GlobalPolicy(min_heads_per_layer=1)). `mask`: the model's HeadMask (one is
     attached if None). `train_loader`: the training text of a recovery that trains a step budget
     (recovery=lora or distill with steps > 0)."""
@@ -60,7 +60,7 @@ def prune_to_budget(model: nn.Module, calib_loader, budget, metric: str = "fishe
     recovery.check_model(model)  # before any work, as headprune-train does (e.g. a bias the model cannot carry)
     results = RunResults(None)
     start = time.perf_counter()
-    pruner = Pruner(model, get_metric(metric), schedule, policy if policy is not None else GlobalPolicy(),
+    pruner = Pruner(model, get_metric(metric), schedule, layer_policy if layer_policy is not None else GlobalPolicy(),
                     budget, recovery, mask=mask, rearrange=rearrange, results=results, max_batches=max_batches)
     record = pruner.step(0, Loaders(calib_loader, eval_loader, train=train_loader)) if schedule.sparsities() else None
     report: dict[str, Any] = {"round": record, "budget": {**results.data.get("budget", budget.record()), "target": target},

@@ -4,7 +4,7 @@
 hand-written loop calls without a Trainer:
 
     for k in range(schedule.num_rounds):
-        r = prune_round(model, mask, metric, policy, schedule.heads_to_prune(k, mask.alive()),
+        r = prune_round(model, mask, metric, layer_policy, schedule.heads_to_prune(k, mask.alive()),
                         score_loader, round_no=k + 1, eval_loader=val_loader)
         finetune(model)          # anything: a few optimizer steps, distillation, nothing
 
@@ -66,11 +66,11 @@ class Round:
         return out
 
 
-def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, policy: Callable, n_prune: int,
+def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, layer_policy: Callable, n_prune: int,
                 loader, *, round_no: int = 1, eval_loader=None, sensitivity: list[float] | None = None,
                 sync: Callable[[Any], Any] | None = None, max_batches: int | None = None,
                 cost_budget: tuple[LayerCosts, float] | None = None, rearrange: bool = False) -> Round:
-    """Score the heads of `model` on `loader` with `metric`, let `policy` pick `n_prune` of the
+    """Score the heads of `model` on `loader` with `metric`, let `layer_policy` pick `n_prune` of the
     alive ones and zero them in `mask`.
 
     When the policy's constraints cannot place `n_prune` heads, as many as it can place go and
@@ -97,26 +97,26 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, policy: Call
         scores = metric(model, mask, loader, **limit)
     score_seconds = time.perf_counter() - start
     measured = None
-    if getattr(policy, "needs_sensitivity", False) and sensitivity is None:
-        sensitivity = layer_sensitivity(model, mask, scores, loader, share=policy.share, max_batches=max_batches)
+    if getattr(layer_policy, "needs_sensitivity", False) and sensitivity is None:
+        sensitivity = layer_sensitivity(model, mask, scores, loader, share=layer_policy.share, max_batches=max_batches)
         sensitivity = measured = sync(sensitivity) if sync is not None else sensitivity
     options = {"sensitivity": sensitivity} if sensitivity is not None else {}
     shortfall, allocation, moved = None, None, None
     model_units = kv_group_heads(model) if cost_budget is not None else [[h] for h in range(mask.num_heads)]
-    if cost_budget is not None and getattr(policy, "measures_layout", False):  # it measures layouts on `loader`
-        heads, allocation, shortfall = policy.measure_allocation(model, mask, loader, scores, *cost_budget, model_units,
-                                                                 max_batches=max_batches)
+    if cost_budget is not None and getattr(layer_policy, "measures_layout", False):  # it measures layouts on `loader`
+        heads, allocation, shortfall = layer_policy.measure_allocation(model, mask, loader, scores, *cost_budget,
+                                                                       model_units, max_batches=max_batches)
         if shortfall:
             log.warning("round %d: %s; taking the cheapest layout the layer policy allows", round_no, shortfall)
     elif cost_budget is not None:
-        heads, allocation, shortfall = _allocate(scores, mask.alive(), *cost_budget, policy, model_units, round_no)
+        heads, allocation, shortfall = _allocate(scores, mask.alive(), *cost_budget, layer_policy, model_units, round_no)
     else:
         try:
-            heads = policy(scores, mask.alive(), n_prune, **options)
+            heads = layer_policy(scores, mask.alive(), n_prune, **options)
         except ShortfallError as err:
             shortfall = str(err)
             log.warning("round %d: %s; pruning %d heads instead", round_no, err, err.available)
-            heads = policy(scores, mask.alive(), err.available, **options)
+            heads = layer_policy(scores, mask.alive(), err.available, **options)
     if blocks is not None:
         began = time.perf_counter()
         searched = sorted(tuple(h) for h in heads)
@@ -135,13 +135,13 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, policy: Call
     return result
 
 
-def _allocate(scores, alive, costs: LayerCosts, share: float, policy, model_units, round_no: int):
+def _allocate(scores, alive, costs: LayerCosts, share: float, layer_policy, model_units, round_no: int):
     """(heads, allocation report, shortfall) for a cost budget, falling back to the cheapest layout
     the policy allows when no layout fits `share`."""
     try:
-        heads, report = allocate(scores, alive, costs, share, policy, model_units)
+        heads, report = allocate(scores, alive, costs, share, layer_policy, model_units)
         return heads, report, None
     except ValueError as err:
         log.warning("round %d: %s; taking the cheapest layout the layer policy allows", round_no, err)
-        heads, report = allocate(scores, alive, costs, share, policy, model_units, cheapest=True)
+        heads, report = allocate(scores, alive, costs, share, layer_policy, model_units, cheapest=True)
         return heads, report, f"the {costs.unit} budget {share:.4f} of dense cannot be met: {err}"
