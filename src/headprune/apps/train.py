@@ -65,7 +65,6 @@ def run(cfg: DictConfig) -> dict:
             finished = check_resume(cfg, ckpt_path, output_dir, schedule.total_epochs(), recovery)
             if finished is not None:
                 return finished
-            recovery.check_resume(output_dir)  # e.g. a saved teacher: refused before anything is rewritten
         start = time.perf_counter()
         setup = _setup(cfg, output_dir, schedule, metric, layer_policy, recovery, budget, task)
         setup.evaluation = evaluation
