@@ -178,3 +178,28 @@ def test_a_run_that_trains_no_epoch_is_told_to_start_again_with_overwrite(tmp_pa
     (run_dir / "checkpoints" / "last.ckpt").write_bytes(b"x")
     with pytest.raises(FileExistsError, match=rf"resume it with ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"):
         refuse_to_overwrite(run_dir, resuming=False, overwrite=False)
+
+
+class _ChecksPassed(Exception):
+    """Raised where the run would load its data and model: every start-time check has passed."""
+
+
+@pytest.mark.parametrize("rounds, refused", [(0, False), (2, True)])
+def test_a_distill_resume_is_refused_for_its_teacher_only_past_round_1(rounds, refused, tmp_path, data_dir,
+                                                                        monkeypatch):
+    """Through headprune-train's checks: a checkpoint from before round 1 (a crash in the baseline
+    epochs) has no teacher to reload yet and resumes; one past round 1 whose <run>/teacher is
+    gone is refused naming it, with nothing written into the run dir."""
+    def reached_setup(*args, **kwargs):
+        raise _ChecksPassed
+
+    monkeypatch.setattr(train_app, "_setup", reached_setup)
+    run_dir = tmp_path / "run"
+    last = _checkpoint(run_dir / "checkpoints", rounds)
+    before = files(run_dir)
+    cfg = compose_train(run_dir, data_dir, *BASE, "recovery=distill", f"ckpt_path={last}")
+    with pytest.raises(FileNotFoundError if refused else _ChecksPassed) as raised:
+        run(cfg)
+    if refused:
+        assert f"{run_dir / 'teacher'}" in str(raised.value)
+    assert files(run_dir) == before
