@@ -86,3 +86,8 @@ def test_a_missing_corpus_file_names_the_setting_and_the_file(tmp_path, data_dir
     with pytest.raises(FileNotFoundError, match=r"evaluation.other_corpora: corpus 'sst2' needs .*sst2/validation.tsv"):
         run(compose_train(tmp_path / "run", empty, *TINY_LM, "evaluation.other_corpora=[sst2]"))
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_llm_kv_runs_the_last_word_task(tmp_path, data_dir):
+    cfg = compose_train(tmp_path, data_dir, "experiment=llm_kv")
+    assert list(cfg.evaluation.zero_shot_tasks) == ["sst2_local", "last_word_local"]

@@ -1,6 +1,7 @@
 """Zero-shot through lm-eval: the shipped SST-2 task prepared from the shared data, offline,
 accuracy equal to a direct log-likelihood comparison on a tiny model, chance level, errors
-naming the task, and the real SmolLM2 on 64 sentences."""
+naming the task, and the real SmolLM2 on 64 sentences; the last-word task's passages (held out,
+both corpora, interleaved) and its accuracy as greedy prediction of the whole last word."""
 import json
 import random
 
@@ -35,9 +36,10 @@ def direct_acc(model, tok, rows) -> float:
     return right / len(rows)
 
 
-def test_the_shipped_task_is_found_beside_the_module():
-    assert set(LOCAL_TASKS) == {"sst2_local"}
-    assert "SST2_LOCAL_JSONL" in (task_dir() / "sst2_local.yaml").read_text()
+def test_the_shipped_tasks_are_found_beside_the_module():
+    assert set(LOCAL_TASKS) == {"sst2_local", "last_word_local"}
+    for task in LOCAL_TASKS.values():
+        assert task.placeholder in (task_dir() / task.yaml).read_text()
 
 
 def test_prepare_writes_the_data_and_a_task_pointing_at_it(data_dir, tmp_path):
@@ -117,3 +119,53 @@ def test_smollm2_sst2_local_on_64_sentences(data_dir, tmp_path):
                     cache_dir=tmp_path)["sst2_local"]
     assert (row["n"], row["chance"]) == (64, 0.5)
     assert 0.5 < row["acc"] <= 1.0 and 0 < row["acc_stderr"] < 0.1
+
+
+def test_last_word_passages_are_held_out_text_of_both_corpora_interleaved(data_dir):
+    from headprune.evaluation.last_word import passages
+
+    items = passages(data_dir)
+    assert len(items) == 1264 + 745 and [p["corpus"] for p in items[:4]] == ["tinyshakespeare", "sst2"] * 2
+    text = (data_dir / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
+    second_half = text[round(0.95 * len(text)):]  # the held-out part (last 10%) from its middle
+    sentences = [s for s, _ in sst2_rows(data_dir, 872)]
+    for p in items:
+        assert p["target"][0] == " " and p["target"][1:].isalpha() and p["context"] and not p["context"].endswith(" ")
+        if p["corpus"] == "tinyshakespeare":
+            assert p["context"] + p["target"] in second_half and len(p["context"].split()) >= 30
+        else:
+            assert any(s.startswith(p["context"] + p["target"]) for s in sentences)
+    assert sum(p["corpus"] == "sst2" for p in items[:200]) == 100
+
+
+@pytest.mark.slow
+def test_last_word_accuracy_is_greedy_prediction_of_the_whole_target(data_dir, tmp_path, monkeypatch):
+    """On passages whose target is what a tiny model predicts greedily (odd items: the wrong
+    word), lm-eval's `acc` through the shipped YAML is exactly the share of right items: no
+    delimiter is put between context and target, and every target token must be the argmax."""
+    import importlib
+
+    from headprune.evaluation.last_word import passages
+
+    zs = importlib.import_module("headprune.evaluation.zero_shot")  # the module (the package exports the function)
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tok = tiny_tokenizer()
+    model = tiny_chat_lm(tok)
+    items = []
+    for p in passages(data_dir)[:80]:
+        ids = torch.tensor([tok.encode(p["context"], add_special_tokens=False)])  # (1, T)
+        for _ in range(2):  # two greedy tokens (bytes)
+            with torch.no_grad():
+                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+        greedy = tok.decode(ids[0, -2:])
+        if tok.encode(greedy, add_special_tokens=False) == ids[0, -2:].tolist():  # text that encodes back
+            items.append({**p, "target": greedy if len(items) % 2 == 0 else greedy + "q"})
+        if len(items) == 8:
+            break
+    task = zs.LOCAL_TASKS["last_word_local"]
+    monkeypatch.setitem(zs.LOCAL_TASKS, "last_word_local",
+                        zs.LocalTask(task.yaml, task.placeholder, lambda _: "".join(json.dumps(p) + "\n" for p in items)))
+    row = zero_shot(model, tok, tasks=["last_word_local"], data_dir=data_dir, batch_size=4,
+                    cache_dir=tmp_path)["last_word_local"]
+    assert (row["acc"], row["n"], row["chance"]) == (0.5, 8, None)

@@ -6,7 +6,8 @@ pruned model's numbers are comparable with theirs. The model object is wrapped a
 evaluate without saving them.
 
 Local tasks (`LOCAL_TASKS`) are shipped YAML files in `evaluation/tasks/` over data we have
-(`sst2_local`: SST-2 validation, 872 sentences). Their `data_files` is a placeholder: at run
+(`sst2_local`: SST-2 validation, 872 sentences; `last_word_local`: the last word of held-out
+passages of Tiny Shakespeare and SST-2, `last_word.py`). Their `data_files` is a placeholder: at run
 time the data is converted from `<data_dir>` into a cache folder and the YAML is written there
 with the real path (`prepare_local_tasks`), so that folder is a complete lm-eval task folder
 (also usable as `lm_eval --include_path <folder>`). Any other name (hellaswag, piqa, arc_easy,
@@ -32,6 +33,7 @@ from torch import nn
 
 from headprune.atomic import write_text_atomic
 from headprune.data.textdata import label_key, read_table
+from headprune.evaluation.last_word import last_word_jsonl
 
 
 def _sst2_jsonl(data_dir: Path) -> str:
@@ -59,7 +61,8 @@ class LocalTask:
     make_data: Callable[[Path], str]
 
 
-LOCAL_TASKS = {"sst2_local": LocalTask("sst2_local.yaml", "SST2_LOCAL_JSONL", _sst2_jsonl)}
+LOCAL_TASKS = {"sst2_local": LocalTask("sst2_local.yaml", "SST2_LOCAL_JSONL", _sst2_jsonl),
+               "last_word_local": LocalTask("last_word_local.yaml", "LAST_WORD_LOCAL_JSONL", last_word_jsonl)}
 
 
 def task_dir():
