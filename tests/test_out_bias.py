@@ -19,12 +19,12 @@ def _count_calls(monkeypatch) -> list:
         calls.append(who)
         return real(model, who)
 
-    for module in ("out_bias", "least_squares", "bias_compensation"):
+    for module in ("out_bias", "least_squares", "bias_compensation", "refit"):
         monkeypatch.setattr(f"headprune.recovery.{module}.bias_refusal", counted)
     return calls
 
 
-@pytest.mark.parametrize("recovery", ["least_squares", "bias_compensation"])
+@pytest.mark.parametrize("recovery", ["least_squares", "bias_compensation", "refit"])
 def test_a_run_asks_once_whether_the_model_can_carry_the_bias(recovery, monkeypatch):
     """A Llama has no output bias: the first round adds one (zeros on Q/K/V), yet the refusal is
     computed once for the run, in check_model."""
@@ -38,7 +38,7 @@ def test_a_run_asks_once_whether_the_model_can_carry_the_bias(recovery, monkeypa
     assert len(calls) == 1, calls
 
 
-@pytest.mark.parametrize("recovery", ["least_squares", "bias_compensation"])
+@pytest.mark.parametrize("recovery", ["least_squares", "bias_compensation", "refit"])
 def test_a_model_that_cannot_carry_it_is_refused_before_any_work(recovery, monkeypatch):
     """Qwen2's config cannot declare an output bias: prune_to_budget refuses it before scoring."""
     scored = []

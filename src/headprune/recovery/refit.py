@@ -82,14 +82,13 @@ class Refit(Reconstruction):
             raise ValueError(f"recovery.bias={self.bias!r} must be true or false")
 
     def check_model(self, student: nn.Module) -> None:
-        refusal = self.bias and bias_refusal(student, "recovery=refit with recovery.bias=true")
-        if refusal:
-            raise ValueError(f"{refusal}; or set recovery.bias=false (weights only)")
+        """The run's one bias check, before any work: each round's refit trusts it."""
+        check_bias(student, self)
 
     def reconstruct(self, ctx, loaders=None) -> dict:
         """`ctx`: the run (model, mask, dense, max_batches; its `loaders` unless given)."""
         loaders = loaders if loaders is not None else ctx.loaders
-        return refit_layers(ctx.model, ctx.mask, ctx.dense, loaders.score, self, ctx.max_batches)
+        return _refit_layers(ctx.model, ctx.mask, ctx.dense, loaders.score, self, ctx.max_batches)
 
 
 @dataclass
@@ -117,8 +116,21 @@ def refit_layers(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, set
     place. `dense`: the unpruned model (no HeadMask). Returns the settings used, the fit and
     held-out token counts, per layer the chosen damp and the relative errors (calibration before /
     after, held-out before and per damp, least squares' on the same tokens), and the blocks run."""
-    if settings.bias and (refusal := bias_refusal(model, "recovery=refit with recovery.bias=true")):
+    check_bias(model, settings)
+    return _refit_layers(model, mask, dense, loader, settings, max_batches)
+
+
+def check_bias(model: nn.Module, settings: Refit) -> None:
+    """With `settings.bias`, refuse a model that cannot carry an output-projection bias (`bias_refusal`)."""
+    refusal = settings.bias and bias_refusal(model, "recovery=refit with recovery.bias=true")
+    if refusal:
         raise ValueError(f"{refusal}; or set recovery.bias=false (weights only)")
+
+
+@torch.no_grad()
+def _refit_layers(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, settings: Refit,
+                  max_batches: int | None = None) -> dict:
+    """`refit_layers` on a model already checked (`check_bias`: the recovery's `check_model`)."""
     device = mask.mask.device
     raw = [to_device(b, device) for i, b in enumerate(loader) if max_batches is None or i < max_batches]
     if not raw:
