@@ -25,8 +25,9 @@ empty `.<key>.lock` files stay). A cached folder that is damaged (no or unreadab
 a truncated model.safetensors) is converted again, with a warning. Clear the cache by deleting
 the folder (`rm -rf ~/.cache/headprune/models`); the next load converts again.
 
-A GGUF file that ends early (a cut download or copy) is named as truncated before conversion; a
-cache that cannot be written (read-only, or a file) is an error naming HEADPRUNE_CACHE.
+A file that is not a GGUF file is refused before conversion, and one that ends early (a cut
+download or copy) is named as truncated when reading it fails; a cache that cannot be written
+(read-only, or a file) is an error naming HEADPRUNE_CACHE.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import time
 from contextlib import contextmanager
@@ -173,25 +175,28 @@ def damaged(folder: Path) -> str | None:
 
 
 def check_gguf(path: Path) -> None:
-    """Refuse, naming the file, a GGUF file that is not one or that ends early (a cut download or
-    copy), before transformers fails on it with a struct or reshape error naming nothing."""
-    size = path.stat().st_size
+    """Refuse, naming the file, one that is not a GGUF file (cheap: its first 4 bytes); a file that
+    is one but ends early is named by `convert` when reading it fails (`truncation`)."""
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ValueError(f"GGUF file {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); allowed: a "
                          ".gguf file as llama.cpp writes it")
+
+
+def truncation(path: Path) -> str | None:
+    """Why the GGUF file ends early (a cut download or copy), or None when its header and tensor
+    table fit in the file. Slow on a real model (the gguf package parses the whole vocabulary,
+    ~12 s for SmolLM2), so only asked after reading the file failed."""
     from gguf import GGUFReader
 
+    size = path.stat().st_size
     try:
         reader = GGUFReader(str(path))
         end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    except Exception as err:  # noqa: BLE001 - struct.error, ValueError, IndexError: all mean a cut file
-        raise ValueError(f"GGUF file {path} is truncated or damaged ({size} bytes; reading it failed with "
-                         f"{type(err).__name__}: {err}); download or copy it again") from None
-    if end > size:
-        raise ValueError(f"GGUF file {path} is truncated: its tensors end at byte {end}, the file has {size}; "
-                         "download or copy it again")
+    except Exception as err:  # noqa: BLE001 - struct.error, ValueError, IndexError: all mean a cut file here
+        return f"its header or tensor table ends early ({size} bytes; {type(err).__name__}: {err})"
+    return f"its tensors end at byte {end}, the file has {size}" if end > size else None
 
 
 def _check_cache_writable(cache: Path, path: Path) -> None:
@@ -219,7 +224,10 @@ def convert(path: Path, into: Path) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
         quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
-    except (ValueError, KeyError, OSError) as err:
+    except (ValueError, KeyError, OSError, IndexError, struct.error) as err:
+        cut = truncation(path)
+        if cut is not None:  # not a struct or reshape error naming nothing
+            raise ValueError(f"GGUF file {path} is truncated: {cut}; download or copy it again") from None
         raise ValueError(f"GGUF file {path}: transformers could not read it ({type(err).__name__}: {err}); "
                          "allowed: GGUF files transformers reads (llama, mistral, qwen2, ...)") from None
     config = quantized.config
