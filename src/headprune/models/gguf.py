@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from headprune.atomic import staged_folder
+from headprune.atomic import current_umask, staged_folder
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,7 @@ def converted(path: Path, cache: Path | None = None) -> Path:
     digest = file_key(path)
     key = digest[:16]
     if (found := _cached(cache, key)) is not None and (damage := damaged(found)) is None:
+        _share(found)
         return found
     check_gguf(path)
     _check_cache_writable(cache, path)
@@ -146,6 +147,18 @@ def converted(path: Path, cache: Path | None = None) -> Path:
             (tmp / SOURCE_FILE).write_text(json.dumps(_source_record(path, digest), indent=2))
         log.info("converted %s in %.1f s", path.name, time.perf_counter() - start)
     return folder
+
+
+def _share(folder: Path) -> None:
+    """Files of a folder converted before conversions got 0666 less the umask (safetensors wrote
+    model.safetensors 0600) get it now, when this process owns them; others are left as they are."""
+    mode = 0o666 & ~current_umask()
+    for path in folder.iterdir():
+        try:
+            if path.is_file() and path.stat().st_uid == os.getuid() and path.stat().st_mode & 0o777 != mode:
+                os.chmod(path, mode)
+        except OSError:
+            pass
 
 
 def _cached(cache: Path, key: str) -> Path | None:
