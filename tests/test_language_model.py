@@ -49,3 +49,71 @@ def test_lm_data_module_on_tinyshakespeare(data_dir):
     assert set(batch) == {"input_ids"} and batch["input_ids"].shape == (32, 128)
     with pytest.raises(ValueError, match=r"data\.block_size=1 "):
         TextLMDataModule(tok, block_size=1)
+
+
+# -- calibration from several corpora ------------------------------------------------------------
+@pytest.fixture
+def small_data(data_dir, tmp_path):
+    """The shared Tiny Shakespeare and the first 2,000 rows of SST-2's train file (a fast test)."""
+    (tmp_path / "tinyshakespeare").mkdir()
+    (tmp_path / "tinyshakespeare" / "input.txt").symlink_to(data_dir / "tinyshakespeare" / "input.txt")
+    (tmp_path / "sst2").mkdir()
+    lines = (data_dir / "sst2" / "train.tsv").read_text(encoding="utf-8").splitlines(keepends=True)
+    (tmp_path / "sst2" / "train.tsv").write_text("".join(lines[:2001]), encoding="utf-8")
+    (tmp_path / "sst2" / "validation.tsv").symlink_to(data_dir / "sst2" / "validation.tsv")
+    return tmp_path
+
+
+def shakespeare(data_dir, **kwargs):
+    return TextLMDataModule(ByteTokenizer(), file="tinyshakespeare/input.txt", data_dir=str(data_dir), block_size=64,
+                            score_samples=5, name="tinyshakespeare", **kwargs)
+
+
+def test_calibration_mixes_corpora_from_their_training_parts(small_data):
+    """data.calibration_corpora=[tinyshakespeare, sst2]: 3 + 2 score blocks, the first from the
+    data's own training part (held out of training as before), the others from SST-2's train file
+    (never its validation sentences); seeded; the same own blocks as a one-corpus run of 3."""
+    dm = shakespeare(small_data, calibration_corpora=["tinyshakespeare", "sst2"])
+    dm.setup()
+    assert dm.calibration_counts() == {"tinyshakespeare": 3, "sst2": 2} and len(dm.score_set) == 5
+    text = (small_data / "tinyshakespeare" / "input.txt").read_bytes()
+    blocks = [bytes(dm.score_set[i]["input_ids"].tolist()) for i in range(5)]
+    one = TextLMDataModule(ByteTokenizer(), file="tinyshakespeare/input.txt", data_dir=str(small_data), block_size=64,
+                           score_samples=3)
+    one.setup()
+    assert blocks[:3] == [text[s:s + 64] for s in one.score_set.starts]
+    assert dm.train_set.starts == one.train_set.starts  # the own score blocks stay out of training
+    train = "\n".join(line.split("\t")[0].strip() for line in
+                      (small_data / "sst2" / "train.tsv").read_text(encoding="utf-8").splitlines()[1:]).encode()
+    validation = (small_data / "sst2" / "validation.tsv").read_bytes()
+    assert all(b in train and b not in validation for b in blocks[3:])
+    again = shakespeare(small_data, calibration_corpora=["tinyshakespeare", "sst2"])
+    again.setup()
+    assert [again.score_set[i]["input_ids"].tolist() for i in range(5)] == [list(b) for b in blocks]
+    only = shakespeare(small_data, calibration_corpora=["sst2"])
+    only.setup()
+    assert all(bytes(only.score_set[i]["input_ids"].tolist()) in train for i in range(5))
+    assert len(only.train_set) == len(one.train_set) + 3  # nothing of the own corpus held out for scoring
+
+
+@pytest.mark.parametrize("kwargs,pattern", [
+    (dict(calibration_corpora=["wikipedia"]),
+     r"data.calibration_corpora=\['wikipedia'\]: unknown \['wikipedia'\]; allowed: .*tinyshakespeare, sst2"),
+    (dict(calibration_corpora=["sst2", "sst2"]), r"data.calibration_corpora=\['sst2', 'sst2'\]: a corpus named twice"),
+    (dict(calibration_corpora=["tinyshakespeare", "sst2"], score_samples=1),
+     r"data.score_samples=1 cannot be split over the 2 data.calibration_corpora"),
+])
+def test_bad_calibration_corpora_are_refused_before_reading(kwargs, pattern, tmp_path):
+    with pytest.raises(ValueError, match=pattern):
+        TextLMDataModule(ByteTokenizer(), file="missing.txt", data_dir=str(tmp_path), name="tinyshakespeare", **kwargs)
+
+
+def test_the_cli_setting_is_refused_before_anything_is_written(tmp_path, data_dir):
+    from headprune.apps.train import run
+    from tests.helpers import compose_train
+    from tests.test_llm_pipeline import TINY_LM
+
+    cfg = compose_train(tmp_path, data_dir, *TINY_LM, "data.calibration_corpora=[tinyshakespeare,c4]")
+    with pytest.raises(ValueError, match=r"data.calibration_corpora=\['tinyshakespeare', 'c4'\]: unknown \['c4'\]"):
+        run(cfg)
+    assert not (tmp_path / "results.json").exists() and not (tmp_path / ".hydra").exists()

@@ -6,7 +6,11 @@ contiguous, so no validation text is ever trained on (random blocks of a running
 share passages across the split). Each part is cut into non-overlapping blocks of `block_size`
 tokens, the incomplete tail dropped. `score_samples` blocks, drawn with `seed` from the training
 part, are held out to rank heads; the other training blocks (capped at `max_train_samples`) are
-trained on, reshuffled every epoch. Batches are {"input_ids": (B, block_size)}: every token is
+trained on, reshuffled every epoch. `calibration_corpora` (e.g. [tinyshakespeare, sst2]) draws
+the score blocks from several corpora instead, `score_samples` split evenly in the listed order
+(the first ones get the remainder): the data's own corpus (its `name`) as above, any other
+corpus of headprune.data.corpora from that corpus's training part (never its held-out part,
+which the evaluation's other-corpus perplexity and the last-word task read). Batches are {"input_ids": (B, block_size)}: every token is
 real, and the model learns to predict each next token of a block from the ones before it.
 """
 from __future__ import annotations
@@ -79,7 +83,7 @@ class TextLMDataModule(L.LightningDataModule):
                  block_size: int = 128, validation_share: float = 0.1, score_samples: int = 64,
                  max_train_samples: int | None = None, max_validation_samples: int | None = None,
                  batch_size: int = 32, eval_batch_size: int = 64, num_workers: int = 0, seed: int = 0,
-                 name: str | None = None):
+                 name: str | None = None, calibration_corpora: list[str] | None = None):
         super().__init__()
         if not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"data.block_size={block_size!r} must be an integer >= 2 (one input and one target)")
@@ -94,7 +98,43 @@ class TextLMDataModule(L.LightningDataModule):
         self.max_train_samples, self.max_validation_samples = max_train_samples, max_validation_samples
         self.batch_size, self.eval_batch_size, self.num_workers = batch_size, eval_batch_size, num_workers
         self.seed, self.name = seed, name
+        self.calibration_corpora = self._check_calibration(calibration_corpora)
         self._loaded = False
+
+    def _check_calibration(self, names) -> list[str]:
+        """The listed corpora, or an error naming data.calibration_corpora and what is allowed."""
+        from headprune.data.corpora import CORPORA
+
+        names = list(names or [])
+        allowed = list(dict.fromkeys([*([self.name] if self.name else []), *CORPORA]))
+        unknown = [n for n in names if n not in allowed]
+        if unknown or len(set(names)) != len(names):
+            what = f"unknown {unknown}" if unknown else "a corpus named twice"
+            raise ValueError(f"data.calibration_corpora={names}: {what}; allowed: a list of distinct names from "
+                             f"{', '.join(allowed)} (null: the data's own corpus only)")
+        if names and self.score_samples < len(names):
+            raise ValueError(f"data.score_samples={self.score_samples} cannot be split over the {len(names)} "
+                             f"data.calibration_corpora {names}; allowed: at least {len(names)}")
+        return names
+
+    def calibration_counts(self) -> dict[str, int]:
+        """{corpus: score blocks drawn from it}: `score_samples` split evenly in the listed order."""
+        names = self.calibration_corpora or [self.name or "text"]
+        base, extra = divmod(self.score_samples, len(names))
+        return {name: base + int(i < extra) for i, name in enumerate(names)}
+
+    def _other_score_blocks(self, name: str, count: int, index: int) -> list[torch.Tensor]:
+        """`count` seeded blocks of corpus `name`'s training part, in text order."""
+        from headprune.data.corpora import corpus_ids
+
+        ids = corpus_ids(name, "train", self.tokenizer, self.data_dir, "data.calibration_corpora")
+        starts = list(range(0, len(ids) - self.block_size + 1, self.block_size))
+        if count > len(starts):
+            raise ValueError(f"data.calibration_corpora: {name!r} has {len(starts)} training blocks of "
+                             f"data.block_size={self.block_size} tokens, fewer than the {count} asked for")
+        g = torch.Generator().manual_seed(self.seed + 1000 * (index + 1))
+        chosen = sorted(torch.randperm(len(starts), generator=g)[:count].tolist())
+        return [ids[starts[i]:starts[i] + self.block_size] for i in chosen]
 
     # -- reading -----------------------------------------------------------------------------
     def _use_local(self) -> bool:
@@ -129,11 +169,22 @@ class TextLMDataModule(L.LightningDataModule):
             return
         text = self._read_local() if self._use_local() else self._read_hub()
         ids = torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)  # (N,)
-        starts = split_blocks(len(ids), self.block_size, self.validation_share, self.score_samples, self.seed)
+        counts = self.calibration_counts()
+        own = counts.get(self.name or "text", 0)
+        starts = split_blocks(len(ids), self.block_size, self.validation_share, own, self.seed)
         train = starts["train"][:self.max_train_samples]
         validation = starts["validation"][:self.max_validation_samples]
         self.train_set = Blocks(ids, train, self.block_size)
-        self.score_set = Blocks(ids, starts["score"], self.block_size)
+        if self.calibration_corpora:  # the listed corpora's blocks, one after another, as one token run
+            blocks = []
+            for index, (name, count) in enumerate(counts.items()):
+                blocks += ([ids[s:s + self.block_size] for s in starts["score"]] if name == (self.name or "text")
+                           else self._other_score_blocks(name, count, index))
+            self.score_set = Blocks(torch.cat(blocks), [i * self.block_size for i in range(len(blocks))],
+                                    self.block_size)
+            log.info("calibration: %s score blocks of %d tokens", counts, self.block_size)
+        else:
+            self.score_set = Blocks(ids, starts["score"], self.block_size)
         self.val_set = Blocks(ids, validation, self.block_size)
         # the held-out tail as one token run (perplexity windows of any length over the same tokens)
         self.held_out_ids = ids[held_out_start(len(ids), self.validation_share):]  # (N_val,)
