@@ -251,3 +251,71 @@ def test_an_emptied_layer_works_with_every_recovery(recovery, cfg_factory, tmp_p
     assert res["final"]["val"]["ppl"] > 1.0
     loaded = load_pruned(tmp_path / "export").eval()
     assert sorted(len(k) for k in loaded.headprune_layout) == [0, 4]
+
+
+class TableProbe:
+    """A probe whose losses come from tables keyed by the layout (units kept per layer): `whole`
+    for a layout measured as a whole, `partial` for one measured from a carried layer; so a test
+    can make the in-context numbers promise what the whole layout does not deliver."""
+
+    def __init__(self, ranked, units, whole, partial):
+        self.ranked, self.units, self.whole, self.partial = ranked, units, whole, partial
+        self.num_layers = len(ranked)
+
+    def layout(self, trial):
+        return tuple(sum(bool(trial[l, self.units[u]].any()) for u in units) for l, units in enumerate(self.ranked))
+
+    def loss(self, trial, layer=0, hidden=None):
+        table = self.whole if hidden is None else self.partial
+        return table[self.layout(trial)]
+
+    def carried(self, trial):
+        for layer in range(self.num_layers):
+            yield layer, "carried"
+
+
+def test_a_move_the_whole_layout_measures_worse_is_not_kept():
+    """In context, putting a group back into layer 0 gains 0.5 and taking one from layer 1 costs
+    0.1, but the two together, measured as a whole, are worse: the layout stays."""
+    units = [[0, 1], [2, 3]]
+    ranked = [[0, 1], [0, 1]]
+    base = torch.ones(2, 4)
+    whole = {(1, 1): 1.0, (2, 0): 1.5}
+    partial = {(2, 1): 0.5, (1, 0): 1.1, (0, 1): 2.0, (1, 2): 0.9}
+    probe = TableProbe(ranked, units, whole, partial)
+    costs = type("Costs", (), {"cost": [{0: 0.0, 1: 1.0, 2: 2.0}] * 2})()
+    kept, loss, records = correct(probe, base, ranked, [1, 1], [[0, 1, 2]] * 2, units, costs, 2.0,
+                                  [{0: 2.0, 1: 1.0, 2: 0.5}] * 2, passes=3, candidates=2)
+    assert (kept, loss) == ([1, 1], 1.0)
+    (record,) = records
+    assert record["accepted"] is None
+    assert record["tried"][0] == {"put_back": 0, "removed": 1, "predicted": pytest.approx(0.6), "measured": 1.5}
+
+
+# -- a layer with no heads in the decode bench (bench/llm.py) ----------------------------------------------
+@pytest.mark.slow  # ~10 s: a bench run
+def test_the_decode_bench_runs_an_uneven_export_with_an_attention_free_layer(tmp_path):
+    """3 layers x 6 query / 3 KV heads: the export keeps 3, 0 and 2 KV groups (layer 1 attention-free,
+    as layer_policy=measured or attention_drop leave it); the bench decodes it and its KV bytes are
+    exactly 5 / 9 of the dense model's."""
+    from headprune import heads_of_kv_groups, prune_heads, save_pruned
+    from headprune.apps.bench import run as bench
+    from tests.helpers import compose_bench
+
+    def model():
+        torch.manual_seed(0)
+        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=48, num_attention_heads=6,
+                                                  num_key_value_heads=3, num_hidden_layers=3, intermediate_size=64,
+                                                  max_position_embeddings=64)).eval()
+
+    model().save_pretrained(tmp_path / "dense")
+    save_pruned(prune_heads(model(), heads_of_kv_groups(model(), {1: [0, 1, 2], 2: [0]})), tmp_path / "uneven",
+                origin=str(tmp_path / "dense"))
+    rows = bench(compose_bench(tmp_path / "bench", "bench.encoder.enabled=false", "bench.train_step.enabled=false",
+                               "bench.onnxruntime.enabled=false", "bench.decoder.enabled=false", "bench.llm.enabled=true",
+                               f"bench.llm.pruned_dirs=[{tmp_path / 'uneven'}]", "bench.llm.batches=[1]",
+                               "bench.llm.prefill_batches=[1]"))["llm"]
+    dense, uneven = rows
+    assert uneven["kv_heads_kept"] == 5 and uneven["kv_exact"] is True
+    assert uneven["kv_cache_bytes"] * 9 == dense["kv_cache_bytes"] * 5
+    assert uneven["per_token_ms"] > 0
