@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from headprune.apps.train import run
 from headprune.recovery.distill import Distill, distill_loss, hidden_mse, kd_loss
+from headprune.tasks import CAUSAL_LM
 from tests.helpers import Crash, compose_train
 
 TINY = ["model=tiny_bert", "callbacks=none", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
@@ -35,7 +36,7 @@ def test_causal_lm_kd_averages_over_real_next_token_positions():
     s, t = torch.randn(2, 4, 5, generator=g), torch.randn(2, 4, 5, generator=g)
     batch = {"input_ids": torch.zeros(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])}
     per_position = F.kl_div(F.log_softmax(s[:, :-1], -1), F.softmax(t[:, :-1], -1), reduction="none").sum(-1)
-    got = kd_loss(s, t, batch, temperature=1.0)
+    got = kd_loss(s, t, batch, temperature=1.0, task=CAUSAL_LM)
     torch.testing.assert_close(got, torch.stack([per_position[0].mean(), per_position[1, :1].mean()]))
 
 

@@ -22,7 +22,7 @@ def test_hand_written_prune_and_finetune_loop(tokenizer):
                         loader, round_no=k + 1, eval_loader=loader)
         rounds.append(r)
         for batch in loader:  # one epoch of fine-tuning with the mask in place
-            loss = per_example_loss(forward_logits(model.train(), batch), batch).mean()
+            loss = per_example_loss(model, forward_logits(model.train(), batch), batch).mean()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

@@ -189,7 +189,7 @@ def test_fisher_matches_direct_per_example_gradients(tokenizer):
             contexts = []
             hooks = [adapter.out_proj(block).register_forward_pre_hook(lambda m, args: contexts.append(args[0]))
                      for block in adapter.blocks(model)]
-            loss = per_example_loss(forward_logits(model, one), one).sum()
+            loss = per_example_loss(model, forward_logits(model, one), one).sum()
             for h in hooks:
                 h.remove()
             for layer, (c, g) in enumerate(zip(contexts, torch.autograd.grad(loss, contexts))):
@@ -372,7 +372,7 @@ def test_l0_penalty_in_the_lightning_module(tokenizer):
     torch.manual_seed(0)
     loss = module.training_step(batch, 0)
     torch.manual_seed(0)  # the same dropout and gate noise
-    ce = per_example_loss(module(batch), batch).mean()
+    ce = per_example_loss(module.model, module(batch), batch).mean()
     torch.testing.assert_close(loss, ce + 0.05 * gates.expected_l0())
     with torch.no_grad():  # in training the gates are sampled
         torch.manual_seed(1)

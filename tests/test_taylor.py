@@ -21,7 +21,7 @@ def _direct_taylor(model, batch) -> torch.Tensor:
         contexts = []
         hooks = [adapter.out_proj(block).register_forward_pre_hook(
             lambda m, args: contexts.append(args[0])) for block in adapter.blocks(model)]
-        loss = per_example_loss(forward_logits(model, one), one).sum()
+        loss = per_example_loss(model, forward_logits(model, one), one).sum()
         for h in hooks:
             h.remove()
         grads = torch.autograd.grad(loss, contexts)

@@ -1,7 +1,11 @@
-"""What each task computes: logits, per-example losses and validation metrics.
+"""What each task computes: one `Task` object per task owns its loss, its validation metrics and
+their evaluation, and how a per-position quantity becomes a per-example one.
 
-The single list of tasks (`TASKS`) lives here. Training, evaluation between rounds and the
-gradient-based metrics all use these functions, so they agree on every number:
+The single list of tasks (`TASKS`) lives here. A run's task is chosen once: from config
+(`model.task`, checked against the data and the model by `headprune-train`), and everywhere
+below the app from the model itself (`task_of(model)`: its head), never from the shape of the
+logits. Training, evaluation between rounds and the gradient-based metrics all use it, so they
+agree on every number:
 - classification: cross-entropy of (B, C) logits; validation {"acc", "loss"} (mean per example);
 - causal_lm: mean next-token cross-entropy over each example's real tokens; validation
   {"loss", "ppl"}: the mean loss per token and its exponential, the perplexity.
@@ -20,36 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
-# what `evaluate` reports, per task (model.task)
-VAL_METRICS = {"classification": ("acc", "loss"), "causal_lm": ("loss", "ppl")}
-TASKS = tuple(VAL_METRICS)
-
-
-def check_task(task: str) -> str:
-    if task not in TASKS:
-        raise ValueError(f"model.task={task!r} is not allowed; allowed: {', '.join(TASKS)}")
-    return task
 
 
 def forward_logits(model: nn.Module, batch: dict, **options) -> torch.Tensor:
     """The model's logits on the batch's model inputs; `options` go to the forward (use_cache=False)."""
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     return model(**inputs, **options).logits
-
-
-def per_example_loss(logits: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Loss of each example, shape (B,).
-
-    Sequence classification: cross-entropy of (B, C) logits against `labels`.
-    Causal LM: mean next-token cross-entropy over each example's real tokens.
-    """
-    if logits.dim() == 2:
-        return F.cross_entropy(logits.float(), batch["labels"], reduction="none")
-    targets = batch.get("labels", batch["input_ids"])[:, 1:]  # (B, T-1)
-    logits = logits[:, :-1].float()  # (B, T-1, V)
-    token_loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none", ignore_index=-100)
-    weights = target_weights(batch)  # (B, T-1)
-    return (token_loss * weights).sum(1) / weights.sum(1).clamp_min(1.0)
 
 
 def next_token_loss_sum(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, int]:
@@ -91,11 +71,6 @@ def max_positions(config) -> int | None:
     return getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
 
 
-def is_causal_lm(model: nn.Module) -> bool:
-    """A next-token model (its architectures, else its class, end in ForCausalLM / LMHeadModel)."""
-    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in model.config.architectures or [type(model).__name__])
-
-
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
@@ -103,42 +78,151 @@ def to_device(batch: dict, device: torch.device) -> dict:
 def headline(val: dict) -> tuple[str, float]:
     """(name, value) of the number that sums up a validation result: accuracy (higher is better)
     for classification, perplexity (lower is better) for causal LM."""
-    name = "acc" if "acc" in val else "ppl"
+    name = next(task.headline for task in TASKS.values() if task.headline in val)
     return name, val[name]
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, dataloader, device: torch.device | str = "cpu",
-             max_batches: int | None = None) -> dict[str, float]:
-    """Validation metrics over `dataloader`, in eval mode: {"acc", "loss"} for (B, C)
-    classification logits, {"loss", "ppl"} for (B, T, V) causal-LM logits: the per-token mean of
-    `next_token_loss_sum` over every batch and its exponential (the one perplexity; a causal LM
-    runs without its KV cache)."""
-    was_training = model.training
-    model.eval()
-    options = {"use_cache": False} if is_causal_lm(model) else {}
-    correct, loss_sum, count, lm = 0, 0.0, 0.0, False
-    try:
-        for i, batch in enumerate(dataloader):
-            if max_batches is not None and i >= max_batches:
-                break
-            batch = to_device(batch, device)
-            logits = forward_logits(model, batch, **options)
-            lm = logits.dim() == 3
-            if lm:  # summed over tokens: a per-token mean
-                loss, targets = next_token_loss_sum(logits, batch)
-                loss_sum += loss.item()
-                count += targets
-            else:
-                losses = per_example_loss(logits, batch)  # (B,)
-                loss_sum += float(losses.sum())
-                correct += int((logits.argmax(-1) == batch["labels"]).sum())
-                count += batch["labels"].shape[0]
-    finally:
-        model.train(was_training)
-    if count == 0:
-        raise ValueError("evaluate() got an empty dataloader")
-    if lm:
+class Task:
+    """What a task computes. `val_metrics`: what `evaluate` reports; `headline`: the one of them
+    that sums a result up (`higher_is_better` says which way)."""
+
+    name: str = ""
+    val_metrics: tuple[str, ...] = ()
+    headline: str = ""
+    higher_is_better: bool = True
+    forward_options: dict = {}
+
+    def loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        """(B,) the loss of each example."""
+        raise NotImplementedError
+
+    def weights(self, batch: dict) -> torch.Tensor:
+        """(B,) what each example's loss counts for in a mean over the data (its examples or tokens)."""
+        raise NotImplementedError
+
+    def positions(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits that are scored: (B, C), or the (B, T-1, V) positions that predict a next token."""
+        return logits
+
+    def per_example(self, values: torch.Tensor, batch: dict) -> torch.Tensor:
+        """(B,) from values of `positions(logits)` without the class axis: (B,) as is, (B, T-1)
+        averaged over each example's real targets."""
+        return values
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, dataloader, device: torch.device | str = "cpu",
+                 max_batches: int | None = None) -> dict[str, float]:
+        """`val_metrics` over `dataloader`, in eval mode."""
+        was_training = model.training
+        model.eval()
+        totals = [0.0, 0.0, 0.0]  # loss sum, count, correct
+        try:
+            for i, batch in enumerate(dataloader):
+                if max_batches is not None and i >= max_batches:
+                    break
+                batch = to_device(batch, device)
+                self.accumulate(forward_logits(model, batch, **self.forward_options), batch, totals)
+        finally:
+            model.train(was_training)
+        if totals[1] == 0:
+            raise ValueError("evaluate() got an empty dataloader")
+        return self.metrics(*totals)
+
+    def accumulate(self, logits: torch.Tensor, batch: dict, totals: list[float]) -> None:
+        raise NotImplementedError
+
+    def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
+        raise NotImplementedError
+
+
+class Classification(Task):
+    """Sequence classification: cross-entropy of (B, C) logits against `labels`; validation
+    {"acc", "loss"}, the loss a mean per example."""
+
+    name, val_metrics, headline, higher_is_better = "classification", ("acc", "loss"), "acc", True
+
+    def loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        return F.cross_entropy(logits.float(), batch["labels"], reduction="none")
+
+    def weights(self, batch: dict) -> torch.Tensor:
+        return torch.ones(batch["input_ids"].shape[0], device=batch["input_ids"].device)
+
+    def accumulate(self, logits: torch.Tensor, batch: dict, totals: list[float]) -> None:
+        totals[0] += float(self.loss(logits, batch).sum())
+        totals[1] += batch["labels"].shape[0]
+        totals[2] += int((logits.argmax(-1) == batch["labels"]).sum())
+
+    def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
+        return {"acc": correct / count, "loss": loss_sum / count}
+
+
+class CausalLM(Task):
+    """Next-token prediction: the mean next-token cross-entropy over each example's real tokens;
+    validation {"loss", "ppl"}: the per-token mean of `next_token_loss_sum` over every batch and
+    its exponential (the one perplexity; the model runs without its KV cache)."""
+
+    name, val_metrics, headline, higher_is_better = "causal_lm", ("loss", "ppl"), "ppl", False
+    forward_options = {"use_cache": False}
+
+    def loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        targets = batch.get("labels", batch["input_ids"])[:, 1:]  # (B, T-1)
+        token_loss = F.cross_entropy(self.positions(logits).float().transpose(1, 2), targets, reduction="none",
+                                     ignore_index=-100)  # (B, T-1)
+        return self.per_example(token_loss, batch)
+
+    def weights(self, batch: dict) -> torch.Tensor:
+        return target_counts(batch)
+
+    def positions(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[:, :-1]  # position t predicts token t+1
+
+    def per_example(self, values: torch.Tensor, batch: dict) -> torch.Tensor:
+        weights = target_weights(batch)  # (B, T-1)
+        return (values * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+
+    def accumulate(self, logits: torch.Tensor, batch: dict, totals: list[float]) -> None:
+        loss, targets = next_token_loss_sum(logits, batch)  # summed over tokens: a per-token mean
+        totals[0] += loss.item()
+        totals[1] += targets
+
+    def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
         loss = loss_sum / count
         return {"loss": loss, "ppl": math.exp(loss)}
-    return {"acc": correct / count, "loss": loss_sum / count}
+
+
+CLASSIFICATION, CAUSAL_LM = Classification(), CausalLM()
+TASKS: dict[str, Task] = {task.name: task for task in (CLASSIFICATION, CAUSAL_LM)}
+VAL_METRICS = {name: task.val_metrics for name, task in TASKS.items()}  # what `evaluate` reports, per task
+
+
+def get_task(name: str) -> Task:
+    """The Task a config names (`model.task`)."""
+    if name not in TASKS:
+        raise ValueError(f"model.task={name!r} is not allowed; allowed: {', '.join(TASKS)}")
+    return TASKS[name]
+
+
+def check_task(name: str) -> str:
+    return get_task(name).name
+
+
+def task_of(model: nn.Module) -> Task:
+    """The task a model's head does: causal LM when its architectures (else its class) end in
+    ForCausalLM / LMHeadModel, classification otherwise. The one place a model's task is read."""
+    names = model.config.architectures or [type(model).__name__]
+    return CAUSAL_LM if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in names) else CLASSIFICATION
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    return task_of(model) is CAUSAL_LM
+
+
+def per_example_loss(model: nn.Module, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    """(B,) the loss of each example, by the task of `model`."""
+    return task_of(model).loss(logits, batch)
+
+
+def evaluate(model: nn.Module, dataloader, device: torch.device | str = "cpu",
+             max_batches: int | None = None) -> dict[str, float]:
+    """Validation metrics of `model`'s task over `dataloader` (`Task.evaluate`)."""
+    return task_of(model).evaluate(model, dataloader, device, max_batches)

@@ -18,7 +18,7 @@ from headprune.heads.hard_concrete import HardConcreteGates
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import apply_layout
 from headprune.recovery.base import Recovery
-from headprune.tasks import check_task, forward_logits, per_example_loss, target_counts
+from headprune.tasks import CAUSAL_LM, CLASSIFICATION, forward_logits, get_task
 
 
 class HeadPruneModule(L.LightningModule):
@@ -39,10 +39,9 @@ class HeadPruneModule(L.LightningModule):
                  scheduler: Callable | None = None, l0_penalty: float = 0.0, l0_lr: float = 0.1,
                  task: str = "classification", recovery: Recovery | None = None):
         super().__init__()
-        check_task(task)
-        if task == "classification" and not num_labels:
+        if get_task(task) is CLASSIFICATION and not num_labels:
             raise ValueError(f"model.task=classification needs the number of classes, got num_labels={num_labels!r}")
-        self.task = task
+        self.task = get_task(task)  # a Task (tasks.py): loss, weights, metrics
         self.recovery = recovery if recovery is not None else Recovery()
         self.nonfinite_loss: float | None = None
         self.model = model.train()  # from_pretrained returns eval mode; fine-tuning wants dropout
@@ -88,7 +87,7 @@ class HeadPruneModule(L.LightningModule):
             loss = loss + self.l0_penalty * expected_heads
             self.log("train/expected_heads", expected_heads, batch_size=logits.shape[0])
         self.log("train/loss", loss, prog_bar=True, batch_size=logits.shape[0])
-        if self.task == "classification":
+        if self.task is CLASSIFICATION:
             # a plain tensor (this rank's batch accuracy, averaged over the epoch), not a torchmetrics
             # object: the progress bar computes epoch metrics on rank 0 alone before the other ranks
             # do, and a metric object's compute is a collective (Lightning issue 21264: DDP hangs)
@@ -108,9 +107,9 @@ class HeadPruneModule(L.LightningModule):
         point, and logs plain tensors: nothing the progress bar reads (on rank 0 alone) can start a
         collective that the other ranks never join (Lightning issue 21264: DDP hangs)."""
         logits = self(batch)
-        losses = per_example_loss(logits, batch)  # (B,)
-        if self.task == "causal_lm":
-            self.val_token_loss.update(losses, weight=target_counts(batch))
+        losses = self.task.loss(logits, batch)  # (B,)
+        if self.task is CAUSAL_LM:
+            self.val_token_loss.update(losses, weight=self.task.weights(batch))
             return
         self.val_acc.update(logits.argmax(-1), batch["labels"])
         sums = torch.stack([losses.detach().sum(), losses.new_tensor(float(losses.numel()))])
@@ -127,7 +126,7 @@ class HeadPruneModule(L.LightningModule):
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(val|train)/",
                                 category=PossibleUserWarning)  # val/* are reduced already; train/acc is
         # this rank's on purpose (sync_dist would make it a collective the progress bar starts alone)
-        if self.task == "causal_lm":
+        if self.task is CAUSAL_LM:
             loss = self.val_token_loss.compute()
             self.val_token_loss.reset()
             self.log("val/loss", loss, prog_bar=True)

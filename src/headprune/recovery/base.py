@@ -87,7 +87,7 @@ class Recovery:
     def training_loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, per-example loss (B,)) of one training batch."""
         logits = forward_logits(model, batch)
-        return logits, per_example_loss(logits, batch)
+        return logits, per_example_loss(model, logits, batch)
 
     def take_train_stats(self) -> dict:
         """Extra per-round training figures (e.g. the teacher's forward time), reset after reading."""

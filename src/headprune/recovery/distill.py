@@ -36,7 +36,7 @@ from headprune.deploy.hf import load_pruned, save_pruned
 from headprune.heads.adapters import model_shape
 from headprune.recovery.base import AFTER_RECOVERY, Recovery, RecoveryContext, trains_after_pruning
 from headprune.recovery.training_steps import train_steps, trainable
-from headprune.tasks import MODEL_INPUTS, is_causal_lm, per_example_loss, real_tokens, target_weights
+from headprune.tasks import CLASSIFICATION, MODEL_INPUTS, Task, real_tokens, task_of
 
 log = logging.getLogger(__name__)
 
@@ -191,8 +191,9 @@ class Distilling(Recovery):
         with torch.no_grad():
             teacher_logits, teacher_hidden = forward_outputs(teacher, batch, hidden)
         self.state.seconds += time.perf_counter() - start
-        task = per_example_loss(logits, batch)
-        return logits, distill_loss(self, task, logits, teacher_logits, batch, student_hidden, teacher_hidden)
+        task = task_of(model)
+        return logits, distill_loss(self, task.loss(logits, batch), logits, teacher_logits, batch, student_hidden,
+                                    teacher_hidden, task)
 
     def take_train_stats(self) -> dict:
         seconds, self.state.seconds = self.state.seconds, 0.0
@@ -220,7 +221,7 @@ def load_teacher(folder: Path, student: nn.Module, hidden_weight: float, setting
         teacher = load_pruned(folder)
     except (OSError, ValueError, RuntimeError) as err:
         raise ValueError(f"{setting} cannot be loaded: {err}") from None
-    if is_causal_lm(teacher) != is_causal_lm(student):
+    if task_of(teacher) is not task_of(student):
         raise ValueError(f"{setting} is a {type(teacher).__name__}, the model being pruned "
                          f"a {type(student).__name__}: a teacher must do the same task")
     for name in ("vocab_size", "num_labels"):
@@ -252,18 +253,15 @@ def forward_outputs(model: nn.Module, batch: dict, hidden: bool = False):
     return out.logits, (out.hidden_states[1:] if hidden else None)
 
 
-def kd_loss(student: torch.Tensor, teacher: torch.Tensor, batch: dict, temperature: float) -> torch.Tensor:
-    """(B,) T^2 * KL(teacher || student) at temperature T: over classes for (B, C) logits, per
-    next-token position averaged over each example's real targets for (B, T, V) logits."""
-    if student.dim() == 3:
-        student, teacher = student[:, :-1], teacher[:, :-1]  # position t predicts token t+1
-    log_s = F.log_softmax(student.float() / temperature, dim=-1)
-    log_t = F.log_softmax(teacher.float() / temperature, dim=-1)
+def kd_loss(student: torch.Tensor, teacher: torch.Tensor, batch: dict, temperature: float,
+            task: Task = CLASSIFICATION) -> torch.Tensor:
+    """(B,) T^2 * KL(teacher || student) at temperature T over the task's scored positions: over
+    classes for classification, per next-token position averaged over each example's real
+    targets for a causal LM (`Task.positions`, `Task.per_example`)."""
+    log_s = F.log_softmax(task.positions(student).float() / temperature, dim=-1)
+    log_t = F.log_softmax(task.positions(teacher).float() / temperature, dim=-1)
     kl = (log_t.exp() * (log_t - log_s)).sum(-1) * temperature ** 2  # (B,) or (B, T-1)
-    if kl.dim() == 1:
-        return kl
-    weights = target_weights(batch)  # (B, T-1)
-    return (kl * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+    return task.per_example(kl, batch)
 
 
 def hidden_mse(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, ...], batch: dict) -> torch.Tensor:
@@ -274,10 +272,11 @@ def hidden_mse(student: tuple[torch.Tensor, ...], teacher: tuple[torch.Tensor, .
     return torch.stack(per_layer).mean(0)
 
 
-def distill_loss(settings: Distill, task_loss: torch.Tensor, student_logits: torch.Tensor,
-                 teacher_logits: torch.Tensor, batch: dict, student_hidden=None, teacher_hidden=None) -> torch.Tensor:
+def distill_loss(settings: Distilling, task_loss: torch.Tensor, student_logits: torch.Tensor,
+                 teacher_logits: torch.Tensor, batch: dict, student_hidden=None, teacher_hidden=None,
+                 task: Task = CLASSIFICATION) -> torch.Tensor:
     """(B,) the per-example recovery loss of the module docstring."""
-    loss = settings.alpha * kd_loss(student_logits, teacher_logits, batch, settings.temperature)
+    loss = settings.alpha * kd_loss(student_logits, teacher_logits, batch, settings.temperature, task)
     loss = loss + (1 - settings.alpha) * task_loss
     if settings.hidden_weight > 0:
         loss = loss + settings.hidden_weight * hidden_mse(student_hidden, teacher_hidden, batch)

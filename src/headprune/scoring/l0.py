@@ -50,7 +50,7 @@ def train_gates(model: nn.Module, mask: HeadMask, dataloader, steps: int = 100, 
         with scoring_mode(model), gates.sampling(generator):
             for step in range(int(steps)):
                 batch = to_device(batches[step % len(batches)], device)
-                loss = per_example_loss(forward_logits(model, batch), batch).mean()
+                loss = per_example_loss(model, forward_logits(model, batch), batch).mean()
                 loss = loss + penalty * gates.expected_l0()
                 (grad,) = torch.autograd.grad(loss, [gates.log_alpha])
                 gates.log_alpha.grad = all_reduce_sum(grad) / rank_and_world()[1]  # one set of gates on every rank

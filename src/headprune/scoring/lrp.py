@@ -38,7 +38,7 @@ from torch import nn
 
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
-from headprune.tasks import forward_logits, to_device
+from headprune.tasks import CLASSIFICATION, Task, forward_logits, task_of, to_device
 from headprune.scoring.reduce import finish_scores, mean_over_ranks, scoring_mode
 
 TARGETS = ("predicted", "gold")
@@ -121,7 +121,7 @@ def conservative_backward(model: nn.Module) -> Iterator[None]:
             handle.remove()
 
 
-def target_logits(logits: torch.Tensor, batch: dict, target: str = "predicted") -> torch.Tensor:
+def target_logits(logits: torch.Tensor, batch: dict, target: str = "predicted", task: Task = CLASSIFICATION) -> torch.Tensor:
     """(B,) the logit relevance starts from, per example.
 
     Classification (B, C): the predicted class's logit, or the gold label's. Causal LM
@@ -129,7 +129,7 @@ def target_logits(logits: torch.Tensor, batch: dict, target: str = "predicted") 
     """
     if target not in TARGETS:
         raise ValueError(f"metric.target={target!r} is not allowed; allowed: {', '.join(TARGETS)}")
-    if logits.dim() == 2:
+    if task is CLASSIFICATION:
         if target == "gold":
             if "labels" not in batch:
                 raise ValueError("metric.target='gold' needs `labels` in the scoring batches")
@@ -137,7 +137,7 @@ def target_logits(logits: torch.Tensor, batch: dict, target: str = "predicted") 
         else:
             index = logits.argmax(-1)
         return logits.gather(1, index[:, None]).squeeze(1)
-    logits = logits[:, :-1]  # (B, T-1, V)
+    logits = task.positions(logits)  # (B, T-1, V)
     index = logits.argmax(-1) if target == "predicted" else batch["input_ids"][:, 1:]  # (B, T-1)
     picked = logits.gather(2, index[..., None]).squeeze(2)  # (B, T-1)
     if "attention_mask" in batch:
@@ -151,7 +151,7 @@ def head_relevance(model: nn.Module, mask: HeadMask, batch: dict, target: str = 
     batch = to_device(batch, mask.mask.device)
     with scoring_mode(model), conservative_backward(model):
         with mask.differentiable_gates(batch["input_ids"].shape[0]) as gates:  # (B, L, H)
-            z = target_logits(forward_logits(model, batch), batch, target).sum()
+            z = target_logits(forward_logits(model, batch), batch, target, task_of(model)).sum()
             (relevance,) = torch.autograd.grad(z, gates)
     return relevance.detach()
 

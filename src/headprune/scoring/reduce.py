@@ -59,6 +59,6 @@ def per_example_gate_grads(model: nn.Module, mask: HeadMask, dataloader, max_bat
                 break
             batch = to_device(batch, mask.mask.device)
             with mask.differentiable_gates(batch["input_ids"].shape[0]) as gates:  # (B, L, H)
-                loss = per_example_loss(forward_logits(model, batch), batch).sum()
+                loss = per_example_loss(model, forward_logits(model, batch), batch).sum()
                 (grad,) = torch.autograd.grad(loss, gates)
             yield grad.detach().double()

@@ -36,7 +36,7 @@ from torch import nn
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
 from headprune.recovery.blockwise import BlockInputs, capture, run_block
-from headprune.tasks import forward_logits, is_causal_lm, per_example_loss, target_counts, to_device
+from headprune.tasks import forward_logits, is_causal_lm, target_counts, task_of, to_device
 
 
 TIE = 1e-9  # value per unit kept: breaks the knapsack's ties towards using the budget
@@ -90,7 +90,7 @@ class Probe:
         `hidden[i]` (batch i's states entering block `layer`, computed under the same trial for
         those blocks) stands in for their output."""
         start = time.perf_counter()
-        total, count = 0.0, 0.0
+        total, count, task = 0.0, 0.0, task_of(self.model)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -98,8 +98,8 @@ class Probe:
                 for i, batch in enumerate(self.batches):
                     with _start_at(self.model, layer, None if layer == 0 else hidden[i]):
                         logits = forward_logits(self.model, batch)
-                    losses = per_example_loss(logits, batch)  # (B,)
-                    weights = target_counts(batch) if logits.dim() == 3 else torch.ones_like(losses)  # (B,)
+                    losses = task.loss(logits, batch)  # (B,)
+                    weights = task.weights(batch)  # (B,) examples, or next-token targets
                     total += float((losses * weights).sum())
                     count += float(weights.sum())
         finally:
