@@ -61,6 +61,9 @@ class Rows:
 
 
 # -- a projection's weight layout: Linear (out, in), GPT-2's Conv1D (in, out) -----------------------
+PROJECTION_TYPES = (nn.Linear, Conv1D)  # the module types a projection of the blocks may be
+
+
 def stores_in_out(module: nn.Module) -> bool:
     """True when `module.weight` is stored (in, out) (GPT-2's Conv1D), False for (out, in) (Linear)."""
     return isinstance(module, Conv1D)

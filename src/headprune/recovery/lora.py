@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Iterator, List, Optional
 
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
-from headprune.heads.adapters import get_adapter
+from headprune.heads.adapters import PROJECTION_TYPES, get_adapter, stores_in_out
 from headprune.recovery.base import RecoveryContext
 from headprune.recovery.distill import Distilling
 from headprune.recovery.training_steps import trainable
@@ -83,7 +82,7 @@ def lora_adapters(model: nn.Module, settings: Lora) -> Iterator[int]:
 
     targets = lora_targets(model, settings.target_modules)
     config = LoraConfig(r=settings.rank, lora_alpha=settings.lora_alpha, lora_dropout=settings.dropout,
-                        target_modules=targets, fan_in_fan_out=isinstance(model.get_submodule(targets[0]), Conv1D))
+                        target_modules=targets, fan_in_fan_out=stores_in_out(model.get_submodule(targets[0])))
     wrappers = []
     with trainable(model, lambda name: False):  # peft's adapters, created next, are all that trains
         try:
@@ -117,7 +116,7 @@ def lora_targets(model: nn.Module, names: list[str] | None = None) -> list[str]:
     LM head excluded), only those whose own name is in `names` when given."""
     blocks = {id(b) for b in get_adapter(model).blocks(model)}
     prefixes = tuple(f"{n}." for n, m in model.named_modules() if id(m) in blocks)
-    found = [n for n, m in model.named_modules() if n.startswith(prefixes) and isinstance(m, (nn.Linear, Conv1D))
+    found = [n for n, m in model.named_modules() if n.startswith(prefixes) and isinstance(m, PROJECTION_TYPES)
              and "lora_" not in n and not n.endswith("base_layer")]
     if names is None:
         return found
