@@ -382,7 +382,7 @@ def _written_vocabulary(tokenizer, vocab_size: int) -> list[tuple]:
         raise ValueError(f"save_gguf: tokenizer {type(tokenizer).__name__} has no BPE merges, and llama.cpp's gpt2 "
                          "tokenizer requires them (a GGUF array may not be empty); allowed: a BPE tokenizer with "
                          "merges, or source_gguf=<a GGUF of the same model>")
-    out = [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.pre", "gpt2", T.STRING, None),
+    out = [("tokenizer.ggml.model", "gpt2", T.STRING, None), ("tokenizer.ggml.pre", "gpt-2", T.STRING, None),
            ("tokenizer.ggml.tokens", tokens, T.ARRAY, T.STRING), ("tokenizer.ggml.token_type", types, T.ARRAY, T.INT32),
            ("tokenizer.ggml.merges", merges, T.ARRAY, T.STRING)]
     for key, token_id in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
