@@ -6,6 +6,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 EXP = REPO / "experiments"
 
@@ -143,3 +145,38 @@ def test_retraining_free_rerun_table_matches_results(tmp_path, monkeypatch):
         assert old["rounds"][0]["pruned"] == new["rounds"][0]["pruned"], path.name
         if not path.stem.startswith("fisher_ls"):
             assert old["final"]["val"]["acc"] == new["final"]["val"]["acc"], path.name
+
+
+def _llm_run(pruned, ppl2048, recovery="LeastSquares", layers=2, heads=4):
+    """A results.json as an experiment=llm_kv run writes it, cut to what collect.py reads."""
+    ev = {"perplexity": {"seq128": {"ppl": 2 * ppl2048}, "seq2048": {"ppl": ppl2048}},
+          "zero_shot": {"sst2_local": {"acc": 0.75, "n": 8, "chance": 0.5}},
+          "generation": [{"prompt": "Hi?", "answer": f"ppl {ppl2048}"}]}
+    return {"model": {"layers": layers, "heads": heads}, "config": {"recovery": {"_target_": recovery}},
+            "rounds": [{"score_seconds": 1.5, "mask_tuning": {"seconds": 2.5, "tokens": 64}}],
+            "final": {"pruned": pruned, "heads_per_layer": [heads - sum(p[0] == i for p in pruned) for i in range(layers)]},
+            "evaluation": {"dense": dict(ev, perplexity={"seq128": {"ppl": 20.0}, "seq2048": {"ppl": 10.0}}), "pruned": ev}}
+
+
+def test_llm_kv_collect_reads_the_kv_groups_from_model_json_and_picks_the_best_arm(tmp_path):
+    """collect.py on synthetic runs of a 2-layer model with 4 query heads in 2 KV groups: the KV share
+    counts a group as kept while any of its heads is, the tables name the model's query heads, and
+    the summary's best arm is the lowest perplexity; a run of another model is refused by name."""
+    collect = _script(EXP / "llm_kv" / "collect.py")
+    shape = {"layers": 2, "heads": 4, "kv_heads": 2}
+    runs = {"fisher_kv67": _llm_run([[0, 0], [0, 1], [1, 2]], 12.0),  # layer 0 group 0 gone; layer 1 keeps head 3
+            "taylor_kv67": _llm_run([[0, 0], [0, 2], [1, 0], [1, 2]], 15.0)}  # no whole group gone
+    (tmp_path / "results").mkdir()
+    for stem, res in runs.items():
+        (tmp_path / "results" / f"{stem}.json").write_text(json.dumps(res))
+    dense, rows, answers = collect.load(tmp_path / "results", shape)
+    assert {r["run"]: r["kv_share"] for r in rows} == {"fisher_kv67": 0.75, "taylor_kv67": 1.0}
+    assert answers["fisher_kv67"] == [{"prompt": "Hi?", "answer": "ppl 12.0"}]
+    table = collect.table(dense, rows, shape)
+    assert "### 2 of 3 KV groups kept (5 of 8 query heads)" in table
+    assert "| Fisher | 0.750 | 24.00 | +20.0% | 12.00 | +20.0% | 0.750 | 2 | 2 | – |" in table
+    assert "| 2 of 3 KV groups kept | none (no training) | Fisher | 0.750 | 12.00 | +20.0% | 0.750 |" in \
+        collect.summary(dense, rows)
+    (tmp_path / "results" / "other_kv67.json").write_text(json.dumps(_llm_run([], 9.0, layers=3)))
+    with pytest.raises(ValueError, match=r"other_kv67\.json: its model has 3 layers x 4 heads, model\.json says 2 x 4"):
+        collect.load(tmp_path / "results", shape)

@@ -9,6 +9,8 @@ threads added) to `<out>/results/<arm>_<budget>.json`; the tables are then built
 random seeds as mean and spread beside every arm), `summary.md` (the README's table: the best
 arm per budget without and with training), `answers.md` (the greedy chat answers, dense and each
 arm side by side), `llm_kv.csv` (one row per run) and `results.png` (perplexity per arm).
+The model's layers, query heads and KV heads come from `model.json` (written from the model's
+config by `python experiments/llm_kv/layers.py shape`), each run's `model` record checked against it.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ ARMS = {"random": "random scores", "magnitude": "weight magnitude", "taylor": "T
 BUDGETS = {"kv67": "2 of 3 KV groups kept", "kv34": "1 of 3 KV groups kept",
            "q50": "half of the query heads kept, placed globally",
            "dense": "nothing pruned: the LoRA steps alone"}
-GROUP = 3  # SmolLM2: 9 query heads share 3 KV heads, 3 query heads per group
+HERE = Path(__file__).resolve().parent
 TUNING = ("mask_tuning", "bias_compensation", "refit", "lora", "distill")  # a round's recovery report
 
 
@@ -59,7 +61,7 @@ def split_name(stem: str) -> tuple[str, str, int | None]:
     return arm, budget, None
 
 
-def row(stem: str, res: dict) -> dict:
+def row(stem: str, res: dict, shape: dict) -> dict:
     arm, budget, seed = split_name(stem)
     (r,) = res["rounds"]
     ev = res["evaluation"]["pruned"]
@@ -68,31 +70,38 @@ def row(stem: str, res: dict) -> dict:
     stages = {"score": r["score_seconds"], "rearrange": (r.get("rearranged") or {}).get("seconds"),
               "tuning": tuning.get("seconds")}
     return {"run": stem, "budget": budget, "arm": arm, "seed": seed,
-            "kv_share": kv_share(res), "heads_kept": sum(res["final"]["heads_per_layer"]),
+            "kv_share": kv_share(res, shape), "heads_kept": sum(res["final"]["heads_per_layer"]),
             "train_tokens": tuning.get("tokens"),
             "ppl128": ev["perplexity"]["seq128"]["ppl"], "ppl2048": ev["perplexity"]["seq2048"]["ppl"],
             "sst2_acc": zs.get("acc"), "sst2_n": zs.get("n"), "wall_seconds": (res.get("wall") or {}).get("wall_seconds"),
             **{f"{k}_seconds": v for k, v in stages.items()}}
 
 
-def kv_share(res: dict) -> float:
+def kv_share(res: dict, shape: dict) -> float:
     """Share of the dense KV cache the export keeps: a KV group stays while any of its query heads
-    does (the export removes a group's key/value rows only with all of its heads)."""
-    layers, heads = res["model"]["layers"], res["model"]["heads"]
+    does (the export removes a group's key/value rows only with all of its heads). `shape`:
+    model.json (layers, heads, kv_heads)."""
+    layers, heads, groups = shape["layers"], shape["heads"], shape["kv_heads"]
+    size = heads // groups  # query heads per KV group
     pruned = {tuple(h) for h in res["final"]["pruned"]}
-    kept = sum(any((layer, g * GROUP + i) not in pruned for i in range(GROUP))
-               for layer in range(layers) for g in range(heads // GROUP))
-    return kept / (layers * heads // GROUP)
+    kept = sum(any((layer, g * size + i) not in pruned for i in range(size))
+               for layer in range(layers) for g in range(groups))
+    return kept / (layers * groups)
 
 
-def load(results: Path) -> tuple[dict | None, list[dict], dict]:
-    """(dense evaluation, rows, answers per run) from the result files."""
+def load(results: Path, shape: dict) -> tuple[dict | None, list[dict], dict]:
+    """(dense evaluation, rows, answers per run) from the result files; each run's model must have
+    `shape` (model.json)."""
     dense, rows, answers = None, [], {}
     for path in sorted(results.glob("*.json")):
         res = json.loads(path.read_text())
+        if res["model"] != {"layers": shape["layers"], "heads": shape["heads"]}:
+            raise ValueError(f"{path}: its model has {res['model']['layers']} layers x {res['model']['heads']} heads, "
+                             f"model.json says {shape['layers']} x {shape['heads']}; allowed: runs of that model "
+                             "(or write model.json again: python experiments/llm_kv/layers.py shape)")
         if dense is None and "dense" in res["evaluation"]:
             dense = res["evaluation"]["dense"]
-        rows.append(row(path.stem, res))
+        rows.append(row(path.stem, res, shape))
         answers[path.stem] = res["evaluation"]["pruned"].get("generation", [])
     return dense, rows, answers
 
@@ -105,7 +114,7 @@ def _change(x, base):
     return "–" if x is None or base is None else f"{100 * (x / base - 1):+.1f}%"
 
 
-def table(dense: dict, rows: list[dict]) -> str:
+def table(dense: dict, rows: list[dict], shape: dict) -> str:
     d128, d2048 = dense["perplexity"]["seq128"]["ppl"], dense["perplexity"]["seq2048"]["ppl"]
     dz = dense.get("zero_shot", {}).get("sst2_local", {})
     lines = [f"Dense: perplexity {d128:.2f} (seq 128), {d2048:.2f} (seq 2048); SST-2 zero-shot "
@@ -114,7 +123,7 @@ def table(dense: dict, rows: list[dict]) -> str:
         group = [r for r in rows if r["budget"] == budget]
         if not group:
             continue
-        lines += [f"### {title} ({group[0]['heads_kept']} of 270 query heads)", "",
+        lines += [f"### {title} ({group[0]['heads_kept']} of {shape['layers'] * shape['heads']} query heads)", "",
                   "| arm | KV kept | ppl seq 128 | change | ppl seq 2048 | change | SST-2 acc | score s | tuning s | wall s |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for arm, name in ARMS.items():
@@ -177,11 +186,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=None, help="the run folders (skip to rebuild from results/)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", type=Path, default=HERE / "model.json", help="the model's shape (layers.py shape)")
     args = parser.parse_args()
     if args.runs is not None and args.runs.is_dir():
         gather(args.runs, args.out)
-    dense, rows, answers = load(args.out / "results")
-    write_text_atomic(args.out / "results.md", table(dense, rows) + "\n")
+    shape = json.loads(args.model.read_text())
+    dense, rows, answers = load(args.out / "results", shape)
+    write_text_atomic(args.out / "results.md", table(dense, rows, shape) + "\n")
     write_text_atomic(args.out / "answers.md", answers_table(dense, answers) + "\n")
     write_text_atomic(args.out / "llm_kv.csv", to_csv(rows))
     write_text_atomic(args.out / "summary.md", summary(dense, rows) + "\n")
