@@ -199,8 +199,8 @@ def check_gguf(path: Path) -> None:
 
 def truncation(path: Path) -> str | None:
     """Why the GGUF file ends early (a cut download or copy), or None when its header and tensor
-    table fit in the file. Slow on a real model (the gguf package parses the whole vocabulary,
-    ~12 s for SmolLM2), so only asked after reading the file failed."""
+    table fit in the file. Slow on a real model (the gguf package parses the whole vocabulary in
+    Python: seconds for SmolLM2), so only asked after reading the file failed."""
     from gguf import GGUFReader
 
     size = path.stat().st_size
