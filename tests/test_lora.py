@@ -13,7 +13,7 @@ from headprune.heads.mask import HeadMask
 from headprune.recovery import Distill, Lora
 from headprune.recovery.base import RecoveryContext
 from headprune.recovery.lora import lora_adapters, lora_targets
-from headprune.recovery.training_steps import lr_factor
+from headprune.lr_schedules import warmup_cosine
 from headprune.results import RunResults
 from headprune.scoring import get_metric
 from headprune.selection.layer_policies import UniformPolicy
@@ -145,7 +145,7 @@ def test_distillation_steps_train_every_weight_against_the_unpruned_model(tmp_pa
 
 
 def test_lr_warms_up_then_decays_to_zero():
-    factors = [lr_factor(s, 20) for s in range(20)]
+    factors = [warmup_cosine(s, 20) for s in range(20)]
     assert factors[0] == 0.5 and factors[1] == 1.0 and factors[-1] < 0.01
     assert all(a >= b for a, b in zip(factors[1:], factors[2:]))
 

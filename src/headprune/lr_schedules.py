@@ -1,5 +1,9 @@
-"""Learning-rate schedules as `partial`-friendly factories (Hydra: `_partial_: true`)."""
+"""Learning-rate schedules, one module for every training loop: `warmup_decay` for a Trainer's
+fine-tuning epochs (a `partial`-friendly factory, Hydra: `_partial_: true`, conf/optim/) and
+`warmup_cosine` for a recovery's fixed step budget (recovery/training_steps.py)."""
 from __future__ import annotations
+
+import math
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -25,3 +29,13 @@ def warmup_decay(optimizer: Optimizer, total_steps: int, warmup_ratio: float = 0
         return max(final_ratio, 1.0 - (1.0 - final_ratio) * progress)
 
     return LambdaLR(optimizer, factor)
+
+
+def warmup_cosine(step: int, steps: int) -> float:
+    """The factor of the peak rate at `step` of `steps`: a linear warm-up over the first tenth of
+    the steps, then cosine to zero."""
+    warmup = max(1, steps // 10)
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -12,13 +12,14 @@ weights.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+
+from headprune.lr_schedules import warmup_cosine
 
 log = logging.getLogger(__name__)
 WINDOW = 10  # steps averaged for the first and last loss in the report (fewer in a short run)
@@ -49,15 +50,6 @@ def cycle(loader: Iterable) -> Iterator[dict]:
             raise ValueError("the training loader yields no batches")
 
 
-def lr_factor(step: int, steps: int) -> float:
-    """Linear warm-up over the first tenth of the steps, then cosine to zero."""
-    warmup = max(1, steps // 10)
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def train_steps(model: nn.Module, loader: Iterable, loss_fn: Callable[[nn.Module, dict], torch.Tensor], steps: int,
                 lr: float, max_grad_norm: float = 1.0, label: str = "recovery") -> dict:
     """Train `model`'s parameters that require grad for `steps` steps of `loss_fn(model, batch)`
@@ -70,7 +62,7 @@ def train_steps(model: nn.Module, loader: Iterable, loss_fn: Callable[[nn.Module
         raise ValueError(f"{label}: no parameter requires grad, nothing to train")
     device = params[0].device
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: warmup_cosine(step, steps))
     was_training = model.training
     model.train()
     losses, tokens, start = [], 0, time.perf_counter()
