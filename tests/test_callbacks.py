@@ -26,3 +26,17 @@ def test_nonfinite_loss_stops_rolls_back_and_writes_strict_json(tmp_path, data_d
     before = saved["rounds"][0]["val_before_finetune"]  # the model the rollback restores, evaluated masked
     assert saved["final"]["val"]["acc"] == before["acc"]
     assert saved["final"]["val"]["loss"] == pytest.approx(before["loss"], abs=1e-5)
+
+
+def test_the_callback_runs_the_pruners_loop_at_the_schedules_epochs(tmp_path, data_dir):
+    """Baseline after epoch 1, round 1 at its end, its result after epoch 2 (with that epoch's training
+    time), round 2, its result after epoch 3: each record carries the training that preceded it, and
+    the heads leave the model physically after each round (a loss-threshold schedule instead keeps a
+    round's heads until the next round accepts it: test_train)."""
+    res = run(compose_iterative(tmp_path, data_dir))
+    assert res["baseline"]["train_samples_per_s"] > 0  # the baseline epoch's training, recorded with it
+    assert [r["round"] for r in res["rounds"]] == [1, 2] and [r["sparsity"] for r in res["rounds"]] == [0.25, 0.5]
+    for record in res["rounds"]:
+        assert record["train_seconds"] > 0 and record["val"] != record["val_before_finetune"]
+    assert res["pruning"] == {"physical": True, "physical_effective": True}
+    assert res["final"]["val"] == res["rounds"][-1]["val"] and res["final"]["stop_reason"] == "target_reached"
