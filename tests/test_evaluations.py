@@ -91,3 +91,75 @@ def test_a_missing_corpus_file_names_the_setting_and_the_file(tmp_path, data_dir
 def test_llm_kv_runs_the_last_word_task(tmp_path, data_dir):
     cfg = compose_train(tmp_path, data_dir, "experiment=llm_kv")
     assert list(cfg.evaluation.zero_shot_tasks) == ["sst2_local", "last_word_local"]
+
+
+# -- defects from the probe (issue 31): each failed before its fix --------------------------------
+def test_window_lengths_that_do_not_divide_the_token_count_cover_the_same_tokens(data_dir):
+    """perplexity_tokens=1100 with seqs [64, 96] used 1,088 tokens at 64 and 1,056 at 96; now both
+    cover the first 960 (the largest multiple of 192, their least common multiple), stated in each
+    record's `tokens` and in the header."""
+    tok, model = ByteTokenizer(), tiny_lm()
+    options = EvaluationSettings(enabled=True, perplexity_seqs=[64, 96], perplexity_tokens=1100, zero_shot_tasks=[],
+                                 generate=False)
+    options.check("causal_lm")
+    out = evaluate_llm(model, tok, datamodule(data_dir, torch.arange(2000) % 200), options, str(data_dir))
+    assert [out["perplexity"][k]["tokens"] for k in ("seq64", "seq96")] == [960, 960]
+    assert (out["perplexity"]["seq64"]["windows"], out["perplexity"]["seq96"]["windows"]) == (15, 10)
+    assert header(options, datamodule(data_dir, torch.arange(10)))["perplexity_tokens_used"] == 960
+
+
+def test_window_lengths_with_no_common_token_count_are_refused():
+    options = EvaluationSettings(enabled=True, perplexity_seqs=[100, 127], perplexity_tokens=150)
+    with pytest.raises(ValueError, match=r"evaluation.perplexity_tokens=150 holds no whole number of windows of every "
+                                         r"length in evaluation.perplexity_seqs \[100, 127\].*allowed: .*12700"):
+        options.check("causal_lm")
+
+
+@pytest.mark.parametrize("override,pattern", [
+    ("evaluation.perplexity_seqs=[]", r"evaluation.perplexity_seqs=\[\] names no window length; allowed: a non-empty"),
+    pytest.param("evaluation.zero_shot_tasks=[no_such_task]",
+                 r"evaluation.zero_shot_tasks: 'no_such_task' is neither a local task", marks=pytest.mark.slow),
+])
+def test_settings_that_failed_late_fail_before_any_work(override, pattern, tmp_path, data_dir, monkeypatch):
+    """[] was `max() arg is an empty sequence`; an unknown zero-shot task failed only after the model
+    load, the dense perplexity pass and .hydra/ were written. Both now fail before the model loads."""
+    import headprune.apps.train as train
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the settings were checked")
+
+    monkeypatch.setattr(train, "_setup", no_load)
+    with pytest.raises(ValueError, match=pattern):
+        run(compose_train(tmp_path, data_dir, *TINY_LM, override))
+    assert not (tmp_path / "results.json").exists() and not (tmp_path / ".hydra").exists()
+
+
+def test_local_task_data_is_checked_before_anything_is_written(tmp_path, data_dir, monkeypatch):
+    import headprune.apps.evaluations as evaluations
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("the evaluation started before its data was checked")
+
+    monkeypatch.setattr(evaluations, "evaluate_llm", no_evaluation)
+    empty = tmp_path / "data"
+    (empty / "tinyshakespeare").mkdir(parents=True)
+    (empty / "tinyshakespeare" / "input.txt").write_bytes((data_dir / "tinyshakespeare" / "input.txt").read_bytes())
+    with pytest.raises(FileNotFoundError, match=r"zero_shot task 'sst2_local' needs .*sst2/validation.tsv"):
+        run(compose_train(tmp_path / "run", empty, *TINY_LM, "evaluation.zero_shot_tasks=[sst2_local]"))
+    assert not (tmp_path / "run" / "results.json").exists() and not (tmp_path / "run" / ".hydra").exists()
+
+
+@pytest.mark.slow
+def test_a_hub_task_offline_fails_at_the_check(monkeypatch):
+    """With the hub offline, an lm-eval task whose data is not cached fails in check_tasks (before
+    the model loads), naming the task; an unknown name fails without building lm-eval's index."""
+    import datasets
+    import huggingface_hub
+
+    from headprune.evaluation.zero_shot import check_tasks
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RuntimeError, match=r"zero_shot task 'piqa': lm-eval could not load its data"):
+        check_tasks(["sst2_local", "piqa"], "evaluation.zero_shot_tasks")

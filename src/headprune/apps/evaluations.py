@@ -4,7 +4,10 @@ dense model before pruning and on the exported one, written to results.json `eva
 
 - `perplexity.seq<N>`: perplexity in non-overlapping windows of each `perplexity_seqs` length
   over the first `perplexity_tokens` tokens of the held-out text (the data module's validation
-  tail: the same tokens for every arm of an experiment), `bos` saying whether each window starts
+  tail: the same tokens for every arm of an experiment and every window length: when the lengths
+  do not all divide perplexity_tokens, the largest multiple of their least common multiple within
+  it, warned and
+  recorded as `evaluation.perplexity_tokens_used`), `bos` saying whether each window starts
   with BOS; `evaluation.val` names the windows and BOS rule of the run's `val` perplexity, which
   the same implementation computes (headprune.tasks.evaluate) on the validation blocks;
 - `perplexity_other.<corpus>.seq<N>`: the same windows, seqs, token count and BOS rule on the
@@ -18,6 +21,7 @@ dense model before pruning and on the exported one, written to results.json `eva
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
@@ -54,20 +58,49 @@ class EvaluationSettings:
         if task != "causal_lm":
             raise ValueError(f"evaluation.enabled=true evaluates causal LMs, but model.task={task}; allowed: "
                              "evaluation.enabled=false, or a model.task=causal_lm run")
+        if not self.perplexity_seqs:
+            raise ValueError("evaluation.perplexity_seqs=[] names no window length; allowed: a non-empty list of "
+                             "integers >= 2 (e.g. [128, 2048])")
         for seq in self.perplexity_seqs:
             if not isinstance(seq, int) or not 2 <= seq <= self.perplexity_tokens:
                 raise ValueError(f"evaluation.perplexity_seqs: {seq!r} must be an integer in 2..perplexity_tokens "
                                  f"({self.perplexity_tokens})")
+        used = self.tokens_used()
+        if used == 0:
+            common = math.lcm(*self.perplexity_seqs)
+            raise ValueError(f"evaluation.perplexity_tokens={self.perplexity_tokens} holds no whole number of windows of "
+                             f"every length in evaluation.perplexity_seqs {list(self.perplexity_seqs)}, so each length "
+                             f"would cover different tokens; allowed: perplexity_tokens >= {common} (their least "
+                             f"common multiple; a multiple of it uses every token), or lengths that divide it")
+        if used != self.perplexity_tokens:
+            log.warning("evaluation: every window length covers the same first %d held-out tokens (the largest multiple "
+                        "of %d, the least common multiple of perplexity_seqs %s), not perplexity_tokens=%d",
+                        used, math.lcm(*self.perplexity_seqs), list(self.perplexity_seqs), self.perplexity_tokens)
         if self.batch_size < 1 or self.max_new_tokens < 1:
             raise ValueError("evaluation.batch_size and evaluation.max_new_tokens must be >= 1")
         if self.zero_shot_limit is not None and self.zero_shot_limit < 1:
             raise ValueError(f"evaluation.zero_shot_limit={self.zero_shot_limit} must be >= 1 or null")
         check_corpora(self.other_corpora, "evaluation.other_corpora")
+        if self.zero_shot_tasks:
+            from headprune.evaluation.zero_shot import check_tasks
+
+            check_tasks(self.zero_shot_tasks, "evaluation.zero_shot_tasks")
+
+    def tokens_used(self) -> int:
+        """The tokens every window length covers: the largest multiple of the lengths' least common
+        multiple within perplexity_tokens (all of them when it is one), so every `seq<N>` record of
+        a model is over the same tokens; 0 when there is none."""
+        common = math.lcm(*self.perplexity_seqs)
+        return self.perplexity_tokens // common * common
 
     def check_model(self, model, datamodule) -> None:
         """The longest window fits the model's positions and the held-out text."""
         if not self.enabled:
             return
+        if self.zero_shot_tasks:
+            from headprune.evaluation.zero_shot import check_local_data
+
+            check_local_data(self.zero_shot_tasks, datamodule.data_dir, "evaluation.zero_shot_tasks")
         positions = max_positions(model.config)
         longest = max(self.perplexity_seqs) + int(self.bos)
         if positions and longest > positions:
@@ -93,7 +126,8 @@ def header(options: EvaluationSettings, datamodule) -> dict:
     """results.json `evaluation` before any model is evaluated: the settings, and `val`: the
     windows and BOS rule of the run's `val` perplexity (the same implementation as the
     perplexities here, on the data module's validation blocks, without BOS)."""
-    head = {"settings": asdict(options), "val": datamodule.val_windows()}
+    head = {"settings": asdict(options), "perplexity_tokens_used": options.tokens_used(),
+            "val": datamodule.val_windows()}
     if options.other_corpora:
         head["other_corpora"] = {name: str(corpus_file(name, "held_out", datamodule.data_dir, "evaluation.other_corpora"))
                                  for name in options.other_corpora}
@@ -110,7 +144,8 @@ def evaluate_llm(model, tokenizer, datamodule, options: EvaluationSettings, data
     bos = tokenizer.bos_token_id if options.bos else None
 
     def perplexities(ids) -> dict:
-        return {f"seq{seq}": perplexity(model, Windows.cut(ids, seq, bos, options.perplexity_tokens), options.batch_size)
+        used = options.tokens_used()
+        return {f"seq{seq}": perplexity(model, Windows.cut(ids, seq, bos, used), options.batch_size)
                 for seq in options.perplexity_seqs}
 
     start = time.perf_counter()

@@ -20,9 +20,11 @@ functions. It seeds random / numpy / torch; the caller's generator states are re
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import random
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -108,6 +110,62 @@ def prepare_local_tasks(names: Sequence[str], data_dir: str | Path | None = None
             raise ValueError(f"{task.yaml}: data_files placeholder {task.placeholder!r} not found")
         _write_if_changed(folder / task.yaml, template.replace(task.placeholder, json.dumps(str(data_file))))
     return folder
+
+
+def check_tasks(names: Sequence[str], field: str = "tasks") -> None:
+    """Before any work: every name is a local task or a task lm-eval knows (its task index, read
+    without the network); with HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, an lm-eval task's data
+    must load now (from a datasets cache), or the error says it cannot. Local tasks' data: see
+    `check_local_data`."""
+    names = list(names)
+    if not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"{field}={names}: allowed: distinct task names")
+    hub = [n for n in names if n not in LOCAL_TASKS]
+    if not hub:
+        return
+    if importlib.util.find_spec("lm_eval") is None:
+        raise ValueError(f"{field}: {hub} are lm-eval tasks, but lm-eval is not installed; allowed: the local tasks "
+                         f"({', '.join(LOCAL_TASKS)}), or pip install 'headprune[llm]'")
+    known = _named_in_lm_eval_configs(hub)
+    for name in hub:
+        if name not in known:
+            raise ValueError(f"{field}: {name!r} is neither a local task ({', '.join(LOCAL_TASKS)}) nor an lm-eval task "
+                             "name (e.g. hellaswag, piqa, arc_easy, winogrande, boolq)")
+    if any(os.environ.get(v) for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        from lm_eval.tasks import TaskManager
+
+        manager = TaskManager()
+        with _rng_kept():
+            for name in hub:
+                _load_task(manager, name)
+
+
+def _named_in_lm_eval_configs(names: Sequence[str]) -> set[str]:
+    """The `names` that occur as a whole word in some YAML file of lm-eval's task folder: a task,
+    group or tag name always does, so a name that occurs nowhere is no lm-eval task. A text scan
+    (about a second), where building lm-eval's TaskManager index parses every file (a minute or
+    more on a busy machine)."""
+    spec = importlib.util.find_spec("lm_eval")  # its folder, without importing it (seconds)
+    patterns = {n: re.compile(rb"(?<![\w-])" + re.escape(n.encode()) + rb"(?![\w-])") for n in names}
+    found: set[str] = set()
+    for path in (Path(spec.origin).parent / "tasks").rglob("*.yaml"):
+        text = path.read_bytes()
+        found |= {n for n, pattern in patterns.items() if n not in found and pattern.search(text)}
+        if len(found) == len(patterns):
+            break
+    return found
+
+
+def check_local_data(names: Sequence[str], data_dir: str | Path | None, field: str = "tasks") -> None:
+    """Before any work: the data of the local tasks among `names` can be made from `data_dir`
+    (None: $HEADPRUNE_DATA_DIR); nothing is written."""
+    local = [n for n in names if n in LOCAL_TASKS]
+    data_dir = data_dir or os.environ.get("HEADPRUNE_DATA_DIR")
+    if local and not data_dir:
+        raise ValueError(f"{field}: the local tasks {local} need data: set data.data_dir or HEADPRUNE_DATA_DIR to the "
+                         "shared data folder (e.g. ../shared/data)")
+    for name in local:
+        LOCAL_TASKS[name].make_data(Path(data_dir).expanduser().resolve())
 
 
 @contextlib.contextmanager
