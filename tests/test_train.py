@@ -299,7 +299,14 @@ def test_minilm_experiments_smoke(name, extra, cfg_factory):
     res = run(cfg)
     target = cfg.schedule.target_sparsity
     assert res["final"]["sparsity"] == pytest.approx(min(round(target * 12), 9) / 12)  # >= 1 head per layer
-    assert all(0 <= r["val"]["acc"] <= 1 for r in res["rounds"])
+    removed = []  # each round's record follows from the heads removed so far
+    for r in res["rounds"]:
+        removed += [tuple(h) for h in r["pruned"]]
+        assert r["n_pruned"] == len(r["pruned"]) and len(set(removed)) == len(removed)  # no head twice
+        assert sum(r["heads_per_layer"]) == 12 - len(removed) and r["sparsity"] == pytest.approx(len(removed) / 12)
+        assert math.isfinite(r["val"]["loss"]) and r["val"]["loss"] > 0
+    assert sorted(removed) == sorted(tuple(h) for h in res["final"]["pruned"])
+    assert res["final"]["heads_per_layer"] == (res["rounds"][-1]["heads_per_layer"] if res["rounds"] else [4, 4, 4])
 
 
 def test_l0_gates_learned_in_finetune_from_the_metric_config(cfg_factory, tmp_path):
