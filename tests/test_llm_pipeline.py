@@ -21,7 +21,8 @@ def test_dense_and_pruned_models_are_evaluated_on_the_same_tokens(tmp_path, data
     res = run(compose_train(tmp_path, data_dir, *TINY_LM))
     saved = json.loads((tmp_path / "results.json").read_text())
     ev = saved["evaluation"]
-    assert ev["settings"]["perplexity_seqs"] == [64, 128] and set(ev) == {"settings", "val", "dense", "pruned"}
+    assert ev["settings"]["perplexity_seqs"] == [64, 128] and ev["perplexity_tokens_used"] == 1024
+    assert set(ev) == {"settings", "perplexity_tokens_used", "val", "dense", "pruned"}
     # `val` is the same perplexity on the 8 validation blocks of 128 bytes, without BOS
     assert ev["val"] == {"seq": 128, "windows": 8, "tokens": 1024, "targets": 8 * 127, "bos": False}
     for which in ("dense", "pruned"):
@@ -51,7 +52,8 @@ def test_evaluation_is_for_causal_lms(tmp_path, data_dir):
 def test_arms_may_skip_the_dense_evaluation(tmp_path, data_dir):
     run(compose_train(tmp_path, data_dir, *TINY_LM, "evaluation.dense=false"))
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert set(saved["evaluation"]) == {"settings", "val", "pruned"} and "evaluate_dense" not in saved["stages"]
+    assert set(saved["evaluation"]) == {"settings", "perplexity_tokens_used", "val", "pruned"}
+    assert "evaluate_dense" not in saved["stages"]
 
 
 @pytest.mark.real_model
