@@ -180,3 +180,13 @@ def test_llm_kv_collect_reads_the_kv_groups_from_model_json_and_picks_the_best_a
     (tmp_path / "results" / "other_kv67.json").write_text(json.dumps(_llm_run([], 9.0, layers=3)))
     with pytest.raises(ValueError, match=r"other_kv67\.json: its model has 3 layers x 4 heads, model\.json says 2 x 4"):
         collect.load(tmp_path / "results", shape)
+
+
+def test_last_word_table_matches_results():
+    """experiments/llm_kv/last_word: table.md is table.py's rendering of the raw json files, and
+    every pruned arm removed the heads its committed llm_kv result names."""
+    table = _script(EXP / "llm_kv" / "last_word" / "table.py")
+    rows = table.rows()
+    assert table.table(rows) == (EXP / "llm_kv" / "last_word" / "table.md").read_text()
+    assert {r["model"] for r in rows} >= {"dense", "random_s0_kv67"}
+    assert all(r["same_heads"] in (None, True) for r in rows) and all(r["n"] == 100 for r in rows)
