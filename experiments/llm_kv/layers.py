@@ -94,11 +94,9 @@ def sensitivity(args) -> None:
         data = {"settings": settings, "torch_threads": torch.get_num_threads(), "commit": commit(),
                 "command": "python experiments/llm_kv/layers.py sensitivity " + " ".join(args.argv),
                 "started": now(), "load_average_start": os.getloadavg(), "dense": {}, "layers": {}}
-    windows = {}
-    for seq, tokens in zip(args.seqs, args.tokens):
-        ids = dm.held_out_ids[:tokens]  # the first `tokens` held-out tokens, as evaluate_llm takes them
-        n = len(ids) // seq
-        windows[seq] = Windows(ids[:n * seq].view(n, seq), seq, tokenizer.bos_token_id)
+    # the first `tokens` held-out tokens in windows of `seq`, cut as evaluate_llm cuts them
+    windows = {seq: Windows.cut(dm.held_out_ids, seq, tokenizer.bos_token_id, tokens)
+               for seq, tokens in zip(args.seqs, args.tokens)}
     for seq in args.seqs:  # one sequence length at a time: a cut-short run has whole profiles
         key = f"seq{seq}"
         if key not in data["dense"]:
