@@ -1,0 +1,50 @@
+"""The README tables of this folder, from its raw files: agreement.json (agreement.py) and
+bench.json (run.sh). tests/test_gguf_export.py checks that the README holds what these print.
+
+Usage: python experiments/llm_kv/decode/llamacpp/tables.py   (prints both tables)
+"""
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def agreement_table(results: dict) -> str:
+    """Per model: the logit differences, argmax agreement, perplexities by GGUF weight type, sizes."""
+    lines = ["| model | GGUF | KV heads kept | max abs diff, exact (no flash attn, F32 cache) | max abs diff, served "
+             "(flash attn) | argmax equal | ppl PyTorch | ppl llama.cpp F32 | F16 | Q8_0 | GGUF MB F32 / F16 / Q8_0 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, e in results["models"].items():
+        sizes = " / ".join(f"{e[f'{w}_flash']['gguf_bytes'] / 1e6:.0f}" for w in ("f32", "f16", "q8_0"))
+        ppls = " | ".join(f"{e[f'{w}_flash']['ppl']:.3f} ({(e[f'{w}_flash']['ppl_ratio'] - 1) * 100:+.2f}%)"
+                          for w in ("f32", "f16", "q8_0"))
+        lines.append(f"| {name} | {e['arch']} | {sum(e['kv_heads'])} | {e['f32_exact']['max_abs_diff']:.1e} | "
+                     f"{e['f32_flash']['max_abs_diff']:.1e} | {e['f32_flash']['argmax_agreement']:.4f} | "
+                     f"{e['pytorch_ppl']:.3f} | {ppls} | {sizes} |")
+    return "\n".join(lines) + "\n"
+
+
+def decode_table(bench: dict) -> str:
+    """Per export and thread count at each context: tokens/s, speed-up, bound, ratio, KV."""
+    lines = ["| variant | GGUF | threads | context | tokens/s | per-token x dense | bound x | x / bound | KV MiB | "
+             "KV ratio | KV exact |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in bench["llamacpp"]:
+        if r["kind"] == "probe":
+            continue
+        lines.append(f"| {r['variant']} | {r['arch']} | {r['threads']} | {r['context']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['per_token_ratio']:.2f} | {r['bound']:.2f} | {r['ratio_to_bound']:.2f} | "
+                     f"{r['kv_cache_bytes'] / 2**20:.2f} | {r['kv_ratio']:.4f} | {r['kv_exact']} |")
+    return "\n".join(lines) + "\n"
+
+
+def shares(bench: dict) -> str:
+    """llama.cpp's measured attention share of a dense decode step, per threads and context."""
+    seen = {(r["threads"], r["context"]): r["dense_attention_share"] for r in bench["llamacpp"]}
+    return ", ".join(f"{share:.0%} (threads {t}, context {c})" for (t, c), share in seen.items())
+
+
+if __name__ == "__main__":
+    print(agreement_table(json.loads((HERE / "agreement.json").read_text())))
+    bench = json.loads((HERE / "bench.json").read_text())
+    print(decode_table(bench))
+    print(shares(bench))
