@@ -32,7 +32,7 @@ ENCODER_FIELDS = {"variant", "sparsity", "batch", "seq", "forward_ms", "attentio
                   "attention_ratio", "theoretical_attention_ratio"}
 DECODER_FIELDS = {"variant", "sparsity", "prefill_ms", "per_token_ms", "kv_cache_bytes", "kv_ratio"}
 SPARSITIES = [0.25, 0.5, 0.75]
-ONNX_SPARSITIES = [0.5]  # one pruned export beside the dense one: each torch.onnx export costs ~6 s here
+ONNX_SPARSITIES = [0.5]  # one pruned export beside the dense one: torch.onnx exports are most of a quick run
 
 
 @pytest.fixture(scope="module")
