@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-import transformers as tf
 from hydra.errors import ConfigCompositionException
 from transformers.pytorch_utils import Conv1D
 
@@ -26,7 +25,7 @@ from headprune.bench.variants import (SparseLinear, build_variants, qkvo_modules
                                       removal_counts)
 from headprune.apps.bench import run
 from headprune.apps.config_paths import config_dir
-from tests.helpers import compose_bench
+from tests.helpers import compose_bench, tiny
 
 ENCODER_FIELDS = {"variant", "sparsity", "batch", "seq", "forward_ms", "attention_ms", "forward_ratio",
                   "attention_ratio", "theoretical_attention_ratio"}
@@ -290,20 +289,13 @@ def test_removal_counts():
 
 def test_reported_sparsity_is_the_share_actually_removed():
     # 0.3 x 4 heads rounds to 1 head per layer (0.25); skewed takes the last layer's from the middle one
-    variants = build_variants(tiny_bert(), {"pruned": [0.3]}, ["uniform", "skewed"])
+    variants = build_variants(tiny("bert"), {"pruned": [0.3]}, ["uniform", "skewed"])
     assert [(v.name, v.sparsity, v.heads) for v in variants] == [
         ("dense", 0.0, [4, 4, 4]), ("pruned_uniform", 0.25, [3, 3, 3]), ("pruned_skewed", 0.25, [3, 2, 4])]
 
 
-def tiny_bert():
-    config = tf.BertConfig(vocab_size=100, hidden_size=32, num_attention_heads=4, num_hidden_layers=3,
-                           intermediate_size=64, max_position_embeddings=64)
-    torch.manual_seed(0)
-    return tf.BertForSequenceClassification(config).eval()
-
-
 def test_unstructured_zeroes_as_many_weights_as_head_pruning():
-    dense = tiny_bert()
+    dense = tiny("bert")
     removed = qkvo_weight_count(dense) - qkvo_weight_count(prune_heads(copy.deepcopy(dense), {0: [0, 1], 1: [0, 1],
                                                                                               2: [0, 1]}))
     variants = build_variants(dense, {"unstructured_dense": [0.5], "unstructured_sparse": [0.5]}, ["uniform"])
@@ -321,7 +313,7 @@ def test_unstructured_zeroes_as_many_weights_as_head_pruning():
 def test_attention_replay_records_core_and_output_projection_inputs():
     """BERT's sub-layer is timed as BertSelfAttention + output.dense (not the residual LayerNorm); the
     output projection's input is recorded before the HeadMask gate, which runs again on replay."""
-    model = tiny_bert()
+    model = tiny("bert")
     HeadMask.for_model(model).prune([(0, 1)])
     calls = record_attention_calls(model, torch.randint(0, 100, (2, 7)))
     assert [type(m).__name__ for m, _, _ in calls] == ["BertSelfAttention", "Linear"] * 3
