@@ -182,6 +182,13 @@ TINY_ITERATIVE = ["model=tiny_bert", "logger=none", "data.max_train_samples=96",
                   "schedule.baseline_epochs=1", "schedule.epochs_per_round=1", "export=false"]
 
 
+# The tiny causal LM the LM tests' override lists start with: model=tiny_gpt2 (byte-level GPT-2) cut to
+# 2 layers x 4 heads, hidden 32, on Tiny Shakespeare (tests/test_train.py, test_lora.py,
+# test_llm_pipeline.py, test_run_loop.py, test_measured_allocation.py add their data sizes and schedule).
+TINY_LM_MODEL = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides.n_layer=2",
+                 "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32"]
+
+
 def compose_iterative(out, data_dir, *overrides):
     """compose_train with TINY_ITERATIVE first."""
     return compose_train(out, data_dir, *TINY_ITERATIVE, *overrides)

@@ -7,10 +7,9 @@ import json
 import pytest
 
 from headprune.apps.train import run
-from tests.helpers import compose_train, smollm2
+from tests.helpers import TINY_LM_MODEL, compose_train, smollm2
 
-TINY_LM = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides.n_layer=2",
-           "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32", "data.max_train_samples=32",
+TINY_LM = [*TINY_LM_MODEL, "data.max_train_samples=32",
            "data.score_samples=16", "data.max_validation_samples=8", "schedule=one_shot", "schedule.target_sparsity=0.5",
            "schedule.baseline_epochs=1", "schedule.epochs_per_round=0", "logger=none", "diagnostics.enabled=false",
            "evaluation.enabled=true", "evaluation.perplexity_seqs=[64,128]", "evaluation.perplexity_tokens=1024",

@@ -19,10 +19,9 @@ from headprune.scoring import get_metric
 from headprune.selection.layer_policies import UniformPolicy
 from headprune.selection.pruner import Loaders, Pruner
 from headprune.selection.schedules import OneShot
-from tests.helpers import PRUNE, V, Crash, compose_train, inputs, tiny
+from tests.helpers import PRUNE, TINY_LM_MODEL, V, Crash, compose_train, inputs, tiny
 
-TINY_LM = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides.n_layer=2",
-           "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32", "data.max_train_samples=8",
+TINY_LM = [*TINY_LM_MODEL, "data.max_train_samples=8",
            "data.score_samples=8", "data.max_validation_samples=4", "data.batch_size=2", "schedule=iterative",
            "schedule.target_sparsity=0.5", "schedule.step=0.25", "schedule.baseline_epochs=0",
            "schedule.epochs_per_round=0", "logger=none", "diagnostics.enabled=false", "callbacks=none"]

@@ -19,7 +19,7 @@ from headprune.selection.budgets import unit_plan
 from headprune.selection.layer_policies import AttentionDropPolicy, MeasuredPolicy
 from headprune.selection.measured import Probe, correct, trial_mask
 from headprune.selection.rounds import prune_round
-from tests.helpers import V, results
+from tests.helpers import TINY_LM_MODEL, V, results
 
 USELESS = 2  # the layer whose attention output projection is zeroed
 
@@ -207,9 +207,7 @@ def test_prune_round_masks_the_measured_layout():
 
 
 # -- the train app --------------------------------------------------------------------------------------
-TINY_GPT2 = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides.n_layer=2",
-             "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32",
-             "+model.config_overrides.n_positions=64", "data.block_size=32", "data.max_train_samples=16",
+TINY_GPT2 = [*TINY_LM_MODEL, "+model.config_overrides.n_positions=64", "data.block_size=32", "data.max_train_samples=16",
              "data.score_samples=8", "data.max_validation_samples=8", "data.batch_size=4", "data.eval_batch_size=4",
              "logger=none", "callbacks=none", "trainer.num_sanity_val_steps=0", "schedule=one_shot",
              "schedule.target_sparsity=0.5", "schedule.baseline_epochs=0", "schedule.epochs_per_round=0",

@@ -14,10 +14,9 @@ from headprune.apps.train import run
 from headprune.selection.layer_policies import GlobalPolicy
 from headprune.selection.pruner import RunObserver
 from headprune.selection.schedules import Iterative
-from tests.helpers import compose_train, tiny_batch, tiny_bert
+from tests.helpers import TINY_LM_MODEL, compose_train, tiny_batch, tiny_bert
 
-TINY_LM = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides.n_layer=2",
-           "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32", "data.max_train_samples=0",
+TINY_LM = [*TINY_LM_MODEL, "data.max_train_samples=0",
            "data.score_samples=8", "data.max_validation_samples=4", "schedule=one_shot", "schedule.target_sparsity=0.5",
            "schedule.baseline_epochs=0", "schedule.epochs_per_round=0", "recovery=none", "callbacks=none",
            "diagnostics.enabled=false", "evaluation.enabled=true", "evaluation.perplexity_seqs=[64]",

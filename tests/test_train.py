@@ -30,7 +30,7 @@ from headprune.selection.budgets import BUDGETS, Budget
 from headprune.selection.layer_policies import LAYER_POLICIES, LayerPolicy
 from headprune.selection.schedules import SCHEDULES, Schedule
 from headprune.tasks import evaluate
-from tests.helpers import tiny_batch, tiny_bert
+from tests.helpers import TINY_LM_MODEL, tiny_batch, tiny_bert
 
 CONF = config_dir()
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
@@ -387,9 +387,7 @@ def test_export_folds_learned_l0_gates(tmp_path, tokenizer):
 
 
 # -- a causal LM (model=tiny_gpt2 data=tinyshakespeare) -----------------------------------------
-TINY_GPT2 = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides.n_layer=2",
-             "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32",
-             "+model.config_overrides.n_positions=64", "data.block_size=32", "data.max_train_samples=48", "data.score_samples=16", "data.max_validation_samples=16",
+TINY_GPT2 = [*TINY_LM_MODEL, "+model.config_overrides.n_positions=64", "data.block_size=32", "data.max_train_samples=48", "data.score_samples=16", "data.max_validation_samples=16",
              "data.batch_size=8", "data.eval_batch_size=8", "logger=none", "callbacks=none",
              "trainer.num_sanity_val_steps=0"]
 
