@@ -67,6 +67,39 @@ def tiny(family: str, attn: str = "sdpa", seed: int = 0):
     return auto.from_config(make_config(), attn_implementation=attn).eval()
 
 
+def tiny_gqa_llama(layers: int = 3, seed: int = 0):
+    """The GQA Llama of FAMILIES (4 query / 2 KV heads) with `layers` layers."""
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(**dict(GQA, num_hidden_layers=layers))
+    return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def tiny_gpt2_classifier(seed: int = 0):
+    """A 2-layer GPT-2 sequence classifier (4 heads, hidden 32, vocab 64, pad 0), eager attention."""
+    torch.manual_seed(seed)
+    cfg = tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32, pad_token_id=0, num_labels=2)
+    return tf.AutoModelForSequenceClassification.from_config(cfg, attn_implementation="eager").eval()
+
+
+def tiny_llama_classifier(seed: int = 0):
+    """A 2-layer GQA Llama sequence classifier (4 query / 2 KV heads, hidden 32, vocab 64, pad 0), eager."""
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                         intermediate_size=48, vocab_size=64, max_position_embeddings=32, pad_token_id=0, num_labels=2)
+    return tf.AutoModelForSequenceClassification.from_config(cfg, attn_implementation="eager").eval()
+
+
+def tiny_byte_llama(seed: int = 0):
+    """A 2-layer GQA Llama LM over the byte tokenizer's vocabulary (models/byte_tokenizer.py)."""
+    from headprune.models.byte_tokenizer import ByteTokenizer
+
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=32, num_attention_heads=4,
+                            num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
+                            max_position_embeddings=64)
+    return tf.LlamaForCausalLM(config).eval()
+
+
 def inputs(batch: int = 3, tokens: int = 9, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(3, V, (batch, tokens), generator=g)  # (B, T)

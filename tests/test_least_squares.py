@@ -7,14 +7,13 @@ import warnings
 
 import pytest
 import torch
-import transformers as tf
 
 from headprune import HeadMask, fold, load_pruned, save_pruned
 from headprune.heads.adapters import get_adapter
 from headprune.recovery import LeastSquares
 from headprune.recovery.least_squares import solve_scales, tune_scales
 from headprune.recovery.normal_equations import NormalEquations
-from tests.helpers import GQA, inputs, tiny, tiny_batch, tiny_bert
+from tests.helpers import inputs, tiny, tiny_batch, tiny_bert, tiny_gqa_llama
 
 
 # -- the solver --------------------------------------------------------------------------------------
@@ -190,12 +189,6 @@ def test_bias_false_fits_scales_only_and_qwen2_needs_it(tokenizer):
 
 
 # -- streaming ---------------------------------------------------------------------------------------
-def tiny_llama(layers: int):
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(**dict(GQA, num_hidden_layers=layers))
-    return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-
-
 def held_tensor_bytes(exclude: set[int]) -> int:
     """Bytes of the distinct tensor storages alive now, except those in `exclude` (the models')."""
     storages = {}
@@ -220,7 +213,7 @@ def run_counted(layers: int, batches: list[dict], monkeypatch) -> dict:
     of tensor bytes held whenever a layer's normal equations take a batch."""
     import headprune.recovery.normal_equations as ne
 
-    model = tiny_llama(layers)
+    model = tiny_gqa_llama(layers)
     mask = HeadMask.for_model(model)
     mask.prune([(l, h) for l in range(layers) for h in (2, 3)])
     dense = mask.unmasked_copy(model)

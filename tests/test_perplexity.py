@@ -6,21 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers as tf
 
 from headprune.evaluation import Windows, perplexity, text_windows
 from headprune.models.byte_tokenizer import ByteTokenizer
-from tests.helpers import smollm2
+from tests.helpers import smollm2, tiny_byte_llama
 
 TEXT = "".join(f"Line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(40))  # 2,170 bytes
-
-
-def tiny_lm(seed: int = 0):
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=32, num_attention_heads=4,
-                            num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
-                            max_position_embeddings=64)
-    return tf.LlamaForCausalLM(config).eval()
 
 
 def direct_ppl(model, windows) -> tuple[float, int]:
@@ -59,7 +50,7 @@ def test_bos_is_prepended_to_every_window_and_scores_every_token():
     assert torch.equal(on.ids, off.ids)  # the same text tokens either way
     assert on.inputs().shape == (4, 17) and (on.inputs()[:, 0] == tok.bos_token_id).all()
     assert torch.equal(off.inputs(), off.ids)
-    model = tiny_lm()
+    model = tiny_byte_llama()
     r_on, r_off = perplexity(model, on), perplexity(model, off)
     assert (r_on["bos"], r_on["targets"], r_on["tokens"]) == (True, 64, 64)
     assert (r_off["bos"], r_off["targets"], r_off["tokens"]) == (False, 60, 64)
@@ -69,7 +60,7 @@ def test_bos_is_prepended_to_every_window_and_scores_every_token():
 @pytest.mark.parametrize("bos", [False, True])
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_ppl_is_exp_of_the_mean_token_loss(bos, batch_size):
-    model = tiny_lm()
+    model = tiny_byte_llama()
     windows = text_windows(ByteTokenizer(), TEXT, seq=12, max_tokens=60, bos=bos)  # 5 windows: a short last batch
     result = perplexity(model, windows, batch_size=batch_size)
     want, targets = direct_ppl(model, windows)
@@ -80,7 +71,7 @@ def test_ppl_is_exp_of_the_mean_token_loss(bos, batch_size):
 
 
 def test_training_flag_is_restored():
-    model = tiny_lm().train()
+    model = tiny_byte_llama().train()
     perplexity(model, text_windows(ByteTokenizer(), TEXT, seq=8, max_tokens=16))
     assert model.training
 
@@ -94,7 +85,7 @@ def test_bad_settings_name_the_field():
     with pytest.raises(ValueError, match="bos=True but the tokenizer has no bos_token_id"):
         text_windows(type("NoBos", (), {"bos_token_id": None, "encode": tok.encode})(), TEXT, seq=16, bos=True)
     with pytest.raises(ValueError, match="batch_size=0"):
-        perplexity(tiny_lm(), text_windows(tok, TEXT, seq=8, max_tokens=16), batch_size=0)
+        perplexity(tiny_byte_llama(), text_windows(tok, TEXT, seq=8, max_tokens=16), batch_size=0)
 
 
 @pytest.mark.real_model
@@ -123,7 +114,7 @@ def batched_sum_ppl(model, windows, batch_size) -> float:
 
 @pytest.mark.parametrize("bos", [False, True])
 def test_evaluation_numbers_are_bit_identical_to_the_earlier_implementation(bos):
-    model = tiny_lm()
+    model = tiny_byte_llama()
     windows = text_windows(ByteTokenizer(), TEXT, seq=48, max_tokens=480, bos=bos)  # 10 windows, batches of 4
     assert perplexity(model, windows, batch_size=4)["ppl"] == batched_sum_ppl(model, windows, 4)
 
@@ -141,7 +132,7 @@ def test_val_is_the_same_implementation_on_bos_free_windows_of_the_held_out_part
     dm.setup("fit")
     text = (data_dir / "tinyshakespeare" / "input.txt").read_bytes()
     assert dm.held_out_ids.tolist() == list(text[held_out_start(len(text), 0.1):])
-    model = tiny_lm()
+    model = tiny_byte_llama()
     val = evaluate(model, dm.val_dataloader())
     record = perplexity(model, Windows.cut(dm.held_out_ids, 32, max_tokens=6 * 32), batch_size=4)
     assert val == {"loss": record["loss"], "ppl": record["ppl"]}

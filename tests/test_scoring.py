@@ -5,7 +5,6 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from transformers import AutoModelForSequenceClassification, GPT2Config, LlamaConfig
 
 from headprune.apps.config_paths import config_dir
 from headprune.heads.adapters import get_adapter
@@ -19,7 +18,7 @@ from headprune.scoring.fisher import fisher_importance
 from headprune.scoring.l0 import l0_gates_importance
 from headprune.scoring.lrp import conservative_backward, head_relevance, lrp_importance
 from headprune.scoring.magnitude import magnitude_importance
-from tests.helpers import tiny_batch, tiny_bert
+from tests.helpers import tiny_batch, tiny_bert, tiny_gpt2_classifier, tiny_llama_classifier
 
 from headprune.heads.surgery import prune_heads
 
@@ -38,19 +37,6 @@ def _two_batches(tokenizer):
                       padding=True, return_tensors="pt")
     first["labels"] = full["labels"][:3]
     return [dict(first), {k: v[3:] for k, v in full.items()}]
-
-
-def tiny_gpt2(seed=0):
-    torch.manual_seed(seed)
-    cfg = GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=64, n_positions=32, pad_token_id=0, num_labels=2)
-    return AutoModelForSequenceClassification.from_config(cfg, attn_implementation="eager").eval()
-
-
-def tiny_llama(seed=0):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
-                      intermediate_size=48, vocab_size=64, max_position_embeddings=32, pad_token_id=0, num_labels=2)
-    return AutoModelForSequenceClassification.from_config(cfg, attn_implementation="eager").eval()
 
 
 def random_batch(n=3, t=7, seed=0):
@@ -226,7 +212,7 @@ def _direct_magnitude(model) -> torch.Tensor:
 
 @pytest.mark.parametrize("arch", ["bert", "gpt2", "llama"])
 def test_magnitude_matches_direct_slice_norms_and_survives_physical_pruning(arch):
-    model = {"bert": tiny_bert, "gpt2": tiny_gpt2, "llama": tiny_llama}[arch]()
+    model = {"bert": tiny_bert, "gpt2": tiny_gpt2_classifier, "llama": tiny_llama_classifier}[arch]()
     expected = _direct_magnitude(model)
     got = magnitude_importance(model, HeadMask.for_model(model, attach=False))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
@@ -291,7 +277,7 @@ def test_lrp_conserves_the_logit_at_every_layer_boundary(arch, tokenizer):
     """Conserved quantity: z = sum(h_l * dz/dh_l) + sum_{biases b after h_l} sum(b * dz/db) for the input
     h_l of every block, z the summed predicted-class logits; float64, relative tolerance 1e-9 (1e-7 for
     Llama)."""
-    model = {"bert": tiny_bert, "gpt2": tiny_gpt2, "llama": tiny_llama}[arch]().double()
+    model = {"bert": tiny_bert, "gpt2": tiny_gpt2_classifier, "llama": tiny_llama_classifier}[arch]().double()
     batch = tiny_batch(tokenizer) if arch == "bert" else random_batch()
     z, totals = _conservation_terms(model, batch)
     tolerance = 1e-7 if arch == "llama" else 1e-9  # LlamaRMSNorm computes in float32 even in float64 models
