@@ -1,0 +1,60 @@
+"""The experiments' table scripts on small synthetic result files: what each row says follows from
+the runs given (tests/test_experiments.py checks the committed tables are what these scripts make
+of the committed results; these check the scripts compute what their tables claim)."""
+import importlib.util
+import json
+from pathlib import Path
+
+EXP = Path(__file__).resolve().parent.parent / "experiments"
+
+
+def _script(path: Path):
+    spec = importlib.util.spec_from_file_location(f"exp_{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _round(n, pruned_total, before, after, heads):
+    return {"round": n, "n_pruned": pruned_total, "sparsity": pruned_total / 72, "heads_per_layer": heads,
+            "val_before_finetune": {"acc": before}, "val": {"acc": after}, "train_samples_per_s": 100.0 + n,
+            "score_seconds": 1.25 * n}
+
+
+def test_quickstart_rounds_table_counts_heads_and_finds_the_largest_drop():
+    table = _script(EXP / "quickstart" / "table.py")
+    res = {"baseline": {"val": {"acc": 0.9}, "train_samples_per_s": 80.0},
+           "rounds": [_round(1, 7, 0.85, 0.89, [11, 11, 12, 12, 12, 7]),
+                      _round(2, 7, 0.70, 0.88, [10, 10, 11, 11, 12, 4])]}
+    text = table.table(res)
+    assert "| baseline (2 epochs) | 0 | 0.000 | 12 12 12 12 12 12 | – | 90.00 | 80.0 | – |" in text
+    assert "| 1 | 7 | 0.097 | 11 11 12 12 12 7 | 85.00 | 89.00 | 101.0 | 1.2 |" in text
+    assert "| 2 | 14 | 0.097 | 10 10 11 11 12 4 | 70.00 | 88.00 | 102.0 | 2.5 |" in text  # heads pruned: cumulative
+    rnd, points = table.largest_drop(res)  # round 2: from round 1's 0.89 to 0.70, not from the baseline
+    assert rnd == 2 and abs(points - 19.0) < 1e-9
+
+
+def _run(target_acc, rounds, baseline_epochs=2, per_round=1, recover=0, heads=(6, 6)):
+    return {"config": {"schedule": {"baseline_epochs": baseline_epochs, "epochs_per_round": per_round,
+                                    "recover_epochs": recover}},
+            "baseline": {"val": {"acc": 0.8}},
+            "rounds": [{"val_before_finetune": {"acc": a}} for a in rounds],
+            "final": {"heads_per_layer": list(heads), "val": {"acc": target_acc}}}
+
+
+def test_iterative_vs_one_shot_rows_and_table(tmp_path):
+    collect = _script(EXP / "iterative_vs_one_shot" / "collect.py")
+    results = tmp_path / "results"
+    results.mkdir()
+    runs = {"iterative_0.5": _run(0.82, [0.79, 0.7, 0.75]), "one_shot_0.5": _run(0.78, [0.6], per_round=2, recover=1),
+            "dense_7_epochs": _run(0.85, [], baseline_epochs=7, heads=(12, 12)), "notes_x": _run(0.1, [0.1])}
+    for stem, res in runs.items():
+        (results / f"{stem}.json").write_text(json.dumps(res))
+    rows = collect.table_rows(results)  # the arms only: neither the dense control nor other files
+    assert [(r["arm"], r["target"], r["epochs"], r["rounds"], r["heads_kept"]) for r in rows] == \
+        [("iterative", 0.5, 5, 3, 12), ("one_shot", 0.5, 5, 1, 12)]
+    assert [(r["acc_worst_after_prune"], r["acc_after_last_prune"]) for r in rows] == [(0.7, 0.75), (0.6, 0.6)]
+    text = collect.markdown(rows, runs["dense_7_epochs"])
+    assert "| 50% | iterative | 5 | 12 (6 6) | 80.00 | 70.00 | **82.00** | +2.00 |" in text
+    assert "| 50% | one_shot | 5 | 12 (6 6) | 80.00 | 60.00 | **78.00** | -2.00 |" in text
+    assert "| 0% | dense control | 7 | 72 | – | – | **85.00** | – |" in text
