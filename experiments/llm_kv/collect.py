@@ -182,6 +182,45 @@ def answers_table(dense: dict, answers: dict) -> str:
     return "\n".join(lines)
 
 
+RECOVERED = ("fisher_re", "fisher_re_ls", "fisher_re_bias", "fisher_re_refit", "fisher_re_refit_att",
+             "refit_rank_refit", "refit_rank_head_refit")
+
+
+def recoveries(results: Path, stopped: Path) -> str:
+    """Per budget, each arm without training: the validation perplexity (seq 512, the 16 held-out
+    blocks) before and right after its recovery, the recovery's and the scoring's seconds, and for
+    the refit the mean over layers of its relative calibration error before / after and of the
+    held-out error at the chosen damp, and the damps chosen; runs stopped after the round
+    (`stopped`) included. Read from each result file's `rounds[0]`."""
+    files = {p.stem: p for p in sorted(results.glob("*.json"))}
+    files.update({p.stem: p for p in sorted(stopped.glob("*.json"))} if stopped.is_dir() else {})
+    lines = ["| budget | arm | val ppl before | val ppl after recovery | score s | recovery s | refit calib error before -> after "
+             "(mean over layers) | held-out error at the chosen damp | damps chosen (layers) | finished |",
+             "|---|---|---:|---:|---:|---:|---|---:|---|---|"]
+    for budget in BUDGETS:
+        for arm in RECOVERED:
+            path = files.get(f"{arm}_{budget}")
+            if path is None:
+                continue
+            res = json.loads(path.read_text())
+            (r,) = res["rounds"]
+            tuning = next((r[k] for k in TUNING if k in r), {})
+            after = r.get("val_after_recovery") or r.get("val_after_mask_tuning") or {}
+            refit = [layer for layer in (r.get("refit") or {}).get("layers", []) if "error_after" in layer]
+            errors = held = damps = "–"
+            if refit:
+                mean = lambda key: statistics.mean(layer[key] for layer in refit)  # noqa: E731
+                errors = f"{mean('error_before'):.3f} -> {mean('error_after'):.3f}"
+                held = f"{statistics.mean(layer['heldout'][str(layer['damp'])] for layer in refit):.3f}"
+                chosen = [layer["damp"] for layer in refit]
+                damps = ", ".join(f"{d:g} ({chosen.count(d)})" for d in sorted(set(chosen)))
+            finished = "yes" if "pruned" in res.get("evaluation", {}) else "stopped after the round"
+            lines.append(f"| {budget} | {ARMS[arm]} | {_fmt(r['val_before_finetune']['ppl'])} | {_fmt(after.get('ppl'))} "
+                         f"| {_fmt(r['score_seconds'], 0)} | {_fmt(tuning.get('seconds'), 0)} | {errors} | {held} | {damps} "
+                         f"| {finished} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=None, help="the run folders (skip to rebuild from results/)")
@@ -196,6 +235,8 @@ def main() -> None:
     write_text_atomic(args.out / "answers.md", answers_table(dense, answers) + "\n")
     write_text_atomic(args.out / "llm_kv.csv", to_csv(rows))
     write_text_atomic(args.out / "summary.md", summary(dense, rows) + "\n")
+    write_text_atomic(args.out / "recoveries.md", recoveries(args.out / "results", Path(__file__).parent / "refit_target")
+                      + "\n")
     plot(dense, rows, args.out / "results.png")
 
 
