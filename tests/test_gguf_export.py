@@ -229,3 +229,23 @@ def test_ci_runs_the_readme_test_command_with_llamacpp():
     assert command in ci.splitlines()
     assert 'CMAKE_ARGS="-DGGML_NATIVE=OFF"' in command and '".[dev,llamacpp]"' in command
     assert 'llamacpp = ["llama-cpp-python' in (repo / "pyproject.toml").read_text()
+
+
+def test_llamacpp_experiment_tables_are_what_its_raw_files_give():
+    """experiments/llm_kv/decode: the llama.cpp tables in its README are tables.py's rendering of the
+    committed agreement.json and bench.json, and bench.md is the bench report of bench.json."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from headprune.bench.report import markdown
+
+    folder = Path(__file__).resolve().parent.parent / "experiments" / "llm_kv" / "decode" / "llamacpp"
+    spec = importlib.util.spec_from_file_location("llamacpp_tables", folder / "tables.py")
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    readme = (folder.parent / "README.md").read_text()
+    bench = json.loads((folder / "bench.json").read_text())
+    assert tables.agreement_table(json.loads((folder / "agreement.json").read_text())) in readme
+    assert tables.decode_table(bench) in readme and tables.shares(bench) in readme
+    assert markdown(bench) == (folder / "bench.md").read_text()

@@ -55,9 +55,10 @@ def load(path: str | Path, n_ctx: int, threads: int = 1, logits_all: bool = True
     """`Llama(path, flash_attn=True)` with llama.cpp's log captured (verbose, into `Loaded.log`).
     `cache`: the KV cache type, "f16" (llama.cpp's default, what users serve) or "f32".
     `flash_attn=False` only for the exactness check of an export: on CPU, llama.cpp's flash
-    attention rounds to F16 inside whatever the cache type (SmolLM2, F32 weights: max |logit
-    difference| 3.3e-2 with it, 8.0e-5 without), while without it the V cache is transposed and
-    padded to the widest layer (`kv_rows` refuses such a state)."""
+    attention rounds to F16 inside whatever the cache type (dense SmolLM2, F32 weights, 4,096
+    tokens: max |logit difference| 5.5e-2 with it, 2.6e-4 without; experiments/llm_kv/decode/
+    llamacpp/agreement.json), while without it the V cache is transposed and padded to the widest
+    layer (`kv_rows` refuses such a state)."""
     llama_cpp = import_llama_cpp()
     if cache not in CACHE_TYPES:
         raise ValueError(f"cache={cache!r} is not allowed; allowed: {', '.join(CACHE_TYPES)}")
