@@ -192,3 +192,13 @@ def test_last_word_table_matches_results():
     assert table.table(rows) in (EXP / "llm_kv" / "last_word" / "README.md").read_text()  # the README quotes it
     assert {r["model"] for r in rows} >= {"dense", "random_s0_kv67"}
     assert all(r["same_heads"] in (None, True) for r in rows) and all(r["n"] == 100 for r in rows)
+
+
+def test_other_corpus_table_matches_results():
+    """experiments/llm_kv/other_corpus: table.md is table.py's rendering of other_corpus.json, the
+    README quotes it, and the main-corpus perplexities equal the committed llm_kv ones."""
+    table = _script(EXP / "llm_kv" / "other_corpus" / "table.py")
+    rows = table.rows()
+    assert table.table(rows) == (EXP / "llm_kv" / "other_corpus" / "table.md").read_text()
+    assert table.table(rows) in (EXP / "llm_kv" / "other_corpus" / "README.md").read_text()
+    assert all(r["main"] == r["committed"] for r in rows) and {r["model"] for r in rows} == {"dense", "fisher_re_ls_kv67"}
