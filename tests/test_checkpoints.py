@@ -7,6 +7,7 @@ from headprune.apps.train import run
 from tests.helpers import Crash, compose_iterative
 
 
+@pytest.mark.slow  # 5 s of CPU
 def test_last_checkpoint_survives_a_kill_between_write_and_rename(tmp_path, data_dir, monkeypatch):
     """A failure after the new checkpoint is written and before it replaces last.ckpt (where a kill
     could strike) leaves the previous, complete last.ckpt, and the run resumes from it."""

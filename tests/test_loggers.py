@@ -71,6 +71,7 @@ def test_wandb_runs_of_a_sweep_share_group_and_tags(tmp_path):
                                      "layer_policy:global", "mine"]
 
 
+@pytest.mark.slow  # 7 s of CPU (an offline wandb run)
 def test_wandb_logger_offline(cfg_factory, tmp_path, monkeypatch):
     """What headprune hands to wandb (per-round metrics, the mask heatmap, the run summary) is
     caught at wandb's public API (`Run.log`, `run.summary.update`), in this process, as the

@@ -9,6 +9,7 @@ from headprune.apps.export import main as export_main
 from tests.helpers import D, PRUNE, inputs, tiny
 
 
+@pytest.mark.slow  # 5.5-8 s of CPU each (torch.onnx export)
 @pytest.mark.parametrize("family", ["bert", "gpt2", "llama"])
 def test_onnx_export_equals_the_pruned_model(family, tmp_path):
     """Uneven heads per layer and a layer with every head removed (PRUNE), exported with the

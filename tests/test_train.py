@@ -309,6 +309,7 @@ def test_minilm_experiments_smoke(name, extra, cfg_factory):
     assert res["final"]["heads_per_layer"] == (res["rounds"][-1]["heads_per_layer"] if res["rounds"] else [4, 4, 4])
 
 
+@pytest.mark.slow  # two runs, 7 s of CPU
 def test_l0_gates_learned_in_finetune_from_the_metric_config(cfg_factory, tmp_path):
     """metric=l0_gates metric.finetune=true: one place (the metric config) sets the penalty and the
     gates' learning rate, the module learns the gates with the model, and the export folds them."""
