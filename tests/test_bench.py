@@ -221,7 +221,7 @@ def test_a_registered_section_is_configured_run_and_rendered(toy, tmp_path):
         compose_bench(tmp_path, "bench.toy.row=3")
     results = run(compose_bench(tmp_path, *off, "bench.toy.enabled=true", "bench.toy.rows=3"))
     saved = json.loads((tmp_path / "bench.json").read_text())
-    assert list(saved) == ["meta", "encoder", "train_step", "onnxruntime", "decoder", "llm", "toy", "summary"]
+    assert list(saved) == ["meta", "encoder", "train_step", "onnxruntime", "decoder", "llm", "llamacpp", "toy", "summary"]
     assert saved["toy"] == results["toy"] == [{"variant": f"v{i}", "seed": 0} for i in range(3)]
     assert saved["summary"] == {"toy": {"n": 3}} and saved["meta"]["config"]["toy"] == {"enabled": True, "rows": 3}
     text = (tmp_path / "bench.md").read_text()
