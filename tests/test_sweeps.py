@@ -29,6 +29,7 @@ def test_joblib_launcher_sweep(tmp_path, data_dir):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "headprune.apps.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
            "model=tiny_bert", "debug=fast", "data.max_train_samples=32", "data.score_samples=16",
+           "export=false", "diagnostics.enabled=false",  # what the jobs do is not under test here
            f"data.data_dir={data_dir}", "layer_policy=global,uniform", f"hydra.sweep.dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,7 +51,7 @@ def test_optuna_sweep_of_three_trials_is_collected(sweeper, extra, values, tmp_p
     env = dict(os.environ, HEADPRUNE_DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "headprune.apps.train", "-m", f"hydra/sweeper={sweeper}", "hydra.sweeper.n_trials=3",
            *extra, "model=tiny_bert", "debug=fast", "logger=none", "data.max_train_samples=32", "data.score_samples=16",
-           "data.max_validation_samples=32", f"hydra.sweep.dir={tmp_path}"]
+           "data.max_validation_samples=32", "export=false", "diagnostics.enabled=false", f"hydra.sweep.dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
