@@ -230,7 +230,7 @@ def test_a_registered_section_is_configured_run_and_rendered(toy, tmp_path):
 
 
 def test_sections_register_once_in_report_order():
-    assert list(SECTIONS) == ["encoder", "train_step", "onnxruntime", "decoder", "llm"]
+    assert list(SECTIONS) == ["encoder", "train_step", "onnxruntime", "decoder", "llm", "llamacpp"]
     with pytest.raises(ValueError, match="'encoder' is registered twice"):
         register(replace(SECTIONS["encoder"], table=lambda rows: []))
 
