@@ -202,3 +202,17 @@ def test_other_corpus_table_matches_results():
     assert table.table(rows) == (EXP / "llm_kv" / "other_corpus" / "table.md").read_text()
     assert table.table(rows) in (EXP / "llm_kv" / "other_corpus" / "README.md").read_text()
     assert all(r["main"] == r["committed"] for r in rows) and {r["model"] for r in rows} == {"dense", "fisher_re_ls_kv67"}
+
+
+def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
+    """experiments/llm_uneven: results.md, targets.md and llm_uneven.csv are what collect.py makes of
+    the committed result files (and experiments/llm_kv's uniform runs); its README quotes both tables."""
+    collect = _script(EXP / "llm_uneven" / "collect.py")
+    shutil.copytree(EXP / "llm_uneven" / "results", tmp_path / "results")
+    monkeypatch.setattr(sys, "argv", ["collect.py", "--runs", str(tmp_path / "no_runs"), "--out", str(tmp_path),
+                                      "--no-plot"])
+    collect.main()
+    for name in ("results.md", "targets.md", "llm_uneven.csv"):
+        assert (tmp_path / name).read_text() == (EXP / "llm_uneven" / name).read_text(), name
+    readme = (EXP / "llm_uneven" / "README.md").read_text()
+    assert (tmp_path / "results.md").read_text() in readme and (tmp_path / "targets.md").read_text() in readme
