@@ -67,7 +67,7 @@ def test_ddp_ranks_agree_and_match_single_process(tmp_path, data_dir):
               "data.score_samples=32", "data.max_validation_samples=32", "data.eval_batch_size=8",
               "trainer.num_sanity_val_steps=0", "schedule=iterative",
               "schedule.target_sparsity=0.5", "schedule.step=0.25", "schedule.baseline_epochs=0",
-              "schedule.epochs_per_round=1", "export=false"]
+              "schedule.epochs_per_round=1", "export=false", "diagnostics.enabled=false"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
     cmd = [sys.executable, "-m", "headprune.apps.train", *common, f"data.data_dir={data_dir}", "trainer=ddp",
