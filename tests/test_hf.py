@@ -203,3 +203,27 @@ def test_uniform_gqa_layouts_load_with_plain_transformers(family, tmp_path):
 def test_other_layouts_say_they_need_load_pruned(family, heads, why, tmp_path):
     saved = save_pruned(prune_heads(tiny(family), heads), tmp_path)
     assert not saved.plain_hf and why in saved.why and (tmp_path / "headprune_layout.json").is_file()
+
+
+def test_a_uniform_layout_its_config_class_refuses_is_saved_with_its_layout():
+    """transformers 5 validates that the hidden size is a multiple of the query heads: 6 of 8 heads
+    kept in a hidden size of 64 cannot be a plain config, so the folder carries its layout and still
+    loads, with the same logits."""
+    import transformers as tf
+
+    from headprune import load_pruned, prune_heads, save_pruned
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=8, head_dim=8)
+    model = tf.LlamaForCausalLM(config).eval()
+    prune_heads(model, [(layer, h) for layer in range(2) for h in (6, 7)])
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = save_pruned(model, Path(tmp) / "export")
+        assert not saved.plain_hf and "refuses 6 query / 6 KV heads" in saved.why
+        again = load_pruned(Path(tmp) / "export").eval()
+        ids = torch.randint(0, 64, (2, 7))
+        torch.testing.assert_close(again(ids).logits, model(ids).logits)

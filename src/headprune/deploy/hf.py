@@ -130,7 +130,24 @@ def plain_counts(model: nn.Module) -> tuple[tuple[int, int] | None, str]:
         per_layer.add((len(kept), len(groups)))
     if len(per_layer) != 1:
         return None, f"layers keep different numbers of heads ({sorted(per_layer)})"
-    return per_layer.pop(), "the same query and KV heads in every layer"
+    counts = per_layer.pop()
+    refusal = _config_refusal(model.config, adapter, counts)
+    if refusal:
+        return None, refusal
+    return counts, "the same query and KV heads in every layer"
+
+
+def _config_refusal(config, adapter, counts: tuple[int, int]) -> str:
+    """Why the family's own config class refuses these head counts (transformers 5 validates,
+    e.g., that the hidden size is a multiple of the query heads), or ''. Such a layout is saved
+    with its layout file instead, so the folder still loads (`load_pruned`)."""
+    values = {**config.to_dict(), adapter.heads_attr: counts[0], adapter.kv_heads_attr: counts[1],
+              "head_dim": adapter.head_dim(config)}
+    try:
+        type(config).from_dict(values)
+    except Exception as err:  # noqa: BLE001 - huggingface_hub's StrictDataclassClassValidationError and kin
+        return f"the {config.model_type} config refuses {counts[0]} query / {counts[1]} KV heads ({err})".replace("\n", " ")
+    return ""
 
 
 def load_pruned(directory: str | Path, device: str | torch.device | None = None,
