@@ -13,7 +13,7 @@ from headprune.evaluation import Windows, perplexity
 from headprune.models.byte_tokenizer import ByteTokenizer
 from tests.helpers import compose_train
 from tests.test_llm_pipeline import TINY_LM
-from tests.test_perplexity import tiny_lm
+from tests.helpers import tiny_byte_llama
 
 
 def sst2_validation_bytes(data_dir) -> list[int]:
@@ -28,7 +28,7 @@ def datamodule(data_dir, held_out: torch.Tensor):
 
 
 def test_other_corpus_gets_the_same_windows_as_the_main_corpus(data_dir):
-    tok, model = ByteTokenizer(), tiny_lm()
+    tok, model = ByteTokenizer(), tiny_byte_llama()
     main = torch.arange(300) % 200  # (300,) a stand-in held-out part
     options = EvaluationSettings(enabled=True, perplexity_seqs=[16, 32], perplexity_tokens=128, other_corpora=["sst2"],
                                  zero_shot_tasks=[], generate=False)
@@ -98,7 +98,7 @@ def test_window_lengths_that_do_not_divide_the_token_count_cover_the_same_tokens
     """perplexity_tokens=1100 with seqs [64, 96] used 1,088 tokens at 64 and 1,056 at 96; now both
     cover the first 960 (the largest multiple of 192, their least common multiple), stated in each
     record's `tokens` and in the header."""
-    tok, model = ByteTokenizer(), tiny_lm()
+    tok, model = ByteTokenizer(), tiny_byte_llama()
     options = EvaluationSettings(enabled=True, perplexity_seqs=[64, 96], perplexity_tokens=1100, zero_shot_tasks=[],
                                  generate=False)
     options.check("causal_lm")
