@@ -241,7 +241,7 @@ def test_help_lists_group_choices(data_dir):
     proc = subprocess.run([sys.executable, "-m", "headprune.apps.train", "--help"], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert proc.returncode == 0
-    for line in ("layer_policy: depth_prior, global, sensitivity, uniform",
+    for line in ("layer_policy: attention_drop, depth_prior, global, measured, sensitivity, uniform",
                  "schedule: cubic, iterative, one_shot, until_threshold", "model: bert_base, minilm, smollm2, tiny_bert, tiny_gpt2"):
         assert line in proc.stdout
 
