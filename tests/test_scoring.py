@@ -47,6 +47,9 @@ def random_batch(n=3, t=7, seed=0):
 
 # -- registry and config ---------------------------------------------------------------------------
 def test_every_metric_is_registered_with_info_and_a_config():
+    from headprune.apps.config_schema import register_schemas
+
+    register_schemas()  # as headprune-train does on import: the test must not depend on another's import
     assert set(METRICS) == {"taylor", "fisher", "lrp", "entropy", "confidence", "magnitude", "random", "l0_gates",
                             "refit_error"}
     for name, info in METRIC_INFO.items():
