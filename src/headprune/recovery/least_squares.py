@@ -33,7 +33,7 @@ from torch import nn
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.mask import HeadMask
 from headprune.recovery.base import Reconstruction, RecoveryContext
-from headprune.recovery.blockwise import Stop, capture, run_block
+from headprune.recovery.blockwise import block_with_out_proj, capture, out_proj_input, run_block
 from headprune.recovery.normal_equations import NormalEquations, solve_scales
 from headprune.recovery.out_bias import bias_refusal, output_bias
 from headprune.tasks import real_tokens, to_device
@@ -143,12 +143,12 @@ def _tune_layer(model, mask: HeadMask, dense, layer: int, batches: list[_Batch],
         eq = NormalEquations(len(alive), hidden, mask.mask.device)
         positions = [kept.index(h) for h in alive]
         for b in batches:
-            o_d, next_dense = _dense_block(dense, layer, b, stop=last)
+            o_d, next_dense = block_with_out_proj(dense, layer, b.inputs, b.dense, stop=last)
             runs["dense"] += 1
             target = (b.dense.float() + o_d.float() - b.pruned.float())[b.real]  # (N, E)
             contexts = None
             if alive:
-                x = _contexts(model, layer, b)  # (B, T, k * D)
+                x = out_proj_input(model, layer, b.inputs, b.pruned)  # (B, T, k * D)
                 runs["pruned_to_out_proj"] += 1
                 contexts = x[b.real].view(-1, len(kept), x.shape[-1] // len(kept))[:, positions]  # (N, h, D)
             eq.add(contexts, weights, target)
@@ -163,53 +163,13 @@ def _tune_layer(model, mask: HeadMask, dense, layer: int, batches: list[_Batch],
         out.update(scales=[round(float(s), 6) for s in scales], **info)
     elif not last:
         for b in batches:
-            b.dense = _dense_block(dense, layer, b, stop=False)[1]
+            b.dense = block_with_out_proj(dense, layer, b.inputs, b.dense)[1]
             runs["dense"] += 1
     if not last:
         for b in batches:
             b.pruned = run_block(model, layer, b.inputs, b.pruned)
             runs["pruned"] += 1
     return out
-
-
-def _dense_block(dense, layer: int, b: _Batch, stop: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the dense output projection's output (B, T, E), the block's output or None with `stop`)."""
-    o = get_adapter(dense).out_proj(get_adapter(dense).blocks(dense)[layer])
-    seen = {}
-
-    def keep(module, args, output):
-        seen["o"] = output
-        if stop:
-            raise Stop
-
-    handle = o.register_forward_hook(keep)
-    try:
-        next_hidden = run_block(dense, layer, b.inputs, b.dense)
-    except Stop:
-        next_hidden = None
-    finally:
-        handle.remove()
-    return seen["o"], next_hidden
-
-
-def _contexts(model, layer: int, b: _Batch) -> torch.Tensor:
-    """The pruned block's output-projection input after the HeadMask gate, (B, T, k * D); the
-    block stops there."""
-    o = get_adapter(model).out_proj(get_adapter(model).blocks(model)[layer])
-    seen = {}
-
-    def capture_input(module, args):
-        seen["x"] = args[0]
-        raise Stop
-
-    handle = o.register_forward_pre_hook(capture_input)
-    try:
-        run_block(model, layer, b.inputs, b.pruned)
-    except Stop:
-        pass
-    finally:
-        handle.remove()
-    return seen["x"]
 
 
 __all__ = ["LeastSquares", "solve_scales", "tune_scales"]
