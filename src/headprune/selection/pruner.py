@@ -64,8 +64,8 @@ class Loaders:
 
 class RunObserver:
     """What the code driving a Pruner adds at fixed points of a run; each method is a no-op here.
-    `baseline(record)`: the unpruned model's metrics are in; `before_round(k)`: round k (0-based) is about to score (earlier rounds are accepted);
-    `pruned(result)`: right after a round's heads are masked, before the recovery (physical
+    `baseline(record)`: the unpruned model's metrics are in; `before_round(k)`: round k (0-based)
+    is about to score (earlier rounds are accepted); `pruned(result)`: right after a round's heads are masked, before the recovery (physical
     removal, optimizer state of the pruned heads); `recorded(record)`: a round's result is in
     (loggers); `finished(data)`: `final` is written."""
 
