@@ -25,11 +25,10 @@ from torch import nn
 
 from headprune.distributed import all_reduce_sum
 from headprune.heads.adapters import get_adapter
+from headprune.heads.contexts import stream_contexts
 from headprune.heads.mask import HeadMask
 from headprune.recovery.base import Reconstruction, RecoveryContext
-from headprune.recovery.blockwise import Stop
 from headprune.recovery.out_bias import bias_refusal, output_bias
-from headprune.tasks import forward_logits, real_tokens, to_device
 
 
 @dataclass
@@ -94,34 +93,11 @@ def context_means(dense: nn.Module, loader, device, max_batches: int | None = No
     blocks = adapter.blocks(dense)
     heads, head_dim = adapter.num_heads(dense.config), adapter.head_dim(dense.config)
     sums = torch.zeros(len(blocks), heads * head_dim, dtype=torch.float64, device=device)  # (L, H * D)
-    current: dict = {}
 
-    def hook(layer: int):
-        def add(module, args):
-            sums[layer] += args[0][current["real"]].double().sum(0)  # (N, H * D) -> (H * D,)
-            if layer == len(blocks) - 1:
-                raise Stop
-        return add
+    def add(layer: int, x: torch.Tensor) -> None:
+        sums[layer] += x.double().sum(0)  # (N, H * D) -> (H * D,)
 
-    handles = [adapter.out_proj(block).register_forward_pre_hook(hook(layer)) for layer, block in enumerate(blocks)]
-    was_training = dense.training
-    dense.eval()
-    tokens = torch.zeros((), dtype=torch.float64, device=device)
-    try:
-        for i, batch in enumerate(loader):
-            if max_batches is not None and i >= max_batches:
-                break
-            batch = to_device(batch, device)
-            current["real"] = real_tokens(batch)
-            tokens += current["real"].sum()
-            try:
-                forward_logits(dense, batch)
-            except Stop:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
-        dense.train(was_training)
+    tokens = stream_contexts(dense, loader, range(len(blocks)), add, device, max_batches)
     total = all_reduce_sum(torch.cat([sums.flatten(), tokens.view(1)]))  # data parallel: every rank's shard
     if float(total[-1]) == 0:
         raise ValueError("bias compensation got no calibration tokens (data.score_samples=0?)")

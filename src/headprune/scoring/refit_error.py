@@ -28,15 +28,11 @@ from torch import nn
 
 from headprune.distributed import all_reduce_sum
 from headprune.heads.adapters import get_adapter, layer_heads
+from headprune.heads.contexts import stream_contexts
 from headprune.heads.mask import HeadMask
 from headprune.scoring.reduce import finish_scores
-from headprune.tasks import forward_logits, real_tokens, to_device
 
 UNITS = ("kv_group", "head")
-
-
-class _Done(Exception):
-    """Raised once the last layer's contexts are seen (the rest of the forward is not needed)."""
 
 
 def refit_error_importance(model: nn.Module, mask: HeadMask, dataloader, unit: str = "kv_group", damp: float = 0.01,
@@ -126,42 +122,16 @@ def context_grams(model: nn.Module, mask: HeadMask, dataloader, max_batches: int
     grams = [torch.zeros(len(a) * _width(model), len(a) * _width(model), dtype=torch.float64, device=device)
              for a in alive]
     totals = [torch.zeros(g.shape[0], dtype=torch.float64, device=device) for g in grams]
-    current: dict = {}
     last = max((layer for layer, a in enumerate(alive) if a), default=-1)
 
-    def hook(layer: int):
+    def add(layer: int, x: torch.Tensor) -> None:  # x (N, k * D), gated
         positions = [layouts[layer].index(h) for h in alive[layer]]
+        x = x.view(x.shape[0], len(layouts[layer]), -1)[:, positions, :].flatten(-2).double()  # (N, F)
+        grams[layer].add_(x.T @ x)
+        totals[layer].add_(x.sum(0))
 
-        def add(module, args):
-            x = args[0]  # (B, T, k * D), gated
-            x = x.view(*x.shape[:-1], len(layouts[layer]), -1)[..., positions, :].flatten(-2)[current["real"]]
-            x = x.double()  # (N, F)
-            grams[layer].add_(x.T @ x)
-            totals[layer].add_(x.sum(0))
-            if layer == last:
-                raise _Done
-        return add
-
-    handles = [adapter.out_proj(block).register_forward_pre_hook(hook(layer))
-               for layer, block in enumerate(blocks) if alive[layer]]
-    was_training = model.training
-    model.eval()
-    tokens = torch.zeros((), dtype=torch.float64, device=device)
-    try:
-        for i, batch in enumerate(dataloader):
-            if max_batches is not None and i >= max_batches:
-                break
-            batch = to_device(batch, device)
-            current["real"] = real_tokens(batch)
-            tokens += current["real"].sum()
-            try:
-                forward_logits(model, batch)
-            except _Done:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
-        model.train(was_training)
+    tokens = stream_contexts(model, dataloader, [layer for layer, a in enumerate(alive) if a], add, device,
+                             max_batches)
     if last >= 0:
         total = all_reduce_sum(torch.cat([*(g.flatten() for g in grams), *totals, tokens.view(1)]))
         offset = 0
