@@ -20,6 +20,7 @@
 #   fisher_re_lora   + LoRA (rank 8, every projection) for $STEPS steps of 2 x 512 training tokens, merged
 #   fisher_re_lora_kd  the same, trained on the KL to the unpruned model's next-token distribution
 #   fisher_re_distill  the same KL, every weight trained (no adapters)
+#   fisher_re_refit_kl  the refit of O, then that KL, in one run (recovery=chain)
 # and `dense`: lora_only, the LoRA steps on the unpruned model (budget.target=1.0 prunes nothing), the
 # reference for what training on Tiny Shakespeare alone does to the held-out perplexity.
 # The dense model is evaluated once, in the first run (`dense.json`). One torch thread per run; run
@@ -50,6 +51,9 @@ ARM[fisher_lora]="metric=fisher pruning.rearrange=false recovery=lora $TRAIN"
 ARM[fisher_re_lora]="metric=fisher pruning.rearrange=true recovery=lora $TRAIN"
 ARM[fisher_re_lora_kd]="metric=fisher pruning.rearrange=true recovery=lora recovery.alpha=1.0 $TRAIN"
 ARM[fisher_re_distill]="metric=fisher pruning.rearrange=true recovery=distill recovery.alpha=1.0 recovery.temperature=1.0 $TRAIN"
+# the refit, then the same KL with every weight (recovery=chain: stages [refit, distill]); the distill
+# stage takes its steps from recovery.options.distill, so the same $STEPS steps of 2 x 512 tokens
+ARM[fisher_re_refit_kl]="metric=fisher pruning.rearrange=true recovery=chain recovery.options.distill.steps=$STEPS recovery.options.distill.alpha=1.0 recovery.options.distill.temperature=1.0 data.max_train_samples=null data.batch_size=2"
 # two streams side by side: ORDER="fisher_re_ls fisher_re fisher taylor" ... & ORDER="..." DENSE=false ...
 # 50% of the query heads, wherever the scores put them (KV groups shrink only where all 3 heads go)
 Q50="budget=heads layer_policy=global schedule.target_sparsity=0.5"
