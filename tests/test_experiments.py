@@ -216,3 +216,23 @@ def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
         assert (tmp_path / name).read_text() == (EXP / "llm_uneven" / name).read_text(), name
     readme = (EXP / "llm_uneven" / "README.md").read_text()
     assert (tmp_path / "results.md").read_text() in readme and (tmp_path / "targets.md").read_text() in readme
+
+
+def test_llm_uneven_targets_take_each_allocations_best_repair():
+    """experiments/llm_uneven: a run name carries its repair (`<arm>[_refit]_<budget>`), and
+    targets.md judges every allocation by its best repaired row, the budget's best in bold."""
+    collect = _script(EXP / "llm_uneven" / "collect.py")
+    assert collect.split("attention_drop_refit_kv34") == ("attention_drop", "refit", "kv34")
+    assert collect.split("attention_drop_kv67") == ("attention_drop", "", "kv67")
+    with pytest.raises(ValueError, match="not <arm>"):
+        collect.row("nonsense_kv67", {})
+    dense = {"perplexity": {"seq128": {"ppl": 60.0}, "seq2048": {"ppl": 30.0}}}
+
+    def run(arm, repair, ppl):
+        return {"budget": "kv67", "arm": arm, "repair": repair, "ppl2048": ppl, "other2048": None}
+    rows = [run("uniform", "bias compensation", 45.0), run("uniform", "output-projection refit", 36.0),
+            run("measured", "output-projection refit", 50.0), run("measured", "bias compensation", 39.0)]
+    lines = collect.targets(dense, rows).splitlines()[2:]
+    assert len(lines) == 2
+    assert "| **uniform (Fisher + rearrangement)** | output-projection refit | +20.0% | yes | -5.0 |" in lines[0]
+    assert "| measured (cost curves, knapsack, greedy correction) | bias compensation | +30.0% | no | +5.0 |" in lines[1]
