@@ -12,15 +12,39 @@ same input (once up to its output projection, once whole) without seeing its own
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from headprune.heads.adapters import get_adapter
-from headprune.tasks import MODEL_INPUTS
+from headprune.tasks import MODEL_INPUTS, to_device
 
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def calibration_batches(loader, device, max_batches: int | None, what: str) -> list[dict]:
+    """The first `max_batches` batches of `loader` (all when None) on `device`, held in memory: a
+    layer-by-layer reconstruction visits every batch once per layer. `what` names the stage in the
+    error when there are none."""
+    raw = [to_device(b, device) for i, b in enumerate(loader) if max_batches is None or i < max_batches]
+    if not raw:
+        raise ValueError(f"{what} got no calibration examples (data.score_samples=0?)")
+    return raw
+
+
+@contextmanager
+def eval_mode(*models: nn.Module):
+    """Every model in eval mode (no dropout) for the block; each one's previous mode restored after."""
+    modes = [m.training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(models, modes):
+            m.train(mode)
 
 
 class Stop(Exception):

@@ -33,10 +33,11 @@ from torch import nn
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.mask import HeadMask
 from headprune.recovery.base import Reconstruction, RecoveryContext
-from headprune.recovery.blockwise import block_with_out_proj, capture, out_proj_input, run_block
+from headprune.recovery.blockwise import (block_with_out_proj, calibration_batches, capture, eval_mode, out_proj_input,
+                                          run_block)
 from headprune.recovery.normal_equations import NormalEquations, solve_scales
 from headprune.recovery.out_bias import bias_refusal, output_bias
-from headprune.tasks import real_tokens, to_device
+from headprune.tasks import real_tokens
 
 
 @dataclass
@@ -106,23 +107,14 @@ def check_bias(model: nn.Module, settings: LeastSquares) -> None:
 def _tune_scales(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, settings: LeastSquares,
                  max_batches: int | None = None) -> dict:
     """`tune_scales` on a model already checked (`check_bias`: the recovery's `check_model`)."""
-    device = mask.mask.device
-    raw = [to_device(b, device) for i, b in enumerate(loader) if max_batches is None or i < max_batches]
-    if not raw:
-        raise ValueError("least-squares mask tuning got no calibration examples (data.score_samples=0?)")
-    modes = model.training, dense.training
-    model.eval()
-    dense.eval()
-    try:
+    raw = calibration_batches(loader, mask.mask.device, max_batches, "least-squares mask tuning")
+    with eval_mode(model, dense):
         batches = []
         for batch in raw:
             inputs = capture(model, batch)
             batches.append(_Batch(inputs, real_tokens(batch), capture(dense, batch).hidden, inputs.hidden))
         runs = {"dense": 0, "pruned": 0, "pruned_to_out_proj": 0}
         report = [_tune_layer(model, mask, dense, layer, batches, settings, runs) for layer in range(mask.num_layers)]
-    finally:
-        model.train(modes[0])
-        dense.train(modes[1])
     return {"layers": report, "block_runs": {k: v // len(batches) for k, v in runs.items()}}
 
 

@@ -41,10 +41,11 @@ from torch import nn
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.mask import HeadMask
 from headprune.recovery.base import Reconstruction
-from headprune.recovery.blockwise import BlockInputs, block_with_out_proj, capture, out_proj_input, run_block
+from headprune.recovery.blockwise import (BlockInputs, block_with_out_proj, calibration_batches, capture, eval_mode,
+                                          out_proj_input, run_block)
 from headprune.recovery.out_bias import bias_refusal, output_bias
 from headprune.recovery.ridge import RidgeSums, scales_equations
-from headprune.tasks import real_tokens, to_device
+from headprune.tasks import real_tokens
 
 TARGETS = ("residual", "attention")
 SCALES_SETTINGS = ((0.5, 2.0), 0.01)  # LeastSquares' default scale_range and damp, for the comparison
@@ -131,14 +132,8 @@ def check_bias(model: nn.Module, settings: Refit) -> None:
 def _refit_layers(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, settings: Refit,
                   max_batches: int | None = None) -> dict:
     """`refit_layers` on a model already checked (`check_bias`: the recovery's `check_model`)."""
-    device = mask.mask.device
-    raw = [to_device(b, device) for i, b in enumerate(loader) if max_batches is None or i < max_batches]
-    if not raw:
-        raise ValueError("the output-projection refit got no calibration examples (data.score_samples=0?)")
-    modes = model.training, dense.training
-    model.eval()
-    dense.eval()
-    try:
+    raw = calibration_batches(loader, mask.mask.device, max_batches, "the output-projection refit")
+    with eval_mode(model, dense):
         batches, seen = [], 0
         flags = held_out(sum(int(real_tokens(b).shape[0]) for b in raw), settings.holdout)
         for batch in raw:
@@ -154,9 +149,6 @@ def _refit_layers(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, se
                              "data.score_samples, or another holdout)")
         runs = {"dense": 0, "pruned": 0, "pruned_to_out_proj": 0}
         report = [_refit_layer(model, mask, dense, layer, batches, settings, runs) for layer in range(mask.num_layers)]
-    finally:
-        model.train(modes[0])
-        dense.train(modes[1])
     return {"target": settings.target, "damps": list(settings.damps), "tokens": counts, "layers": report,
             "block_runs": {k: v // len(batches) for k, v in runs.items()}}
 
