@@ -34,6 +34,7 @@ ARMS = {"random": "random scores", "magnitude": "weight magnitude", "taylor": "T
         "fisher_re_lora": "Fisher + rearrangement + LoRA",
         "fisher_re_lora_kd": "Fisher + rearrangement + LoRA on the KL to dense",
         "fisher_re_distill": "Fisher + rearrangement + KL to dense, every weight",
+        "fisher_re_refit_kl": "Fisher + rearrangement + refit of O, then KL to dense, every weight",
         "lora_only": "LoRA alone (nothing pruned)"}
 BUDGETS = {"kv67": "2 of 3 KV groups kept", "kv34": "1 of 3 KV groups kept",
            "q50": "half of the query heads kept, placed globally",
@@ -66,7 +67,7 @@ def row(stem: str, res: dict, shape: dict) -> dict:
     (r,) = res["rounds"]
     ev = res["evaluation"]["pruned"]
     zs = ev.get("zero_shot", {}).get("sst2_local", {})
-    tuning = next((r[k] for k in TUNING if k in r), {})
+    tuning = recovery_report(r)
     stages = {"score": r["score_seconds"], "rearrange": (r.get("rearranged") or {}).get("seconds"),
               "tuning": tuning.get("seconds")}
     return {"run": stem, "budget": budget, "arm": arm, "seed": seed,
@@ -75,6 +76,16 @@ def row(stem: str, res: dict, shape: dict) -> dict:
             "ppl128": ev["perplexity"]["seq128"]["ppl"], "ppl2048": ev["perplexity"]["seq2048"]["ppl"],
             "sst2_acc": zs.get("acc"), "sst2_n": zs.get("n"), "wall_seconds": (res.get("wall") or {}).get("wall_seconds"),
             **{f"{k}_seconds": v for k, v in stages.items()}}
+
+
+def recovery_report(r: dict) -> dict:
+    """A round's recovery report: its one recovery's entry, or for a chain (`recovery=chain`, the
+    round's `chain`: the stage names) the stages' seconds and training tokens added up."""
+    if "chain" in r:
+        parts = [r[name] for name in r["chain"] if name in r]
+        tokens = [p["tokens"] for p in parts if p.get("tokens") is not None]
+        return {"seconds": sum(p["seconds"] for p in parts), "tokens": sum(tokens) if tokens else None}
+    return next((r[k] for k in TUNING if k in r), {})
 
 
 def kv_share(res: dict, shape: dict) -> float:
@@ -148,7 +159,7 @@ def table(dense: dict, rows: list[dict], shape: dict) -> str:
     return "\n".join(lines)
 
 
-TRAINED = ("fisher_lora", "fisher_re_lora", "fisher_re_lora_kd", "fisher_re_distill", "lora_only")
+TRAINED = ("fisher_lora", "fisher_re_lora", "fisher_re_lora_kd", "fisher_re_distill", "fisher_re_refit_kl", "lora_only")
 
 
 def summary(dense: dict, rows: list[dict]) -> str:
@@ -183,12 +194,13 @@ def answers_table(dense: dict, answers: dict) -> str:
 
 
 RECOVERED = ("fisher_re", "fisher_re_ls", "fisher_re_bias", "fisher_re_refit", "fisher_re_refit_att",
-             "refit_rank_refit", "refit_rank_head_refit")
+             "refit_rank_refit", "refit_rank_head_refit", "fisher_re_distill", "fisher_re_refit_kl")
 
 
 def recoveries(results: Path, stopped: Path) -> str:
-    """Per budget, each arm without training: the validation perplexity (seq 512, the 16 held-out
-    blocks) before and right after its recovery, the recovery's and the scoring's seconds, and for
+    """Per budget, each arm without training and the two full-weight KL arms (alone and after the
+    refit): the validation perplexity (seq 512, the 16 held-out blocks) before and right after its
+    recovery (a chain: after each stage, `val_after_<stage>`), the recovery's and the scoring's seconds, and for
     the refit the mean over layers of its relative calibration error before / after and of the
     held-out error at the chosen damp, and the damps chosen; runs stopped after the round
     (`stopped`) included. Read from each result file's `rounds[0]`."""
@@ -204,8 +216,12 @@ def recoveries(results: Path, stopped: Path) -> str:
                 continue
             res = json.loads(path.read_text())
             (r,) = res["rounds"]
-            tuning = next((r[k] for k in TUNING if k in r), {})
+            tuning = recovery_report(r)
             after = r.get("val_after_recovery") or r.get("val_after_mask_tuning") or {}
+            after_text = _fmt(after.get("ppl"))
+            if "chain" in r:
+                after_text = " -> ".join(f"{_fmt((r.get(f'val_after_{name}') or {}).get('ppl'))} ({name})"
+                                         for name in r["chain"])
             refit = [layer for layer in (r.get("refit") or {}).get("layers", []) if "error_after" in layer]
             errors = held = damps = "–"
             if refit:
@@ -215,9 +231,86 @@ def recoveries(results: Path, stopped: Path) -> str:
                 chosen = [layer["damp"] for layer in refit]
                 damps = ", ".join(f"{d:g} ({chosen.count(d)})" for d in sorted(set(chosen)))
             finished = "yes" if "pruned" in res.get("evaluation", {}) else "stopped after the round"
-            lines.append(f"| {budget} | {ARMS[arm]} | {_fmt(r['val_before_finetune']['ppl'])} | {_fmt(after.get('ppl'))} "
+            lines.append(f"| {budget} | {ARMS[arm]} | {_fmt(r['val_before_finetune']['ppl'])} | {after_text} "
                          f"| {_fmt(r['score_seconds'], 0)} | {_fmt(tuning.get('seconds'), 0)} | {errors} | {held} | {damps} "
                          f"| {finished} |")
+    return "\n".join(lines)
+
+
+OTHER = "sst2"  # the corpus not calibrated on (evaluation.other_corpora)
+LAST_WORD = "last_word_local"
+
+
+def heldout(results: Path, other_dense: Path, last_word: Path) -> str:
+    """Per budget and arm, what the calibration corpus does not show: perplexity at seq 2048 on
+    Tiny Shakespeare's held-out part and on SST-2's validation sentences (`perplexity_other`), each
+    as a ratio to dense and the second ratio over the first (issue 30's target: at most 1.5), and
+    the last-word accuracy (`last_word_local`, greedy, as lm-eval scores LAMBADA) with its standard
+    error and passages. Read from each result file's `evaluation.pruned`; an arm whose run did not
+    measure the last word takes it from `last_word/*.json` (measure.py, on the same heads or on the
+    run's export). Dense: from a result file's `evaluation.dense` where it has the measure, else from
+    `other_dense` (other_corpus/other_corpus.json, the same windows) and, for the last word, the
+    dense model of a `last_word/*.json` measured on the same number of passages."""
+    files = sorted(results.glob("*.json"))
+    others = json.loads(other_dense.read_text())["models"] if other_dense.is_file() else {}
+    measured = {}  # run name -> the last-word row measure.py wrote, and the file
+    dense_words = {}  # passages -> (dense last-word row, file)
+    for path in sorted(last_word.glob("*.json")) if last_word.is_dir() else []:
+        for name, model in json.loads(path.read_text())["models"].items():
+            row_ = model["zero_shot"][LAST_WORD]
+            if name == "dense":
+                dense_words.setdefault(row_["n"], (row_, path.name))
+            else:
+                measured.setdefault(name, (row_, path.name))
+    dense, rows = None, []
+    for path in files:
+        res = json.loads(path.read_text())
+        if "dense" in res["evaluation"]:
+            ev = res["evaluation"]["dense"]
+            dense = dense or {}
+            if OTHER in ev.get("perplexity_other", {}):
+                dense.setdefault("other", (ev["perplexity_other"][OTHER]["seq2048"]["ppl"], path.name))
+            if LAST_WORD in ev.get("zero_shot", {}):
+                dense_words.setdefault(ev["zero_shot"][LAST_WORD]["n"], (ev["zero_shot"][LAST_WORD], path.name))
+            dense.setdefault("main", ev["perplexity"]["seq2048"]["ppl"])
+        ev = res["evaluation"]["pruned"]
+        other = ev.get("perplexity_other", {}).get(OTHER, {}).get("seq2048", {}).get("ppl")
+        other_source = path.name
+        if other is None and path.stem in others:  # other_corpus/measure.py, on the same heads
+            other, other_source = others[path.stem]["perplexity_other"][OTHER]["seq2048"]["ppl"], f"other_corpus/{other_dense.name}"
+        word, source = ev.get("zero_shot", {}).get(LAST_WORD), path.name
+        if word is None and path.stem in measured:
+            word, source = measured[path.stem][0], f"last_word/{measured[path.stem][1]}"
+        if other is None and word is None:
+            continue
+        arm, budget, seed = split_name(path.stem)
+        rows.append({"run": path.stem, "arm": arm, "budget": budget, "seed": seed, "main": ev["perplexity"]["seq2048"]["ppl"],
+                     "other": other, "other_source": other_source if other is not None else "–",
+                     "word": word, "word_source": source if word is not None else "–"})
+    if dense is None:
+        raise ValueError(f"no result file in {results} evaluated the dense model (evaluation.dense=true)")
+    if "other" not in dense and "dense" in others:
+        dense["other"] = (others["dense"]["perplexity_other"][OTHER]["seq2048"]["ppl"], f"other_corpus/{other_dense.name}")
+    d_main, (d_other, other_file) = dense["main"], dense.get("other", (None, "–"))
+
+    def word_cell(word):
+        return "–" if word is None else f"{word['acc']:.3f} ± {word['acc_stderr']:.3f} ({word['n']})"
+    lines = ["| budget | arm | ppl seq 2048, Tiny Shakespeare | x dense | ppl seq 2048, SST-2 sentences | x dense "
+             "| SST-2 ratio / Tiny Shakespeare ratio (target <= 1.5) | last-word acc ± stderr (passages) | SST-2 ppl from "
+             "| last word from |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+             f"| – | dense | {d_main:.2f} | 1.00 | {_fmt(d_other)} | 1.00 | – | "
+             + " / ".join(f"{word_cell(w)}" for n, (w, _) in sorted(dense_words.items()))
+             + f" | {other_file} | {', '.join(f'last_word/{f}' for _, (_, f) in sorted(dense_words.items()))} |"]
+    order = {arm: i for i, arm in enumerate(ARMS)}
+    for budget in BUDGETS:
+        for r in sorted((r for r in rows if r["budget"] == budget), key=lambda r: (order[r["arm"]], r["seed"] or 0)):
+            name = ARMS[r["arm"]] + (f" (seed {r['seed']})" if r["seed"] is not None else "")
+            main_x = r["main"] / d_main
+            other_x = None if r["other"] is None or d_other is None else r["other"] / d_other
+            lines.append(f"| {budget} | {name} | {r['main']:.2f} | {main_x:.2f} | {_fmt(r['other'])} | {_fmt(other_x)} "
+                         f"| {_fmt(None if other_x is None else other_x / main_x)} | {word_cell(r['word'])} "
+                         f"| {r['other_source']} | {r['word_source']} |")
     return "\n".join(lines)
 
 
@@ -237,6 +330,8 @@ def main() -> None:
     write_text_atomic(args.out / "summary.md", summary(dense, rows) + "\n")
     write_text_atomic(args.out / "recoveries.md", recoveries(args.out / "results", Path(__file__).parent / "refit_target")
                       + "\n")
+    write_text_atomic(args.out / "heldout.md", heldout(args.out / "results", HERE / "other_corpus" / "other_corpus.json",
+                                                       HERE / "last_word") + "\n")
     plot(dense, rows, args.out / "results.png")
 
 

