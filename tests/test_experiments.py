@@ -209,6 +209,8 @@ def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
     the committed result files (and experiments/llm_kv's uniform runs); its README quotes both tables."""
     collect = _script(EXP / "llm_uneven" / "collect.py")
     shutil.copytree(EXP / "llm_uneven" / "results", tmp_path / "results")
+    if (EXP / "llm_uneven" / "gguf.json").is_file():
+        shutil.copy(EXP / "llm_uneven" / "gguf.json", tmp_path / "gguf.json")
     monkeypatch.setattr(sys, "argv", ["collect.py", "--runs", str(tmp_path / "no_runs"), "--out", str(tmp_path),
                                       "--no-plot"])
     collect.main()
@@ -236,3 +238,21 @@ def test_llm_uneven_targets_take_each_allocations_best_repair():
     assert len(lines) == 2
     assert "| **uniform (Fisher + rearrangement)** | output-projection refit | +20.0% | yes | -5.0 |" in lines[0]
     assert "| measured (cost curves, knapsack, greedy correction) | bias compensation | +30.0% | no | +5.0 |" in lines[1]
+
+
+def test_llm_uneven_gguf_rows():
+    """experiments/llm_uneven: gguf.py's sizes and llama.cpp perplexities become a row per exported
+    run (a refused layout says why); a budget with no exported run gets no GGUF table."""
+    collect = _script(EXP / "llm_uneven" / "collect.py")
+    group = [{"run": "attention_drop_refit_kv67", "arm": "attention_drop", "repair": "output-projection refit"},
+             {"run": "attention_drop_kv67", "arm": "attention_drop", "repair": "bias compensation"}]
+    gguf = {"seq": 512, "windows": 8, "models": {
+        "attention_drop_refit_kv67": {"arch": "deci", "pytorch_ppl": 40.0, "q8_0_ppl_cost": 0.01,
+                                      "f16": {"gguf_bytes": 250_000_000, "ppl": 40.1},
+                                      "q8_0": {"gguf_bytes": 140_000_000, "ppl": 40.501}},
+        "attention_drop_kv67": {"refused": "layer 4 keeps no heads but ..."}}}
+    lines = collect.gguf_table(gguf, group)
+    assert "| attention drop (He et al. 2024) | output-projection refit | deci | 250.0 | 140.0 | 40.10 | 40.50 | +1.0% " \
+           "| 40.00 |" in lines
+    assert "| attention drop (He et al. 2024) | bias compensation | refused: layer 4 keeps no heads but ... |" in "\n".join(lines)
+    assert collect.gguf_table({"models": {}}, group) == []

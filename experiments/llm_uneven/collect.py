@@ -4,11 +4,11 @@
 
 Copies each finished run (`<runs>/<arm>[_refit]_<budget>/results.json`, with `wall.json` added) to
 `results/<arm>[_refit]_<budget>.json` (no tag: bias compensation; `_refit`: recovery=refit);
-everything else is built from `results/*.json` alone:
+everything else is built from `results/*.json` (and `gguf.json`, gguf.py's GGUF sizes, when there) alone:
 `results.md` (per budget, allocation and repair: KV cache kept, layers left without attention, perplexity
 at seq 128 and 2048 on held-out Tiny Shakespeare and on SST-2's validation sentences (never
 calibrated on) with their change from dense, zero-shot accuracies, the allocation's seconds
-against the scoring's, its passes and tokens), `targets.md` (issue 29's targets against each
+against the scoring's, its passes and tokens; the GGUF files' sizes and llama.cpp perplexities), `targets.md` (issue 29's targets against each
 allocation's best repaired row, hit or miss and by how much),
 `llm_uneven.csv` (one row per run) and `layouts.png` (KV groups kept per layer, per run).
 The dense model's numbers come from the run that evaluated it (`evaluation.dense`). A budget
@@ -115,7 +115,30 @@ def dense_ppl(dense: dict) -> dict:
             "other128": (other.get("seq128") or {}).get("ppl"), "other2048": (other.get("seq2048") or {}).get("ppl")}
 
 
-def table(dense: dict, rows: list[dict]) -> str:
+def gguf_table(gguf: dict, group: list[dict]) -> list[str]:
+    """The GGUF sizes and llama.cpp perplexities (`gguf.py`'s gguf.json) of `group`'s runs, and the
+    dense model's when measured: [] when none of them was exported."""
+    models = gguf.get("models", {})
+    names = [("dense", "dense", "–")] * ("dense" in models) + [
+        (r["run"], ARMS[r["arm"]], r["repair"]) for arm in ARMS for r in ordered(group, arm) if r["run"] in models]
+    if not any(n != "dense" for n, _, _ in names):
+        return []
+    lines = [f"GGUF files (gguf.py: `headprune-export --gguf`; llama.cpp, flash attention, F16 KV cache, 1 thread, "
+             f"{gguf['windows']} windows of {gguf['seq']} held-out Tiny Shakespeare tokens):", "",
+             "| allocation | repair | arch | F16 MB | Q8_0 MB | ppl F16 (llama.cpp) | ppl Q8_0 (llama.cpp) | Q8_0 cost "
+             "| ppl (PyTorch) |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, arm, repair in names:
+        g = models[name]
+        if "refused" in g:
+            lines.append(f"| {arm} | {repair} | refused: {g['refused']} | – | – | – | – | – | – |")
+            continue
+        lines.append(f"| {arm} | {repair} | {g['arch']} | {g['f16']['gguf_bytes'] / 1e6:.1f} "
+                     f"| {g['q8_0']['gguf_bytes'] / 1e6:.1f} | {g['f16']['ppl']:.2f} | {g['q8_0']['ppl']:.2f} "
+                     f"| {_pct(100 * g['q8_0_ppl_cost'])} | {g['pytorch_ppl']:.2f} |")
+    return lines + [""]
+
+
+def table(dense: dict, rows: list[dict], gguf: dict | None = None) -> str:
     d = dense_ppl(dense)
     zero = dense.get("zero_shot", {})
     lines = [f"Dense: Tiny Shakespeare perplexity {d['ppl128']:.2f} (seq 128), {d['ppl2048']:.2f} (seq 2048); "
@@ -151,6 +174,7 @@ def table(dense: dict, rows: list[dict]) -> str:
                 which = "" if len(layouts) == 1 else f" ({r['repair']})"
                 lines.append(f"- {arm}{which}: {''.join(str(k) for k in r['kept_units_per_layer'])}")
         lines.append("")
+        lines += gguf_table(gguf or {}, group)
     return "\n".join(lines)
 
 
@@ -221,7 +245,9 @@ def main() -> None:
     if args.runs is not None and args.runs.is_dir():
         gather(args.runs, args.out)
     dense, rows = load(args.out / "results")
-    write_text_atomic(args.out / "results.md", table(dense, rows) + "\n")
+    gguf = args.out / "gguf.json"  # gguf.py's sizes and llama.cpp perplexities, when measured
+    gguf = json.loads(gguf.read_text()) if gguf.is_file() else None
+    write_text_atomic(args.out / "results.md", table(dense, rows, gguf) + "\n")
     write_text_atomic(args.out / "targets.md", targets(dense, rows) + "\n")
     write_text_atomic(args.out / "llm_uneven.csv", to_csv([{**r, "kept_units_per_layer": "".join(
         str(k) for k in r["kept_units_per_layer"])} for r in rows]))
