@@ -5,26 +5,49 @@
 #   (c) fisher_ls: (b) + least-squares tuning of the surviving heads' scales
 # at 50/60/70/80% of the heads removed (budget=heads) and at latency budgets of 0.9/0.8/0.7 of the
 # dense forward (batch 32; seq 64 and 128), 2,048 calibration sentences from the training file.
+# Issue 30's arms (`refit`, heads budgets only; `flops4k`: the 4k-sentence model at 30% of the
+# attention FLOPs), collected into results/refit/:
+#   (d) fisher_bc         (b) + bias compensation (FLAP: the removed heads' mean output into O's bias)
+#   (e) fisher_refit      (b) + the output projection refit on the kept heads (ridge, closed form)
+#   (f) refit_rank_refit  removal ranked by the refit's leftover error (per head), no rearrangement, + the refit
+#   (g) fisher_refit_kl   (e), then $STEPS steps of the KL to the unpruned model (every weight, batch 32,
+#                         alpha 1, temperature 1, lr 5e-5) in one run (recovery=chain)
+# and, on the 4k-sentence model (`finetune4k`: experiment=sst2_finetune on 4,000 sentences, 2 epochs),
+# (b), (c), (d), (e), (f), (g) at budget=flops budget.target=0.3 (batch 32, seq 128).
 # Run from the repository root on an otherwise idle machine (latency is measured), default threads:
 #   FT=<the sst2_finetune export> bash experiments/retraining_free/run.sh [heads|latency|collect]
-# (no argument: everything, then the tables).
+# (no argument: everything, then the tables); issue 30's, one torch thread:
+#   OMP_NUM_THREADS=1 FT=<export> bash experiments/retraining_free/run.sh refit
+#   OMP_NUM_THREADS=1 bash experiments/retraining_free/run.sh finetune4k   # -> $FT4K
+#   OMP_NUM_THREADS=1 FT4K=<its export> bash experiments/retraining_free/run.sh flops4k
 set -euo pipefail
 OUT=${OUT:-experiments/retraining_free/runs}
 FT=${FT:-experiments/metric_curves/runs/finetune/export}
+FT4K=${FT4K:-$OUT/finetune4k/export}
 CACHE=${CACHE:-$OUT/latency_cache}
+STEPS=${STEPS:-100}
 declare -A ARM=(
     [taylor]="metric=taylor pruning.rearrange=false recovery=none"
     [fisher]="metric=fisher pruning.rearrange=true recovery=none"
     [fisher_ls]="metric=fisher pruning.rearrange=true recovery=least_squares"
+    [fisher_bc]="metric=fisher pruning.rearrange=true recovery=bias_compensation"
+    [fisher_refit]="metric=fisher pruning.rearrange=true recovery=refit"
+    [refit_rank_refit]="metric=refit_error metric.unit=head pruning.rearrange=false recovery=refit"
+    [fisher_refit_kl]="metric=fisher pruning.rearrange=true recovery=chain recovery.options.distill.steps=$STEPS recovery.options.distill.alpha=1.0 recovery.options.distill.temperature=1.0"
 )
-one() {  # one <name> <overrides...>
+# the KL stage trains on the training text the model was fine-tuned on
+KL_DATA="data.max_train_samples=null"
+one() {  # one <name> <overrides...>   (model: $MODEL, default $FT)
     local dir=$OUT/$1; shift
     [ -f "$dir/results.json" ] && grep -q '"export_dir"' "$dir/results.json" && return 0
-    local start end
+    local start end load0
     start=$(date +%s.%N)
-    headprune-train experiment=retraining_free model.pretrained=$FT hydra.run.dir=$dir overwrite=true "$@"
+    load0=$(cut -d' ' -f1 /proc/loadavg)
+    headprune-train experiment=retraining_free model.pretrained=${MODEL:-$FT} hydra.run.dir=$dir overwrite=true "$@"
     end=$(date +%s.%N)
-    python -c "import json,sys; json.dump({'wall_seconds': round($end - $start, 1)}, open('$dir/wall.json', 'w'))"
+    python -c "import json,os; json.dump({'wall_seconds': round($end - $start, 1), 'threads': os.environ.get('OMP_NUM_THREADS'),
+        'load_start': $load0, 'load_end': float(open('/proc/loadavg').read().split()[0]),
+        'commit': '$(git rev-parse --short HEAD)'}, open('$dir/wall.json', 'w'))"
 }
 heads() {
     for arm in taylor fisher fisher_ls; do
@@ -43,11 +66,36 @@ latency() {
         done
     done
 }
+refit() {
+    for arm in fisher_refit refit_rank_refit fisher_bc fisher_refit_kl; do
+        for s in 0.5 0.6 0.7 0.8; do
+            local extra=""
+            [ $arm = fisher_refit_kl ] && extra=$KL_DATA
+            one "${arm}_heads_${s}" ${ARM[$arm]} budget=heads schedule.target_sparsity=$s $extra
+        done
+    done
+}
+finetune4k() {  # MiniLM, 2 epochs on 4,000 SST-2 sentences (iterative_vs_one_shot's baseline), exported
+    local dir=$OUT/finetune4k
+    [ -f "$dir/results.json" ] && grep -q '"export_dir"' "$dir/results.json" && return 0
+    headprune-train experiment=sst2_finetune data.max_train_samples=4000 schedule.baseline_epochs=2 \
+        trainer.enable_progress_bar=false hydra.run.dir=$dir overwrite=true
+}
+flops4k() {
+    for arm in fisher fisher_ls fisher_refit refit_rank_refit fisher_bc fisher_refit_kl; do
+        local extra=""
+        [ $arm = fisher_refit_kl ] && extra="data.max_train_samples=4000"
+        MODEL=$FT4K one "${arm}_flops4k_0.3" ${ARM[$arm]} budget=flops budget.target=0.3 $extra
+    done
+}
 collect() { python experiments/retraining_free/collect.py --runs $OUT --out experiments/retraining_free \
               --beside experiments/recovery/results; }
 case ${1:-all} in
     heads) heads ;;
     latency) latency ;;
     collect) collect ;;
+    refit) refit ;;
+    finetune4k) finetune4k ;;
+    flops4k) flops4k ;;
     all) heads; latency; collect ;;
 esac
