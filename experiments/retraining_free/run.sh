@@ -26,6 +26,8 @@ FT=${FT:-experiments/metric_curves/runs/finetune/export}
 FT4K=${FT4K:-$OUT/finetune4k/export}
 CACHE=${CACHE:-$OUT/latency_cache}
 STEPS=${STEPS:-100}
+# recorded in wall.json; set it when running from an exported copy of a commit (git archive), which has no .git
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD)}
 declare -A ARM=(
     [taylor]="metric=taylor pruning.rearrange=false recovery=none"
     [fisher]="metric=fisher pruning.rearrange=true recovery=none"
@@ -47,7 +49,7 @@ one() {  # one <name> <overrides...>   (model: $MODEL, default $FT)
     end=$(date +%s.%N)
     python -c "import json,os; json.dump({'wall_seconds': round($end - $start, 1), 'threads': os.environ.get('OMP_NUM_THREADS'),
         'load_start': $load0, 'load_end': float(open('/proc/loadavg').read().split()[0]),
-        'commit': '$(git rev-parse --short HEAD)'}, open('$dir/wall.json', 'w'))"
+        'commit': '$COMMIT'}, open('$dir/wall.json', 'w'))"
 }
 heads() {
     for arm in taylor fisher fisher_ls; do
