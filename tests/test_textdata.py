@@ -3,7 +3,7 @@ import json
 import pytest
 
 from headprune.data.classification import TextClassificationDataModule
-from headprune.data.textdata import label_vocabulary, read_table
+from headprune.data.textdata import encode_labels, label_vocabulary, read_table
 
 
 def _write(path, text):
@@ -30,6 +30,9 @@ def test_tsv_csv_jsonl_and_index_columns(tmp_path):
 def test_label_vocabulary():
     assert label_vocabulary(["pos", "neg", "pos"]) == {"neg": 0, "pos": 1}
     assert label_vocabulary([0, 1, 1]) == {"0": 0, "1": 1}
+    mixed = [True, 1, 1.0, "01", 1]  # equal as dict keys, not as labels: True is its own class
+    vocab = label_vocabulary(mixed)
+    assert vocab == {"1": 0, "True": 1} and encode_labels(mixed, vocab, "x") == [1, 0, 0, 0, 0]
 
 
 def test_missing_label_column_names_field(tmp_path):
@@ -214,3 +217,26 @@ def test_a_utf8_bom_is_stripped(tmp_path):
     jl = tmp_path / "bom.jsonl"
     jl.write_bytes("\ufeff{\"text\": \"hi\", \"y\": 0}\n".encode("utf-8"))
     assert read_table(jl, "text", "y").labels == [0]
+
+
+def test_a_file_read_again_is_not_parsed_again_until_it_changes(tmp_path, monkeypatch, caplog):
+    """read_table keeps the tables it read in this process: an unchanged file with the same settings
+    is not parsed again (SST-2's train file: ~1 s per data setup), each caller gets lists of its
+    own, the padded-label warning is repeated, and a rewritten file or other settings are read anew."""
+    from headprune.data import textdata
+
+    parsed = []
+    parse = textdata._parse_table
+    monkeypatch.setattr(textdata, "_parse_table", lambda path, *a: parsed.append(path) or parse(path, *a))
+    tsv = _write(tmp_path / "a.tsv", "sentence\tlabel\ngood film\t 1\nbad film\t0\n")
+    with caplog.at_level("WARNING"):
+        first = read_table(tsv, "sentence", "label")
+        first.texts.append("changed by the caller")
+        second = read_table(tsv, "sentence", "label")
+    assert len(parsed) == 1
+    assert second.texts == ["good film", "bad film"] and second.labels == ["1", "0"]
+    assert sum("1 label(s) had spaces" in r.getMessage() for r in caplog.records) == 2
+    read_table(tsv, 0, "label")  # other settings
+    assert len(parsed) == 2
+    _write(tsv, "sentence\tlabel\nanother film\t1\n")  # a new size (and mtime)
+    assert read_table(tsv, "sentence", "label").texts == ["another film"] and len(parsed) == 3
