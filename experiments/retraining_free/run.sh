@@ -13,13 +13,15 @@
 #   (g) fisher_refit_kl   (e), then $STEPS steps of the KL to the unpruned model (every weight, batch 32,
 #                         alpha 1, temperature 1, lr 5e-5) in one run (recovery=chain)
 # and, on the 4k-sentence model (`finetune4k`: experiment=sst2_finetune on 4,000 sentences, 2 epochs),
-# (b), (c), (d), (e), (f), (g) at budget=flops budget.target=0.3 (batch 32, seq 128).
+# (b), (c), (d), (e), (f), (g) at budget=flops budget.target=0.3 (batch 32, seq 128), and (`heads4k`)
+# at the heads budgets as well.
 # Run from the repository root on an otherwise idle machine (latency is measured), default threads:
 #   FT=<the sst2_finetune export> bash experiments/retraining_free/run.sh [heads|latency|collect]
 # (no argument: everything, then the tables); issue 30's, one torch thread:
 #   OMP_NUM_THREADS=1 FT=<export> bash experiments/retraining_free/run.sh refit
 #   OMP_NUM_THREADS=1 bash experiments/retraining_free/run.sh finetune4k   # -> $FT4K
 #   OMP_NUM_THREADS=1 FT4K=<its export> bash experiments/retraining_free/run.sh flops4k
+#   OMP_NUM_THREADS=1 FT4K=<its export> bash experiments/retraining_free/run.sh heads4k
 set -euo pipefail
 OUT=${OUT:-experiments/retraining_free/runs}
 FT=${FT:-experiments/metric_curves/runs/finetune/export}
@@ -90,6 +92,15 @@ flops4k() {
         MODEL=$FT4K one "${arm}_flops4k_0.3" ${ARM[$arm]} budget=flops budget.target=0.3 $extra
     done
 }
+heads4k() {  # no tuning and the refit first, at every share; then the other repairs
+    for arm in fisher fisher_refit refit_rank_refit fisher_ls fisher_bc fisher_refit_kl; do
+        for s in 0.5 0.6 0.7 0.8; do
+            local extra=""
+            [ $arm = fisher_refit_kl ] && extra="data.max_train_samples=4000"
+            MODEL=$FT4K one "${arm}_heads4k_${s}" ${ARM[$arm]} budget=heads schedule.target_sparsity=$s $extra
+        done
+    done
+}
 collect() { python experiments/retraining_free/collect.py --runs $OUT --out experiments/retraining_free \
               --beside experiments/recovery/results; }
 case ${1:-all} in
@@ -99,5 +110,6 @@ case ${1:-all} in
     refit) refit ;;
     finetune4k) finetune4k ;;
     flops4k) flops4k ;;
+    heads4k) heads4k ;;
     all) heads; latency; collect ;;
 esac
