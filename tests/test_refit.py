@@ -204,19 +204,49 @@ def test_the_export_after_a_refit_is_a_plain_checkpoint_with_the_same_logits(fam
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_uneven_physically_pruned_layouts_and_a_layer_without_heads(family):
     """Heads physically removed unevenly (layer 0 has none left, layer 1 an uneven KV group), then
-    more masked: the attention-free layer is skipped, the others refit and reconstruct better."""
+    more masked: the attention-free layer is skipped without a bias and gets its mean target with one, the
+    others refit and reconstruct better."""
     model = tiny(family)
     prune_heads(model, [(l, h) for l, hs in EVERY_LAYOUT.items() for h in hs])
+    if family == "gpt2":  # the headless layer outputs its bias: make it one the fit has to find
+        torch.nn.init.normal_(model.transformer.h[0].attn.c_proj.bias)
     mask = HeadMask.for_model(model)
     mask.prune([(1, 0)])
     dense = mask.unmasked_copy(model)
     report = refit_layers(model, mask, dense, [inputs(batch=4, tokens=12, seed=s) for s in range(4)],
                           Refit(bias=family == "gpt2"))
     zero, one, two = report["layers"]
-    assert zero == {"layer": 0, "heads": [], "skipped": "no heads"}
+    if family == "gpt2":  # with a bias, the layer without heads fits its mean target; the "dense" model lost
+        # the same heads physically, so that is the bias it has already
+        assert zero["heads"] == [] and zero["bias_only"] and zero["bias_norm"] < 1e-6
+    else:
+        assert zero == {"layer": 0, "heads": [], "skipped": "no heads"}
     assert one["heads"] == [2, 3] and two["heads"] == [0, 1]
     assert all(layer["error_after"] < layer["error_before"] for layer in (one, two))
     assert all(layer["error_after"] <= layer["error_scales"] + 1e-9 for layer in (one, two))
+
+
+def test_a_layer_without_heads_gets_bias_compensations_bias_on_the_attention_target():
+    """All of layer 0's heads masked (attention drop's layout): on the attention target the refit's
+    only fit there is the mean dense attention output, which is bias compensation's bias (both see
+    the dense inputs at layer 0); later layers then refit on what that bias leaves."""
+    from headprune.recovery.bias_compensation import compensate
+
+    batches = [inputs(batch=4, tokens=12, seed=s) for s in range(3)]
+    fitted = []
+    for repair in ("refit", "bias_compensation"):
+        model = tiny("llama")
+        mask = HeadMask.for_model(model)
+        mask.prune([(0, h) for h in range(mask.mask.shape[1])])
+        dense = mask.unmasked_copy(model)
+        if repair == "refit":
+            report = refit_layers(model, mask, dense, batches, Refit(target="attention", damps=[0.01], bias=True))
+            assert report["layers"][0]["bias_only"] and report["layers"][0]["error_after"] < 1.0
+        else:
+            compensate(model, mask, dense, batches)
+        fitted.append(model.model.layers[0].self_attn.o_proj.bias.detach().clone())
+    assert fitted[0].abs().max() > 0
+    torch.testing.assert_close(fitted[0], fitted[1], rtol=1e-4, atol=1e-6)
 
 
 def test_prune_to_budget_takes_it_and_records_the_report():

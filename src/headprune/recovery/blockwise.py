@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headprune.heads.adapters import get_adapter
+from headprune.heads.adapters import get_adapter, num_features
 from headprune.tasks import MODEL_INPUTS, to_device
 
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -121,7 +121,8 @@ def _by_name(block: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor,
 def block_with_out_proj(model: nn.Module, layer: int, inputs: BlockInputs, hidden: torch.Tensor,
                         stop: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block `layer` of `model` on `hidden`: (its attention output projection's output (B, T, E),
-    the block's output (B, T, E), or None with `stop`: the block ends right after the projection)."""
+    the block's output (B, T, E), or None with `stop`: the block ends right after the projection). A
+    layer with no heads left outputs its projection's bias (zeros without one)."""
     o = get_adapter(model).out_proj(get_adapter(model).blocks(model)[layer])
     seen = {}
 
@@ -137,6 +138,10 @@ def block_with_out_proj(model: nn.Module, layer: int, inputs: BlockInputs, hidde
         next_hidden = None
     finally:
         handle.remove()
+    if "o" not in seen:  # no heads left (`HeadlessAttention`): the projection never runs, the layer outputs its bias
+        bias = getattr(o, "bias", None)
+        zeros = hidden.new_zeros(*hidden.shape[:2], num_features(o, outputs=True))  # (B, T, E)
+        seen["o"] = zeros + bias if bias is not None else zeros
     return seen["o"], next_hidden
 
 

@@ -21,7 +21,8 @@ error on held-out calibration sequences (every 1/`holdout`-th one) of the fit on
 the chosen damp is refit on all of them. On the same tokens the refit then competes with the
 least-squares scales (`LeastSquares`' defaults) rebuilt from the same sums: a layer where the scales
 reconstruct better keeps them (`kept_scales`), so the calibration error is never above least
-squares' on the same inputs. A layer with no heads left has nothing to refit.
+squares' on the same inputs. A layer with no heads left has only its bias: with `bias` it gets the
+mean target (an attention-free layer's fit, as bias compensation gives it), else it is skipped.
 
 The result is written into O's weight columns of the kept heads (their gates are set to 1, a gate
 other than 1 is folded in first) and, with `bias`, O's bias (`out_bias.py`: Llama gets
@@ -161,7 +162,7 @@ def _refit_layer(model, mask: HeadMask, dense, layer: int, batches: list[_Batch]
     kept = layer_heads(model, layer)
     alive = [h for h in kept if float(mask.mask[layer, h]) > 0]
     out: dict = {"layer": layer, "heads": alive}
-    if not alive:  # nothing to refit: carry both models past the layer
+    if not alive and not settings.bias:  # no weights and no bias to fit: carry both models past the layer
         out["skipped"] = "no heads"
         for b in batches:
             if not last:
@@ -170,6 +171,8 @@ def _refit_layer(model, mask: HeadMask, dense, layer: int, batches: list[_Batch]
                 runs["dense"] += 1
                 runs["pruned"] += 1
         return out
+    if not alive:
+        return _refit_bias_only(model, dense, layer, last, batches, settings, runs, out)
     rows = adapter.head_rows(model, layer)
     gates = mask.mask[layer, alive].double()
     start = torch.cat([rows[h]["o"].weight().double() * g for h, g in zip(alive, gates)])  # (F, E), gates folded in
@@ -221,6 +224,40 @@ def _refit_layer(model, mask: HeadMask, dense, layer: int, batches: list[_Batch]
     out.update(damp=damp, **{"lambda": _round(lam)}, **{k: _round(v) for k, v in errors.items()},
                heldout=heldout, kept_scales=bool(kept_scales),
                bias_norm=_round(float((bias - reference).norm())) if settings.bias else 0.0)
+    if not last:
+        for b in batches:
+            b.pruned = run_block(model, layer, b.inputs, b.pruned)
+            runs["pruned"] += 1
+    return out
+
+
+def _refit_bias_only(model, dense, layer: int, last: bool, batches: list[_Batch], settings: Refit, runs: dict,
+                     out: dict) -> dict:
+    """A layer with no heads left outputs its output-projection bias alone, so the refit's
+    intercept is all there is to fit: the mean target over the calibration tokens (on the
+    attention target, bias compensation's value for the layer; on the residual target, that plus
+    the mean drift the layers before left). Without it an attention-free layer would lose the
+    removed heads' mean output that bias compensation keeps."""
+    adapter = get_adapter(model)
+    hidden = batches[0].dense.shape[-1]
+    o = adapter.out_proj(adapter.blocks(model)[layer])
+    reference = (o.bias.detach().double() if getattr(o, "bias", None) is not None
+                 else torch.zeros(hidden, dtype=torch.float64, device=batches[0].dense.device))  # (E,)
+    sums = RidgeSums(0, hidden, reference.device)
+    for b in batches:
+        o_d, next_dense = block_with_out_proj(dense, layer, b.inputs, b.dense, stop=last)
+        runs["dense"] += 1
+        y = o_d if settings.target == "attention" else b.dense.float() + o_d.float() - b.pruned.float()  # (B, T, E)
+        rows = y[b.real]  # (N, E)
+        sums.add(rows.new_zeros(rows.shape[0], 0), rows)
+        b.dense = next_dense if next_dense is not None else b.dense
+    sums.all_reduce()
+    bias = sums.target_sum / sums.tokens.clamp_min(1)  # (E,)
+    empty = bias.new_zeros(0, hidden)
+    base = sums.baseline(reference)
+    output_bias(model, layer).copy_(bias)
+    out.update(bias_only=True, error_before=_round(sums.error(empty, reference) / base),
+               error_after=_round(sums.error(empty, bias) / base), bias_norm=_round(float((bias - reference).norm())))
     if not last:
         for b in batches:
             b.pruned = run_block(model, layer, b.inputs, b.pruned)
