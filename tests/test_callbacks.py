@@ -10,6 +10,7 @@ from headprune.apps.train import run
 from tests.helpers import compose_iterative, strict_json
 
 
+@pytest.mark.slow  # a training run: over ~2 s
 def test_nonfinite_loss_stops_rolls_back_and_writes_strict_json(tmp_path, data_dir):
     """lr=1e30 blows the weights up in epoch 2 (the first after round 1): the run stops, the model
     is rolled back to the state the last checkpoint holds (taken after epoch 1), results.json is

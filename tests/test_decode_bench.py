@@ -46,6 +46,7 @@ def folders(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow  # decode timings of exports: over ~2 s
 def test_llm_section_rows_bounds_and_exact_kv_ratios(folders, tmp_path):
     exports = [folders / "kv1" / "export", folders / "kv2" / "export"]
     results = run(compose_bench(tmp_path, *ONLY_LLM, f"bench.llm.pruned_dirs=[{exports[0]},{exports[1]}]",
@@ -74,6 +75,7 @@ def test_llm_section_rows_bounds_and_exact_kv_ratios(folders, tmp_path):
     assert "Pretrained decoder" in (tmp_path / "bench.md").read_text()
 
 
+@pytest.mark.slow  # decode timings of an export: over ~2 s
 def test_pruned_dir_is_compared_with_the_dense_model_it_records(folders, tmp_path):
     """The decoder section's dense row is the recorded origin (18 heads), not the export's own
     config (12 heads, KV ratio 1.000, sparsity 0: the old behaviour)."""
@@ -87,6 +89,7 @@ def test_pruned_dir_is_compared_with_the_dense_model_it_records(folders, tmp_pat
     assert str(folders / "dense") in rows["dense"]["model"]
 
 
+@pytest.mark.slow  # builds and saves exports: over ~2 s
 def test_export_without_origin_is_refused_unless_named(folders, tmp_path):
     save_pruned(without_groups(llama(), 1), tmp_path / "old")  # as exports were written before
     assert read_origin(tmp_path / "old") is None

@@ -60,6 +60,7 @@ def test_bad_settings_name_the_field(field, value):
 
 
 # -- runs ------------------------------------------------------------------------------------------
+@pytest.mark.slow  # distillation runs: over ~2 s
 def test_distill_run_saves_its_teacher_once_and_times_it(tmp_path, data_dir):
     res = run(_cfg(tmp_path, data_dir, "recovery.hidden_weight=0.1"))
     assert (tmp_path / "teacher" / "config.json").is_file() and (tmp_path / "teacher" / "headprune_layout.json").is_file()
@@ -92,12 +93,14 @@ def test_distill_changes_training_and_resumes_exactly(tmp_path, data_dir):
     ["schedule=one_shot"], ["schedule=cubic", "schedule.rounds=2"],
     ["schedule=until_threshold", "schedule.threshold=0.5", "schedule.step=0.25", "schedule.select_samples=16"],
 ])
+@pytest.mark.slow  # distillation runs: over ~2 s
 def test_distill_with_every_schedule(schedule, tmp_path, data_dir):
     res = run(_cfg(tmp_path, data_dir, "layer_policy=uniform", "schedule.target_sparsity=0.5",
                    "schedule.baseline_epochs=1", "schedule.epochs_per_round=1", schedule=schedule))
     assert res["rounds"] and all(r["teacher_seconds"] > 0 for r in res["rounds"])
 
 
+@pytest.mark.slow  # distillation runs: over ~2 s
 def test_teacher_from_a_folder(tmp_path, data_dir):
     run(_cfg(tmp_path / "first", data_dir, "recovery=finetune", "schedule.target_sparsity=0.25"))
     res = run(_cfg(tmp_path / "second", data_dir, f"recovery.teacher={tmp_path / 'first' / 'export'}"))

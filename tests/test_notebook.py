@@ -2,11 +2,13 @@
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # a Jupyter kernel executes the notebook: over ~2 s
 def test_analysis_notebook_executes():
     nb = nbformat.read(REPO / "notebooks" / "analysis.ipynb", as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()

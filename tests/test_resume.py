@@ -40,6 +40,7 @@ def _copy(src, dst):
     return last
 
 
+@pytest.mark.slow  # training runs and resumes: over ~2 s
 def test_resuming_a_finished_run_changes_nothing(finished, tmp_path, data_dir):
     last = _copy(finished, tmp_path / "run")
     before = files(tmp_path / "run")
@@ -48,6 +49,7 @@ def test_resuming_a_finished_run_changes_nothing(finished, tmp_path, data_dir):
     assert files(tmp_path / "run") == before
 
 
+@pytest.mark.slow  # training runs and resumes: over ~2 s
 def test_a_run_killed_during_its_export_finishes_it_on_resume(tmp_path, data_dir, monkeypatch):
     out = tmp_path / "run"
     export = train_app.export_pruned
@@ -91,6 +93,7 @@ def _strip(rounds):
     return [{k: r[k] for k in ("round", "pruned", "heads_per_layer", "val", "val_before_finetune")} for r in rounds]
 
 
+@pytest.mark.slow  # training runs and resumes: over ~2 s
 def test_resume_after_crash_matches_uninterrupted_run(finished, tmp_path, data_dir):
     """A run that crashes after epoch 2 (round 2 pruned, not yet fine-tuned) refuses to start over
     without ckpt_path, and resumed from its last checkpoint ends where the uninterrupted run

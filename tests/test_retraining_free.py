@@ -58,6 +58,7 @@ def test_a_budget_no_layout_meets_takes_the_cheapest_and_records_the_real_target
     assert "0.2000 of dense cannot be met" in report["round"]["shortfall"]
 
 
+@pytest.mark.slow  # three latency measurements: over ~2 s
 def test_latency_table_is_measured_once_and_cached(tmp_path):
     model = tiny_bert()
     first = latency_table(model, batch=2, seq=8, cache_dir=tmp_path, warmup=0, repeats=2)

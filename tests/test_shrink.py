@@ -42,6 +42,7 @@ def test_optimizer_state_is_sliced_with_the_weights(tokenizer):
     optimizer.step()  # the shrunken model trains on
 
 
+@pytest.mark.slow  # two training runs: over ~2 s
 def test_physical_training_equals_masked_training(tmp_path, data_dir, tokenizer):
     """Without dropout, fine-tuning with the pruned heads removed gives the weights fine-tuning with
     them masked gives: same heads, same accuracies, same exported model (AdamW moments carried over,
@@ -65,6 +66,7 @@ def test_physical_training_equals_masked_training(tmp_path, data_dir, tokenizer)
     assert diff < lr / 100, diff
 
 
+@pytest.mark.slow  # a training run with a rejected round: over ~2 s
 def test_a_rejected_round_keeps_its_heads(tmp_path, data_dir):
     """until_threshold may reject a round and restore its heads, so they stay in the model (masked)
     until the next round accepts them; the restored model exports with every head."""

@@ -84,6 +84,7 @@ def _results(path):
     return json.loads((path / "results.json").read_text())
 
 
+@pytest.mark.slow  # a training run: over ~2 s
 def test_fast_dev_run_in_process(cfg_factory, tmp_path):
     cfg = cfg_factory("model=tiny_bert", "debug=fast", "data.max_train_samples=64", "data.score_samples=32")
     data = run(cfg)
@@ -94,6 +95,7 @@ def test_fast_dev_run_in_process(cfg_factory, tmp_path):
     assert saved["config"]["model"]["config_overrides"]["num_hidden_layers"] == 3
 
 
+@pytest.mark.slow  # a training run: over ~2 s
 def test_tiny_iterative_run_writes_every_round(cfg_factory, tmp_path):
     cfg = cfg_factory("model=tiny_bert", "callbacks=none", "logger=csv", "data.max_train_samples=64",
                       "data.score_samples=32", "data.max_validation_samples=64", "schedule.target_sparsity=0.5",
@@ -146,6 +148,7 @@ def test_an_empty_model_folder_is_named(cfg_factory, tmp_path):
         run(cfg)
 
 
+@pytest.mark.slow  # a training run: over ~2 s
 def test_label_mapping_in_results_and_in_the_exported_config(cfg_factory, tmp_path, data_dir):
     cfg = cfg_factory("model=tiny_bert", "debug=fast", "data.max_train_samples=32", "data.score_samples=16")
     res = run(cfg)
@@ -154,6 +157,7 @@ def test_label_mapping_in_results_and_in_the_exported_config(cfg_factory, tmp_pa
     assert exported["id2label"] == {"0": "0", "1": "1"} and exported["label2id"] == {"0": 0, "1": 1}
 
 
+@pytest.mark.slow  # a training run: over ~2 s
 def test_until_threshold_decides_on_a_held_out_selection_slice(cfg_factory, tmp_path):
     cfg = cfg_factory(*TINY_RUN, "schedule=until_threshold", "schedule.threshold=1.5", "schedule.step=0.25",
                       "schedule.select_samples=24")
@@ -179,11 +183,13 @@ def test_console_script_fast_dev_run(tmp_path, data_dir):
     assert _results(tmp_path)["final"]["rounds_completed"] == 1
 
 
+# Without the end-of-run diagnostics (7 heatmaps, about a third of such a run; test_diagnostics.py has them).
 TINY_RUN = ["model=tiny_bert", "callbacks=none", "logger=none", "data.max_train_samples=64", "data.score_samples=32",
-            "data.max_validation_samples=64", "trainer.num_sanity_val_steps=0"]
+            "data.max_validation_samples=64", "trainer.num_sanity_val_steps=0", "diagnostics.enabled=false"]
 
 
 @pytest.mark.parametrize("policy", ["global", "uniform", "sensitivity", "depth_prior"])
+@pytest.mark.slow  # a training run: over ~2 s
 def test_tiny_run_per_layer_policy(policy, cfg_factory, tmp_path):
     extra = ["layer_policy.protect_last=0"] if policy == "depth_prior" else []
     cfg = cfg_factory(*TINY_RUN, f"layer_policy={policy}", *extra, "schedule=iterative", "schedule.target_sparsity=0.5",
@@ -209,6 +215,7 @@ def test_tiny_run_per_layer_policy(policy, cfg_factory, tmp_path):
     ("cubic", ["schedule.rounds=3"], {"rounds": 3}),
     ("until_threshold", ["schedule.threshold=1.5", "schedule.step=0.25"], {"rounds": 1, "stopped": True}),
 ])
+@pytest.mark.slow  # a training run: over ~2 s
 def test_tiny_run_per_schedule(schedule, extra, expect, cfg_factory, tmp_path):
     cfg = cfg_factory(*TINY_RUN, f"schedule={schedule}", "schedule.target_sparsity=0.5", *extra)
     run(cfg)
@@ -224,6 +231,7 @@ def test_tiny_run_per_schedule(schedule, extra, expect, cfg_factory, tmp_path):
     assert metrics == []  # logger=none
 
 
+@pytest.mark.slow  # a training run: over ~2 s
 def test_budget_shortfall_is_explained(cfg_factory, tmp_path, caplog):
     cfg = cfg_factory(*TINY_RUN, "schedule=one_shot", "schedule.target_sparsity=0.9", "schedule.epochs_per_round=0",
                       "layer_policy.min_heads_per_layer=2")
@@ -273,6 +281,7 @@ def test_bad_schedule_values_fail_at_start(override, pattern, cfg_factory):
 
 
 @pytest.mark.parametrize("name", ["michel2019_bert_sst2", "michel2019_bert_mnli"])
+@pytest.mark.slow  # a training run: over ~2 s
 def test_michel2019_configs_smoke(name, cfg_factory, tmp_path, data_dir):
     """The GPU + hub experiments, run here as a fast_dev_run on the tiny model and local SST-2."""
     cfg = cfg_factory(f"experiment={name}", "model=tiny_bert", "trainer=default", "data=sst2",
@@ -291,6 +300,7 @@ def test_michel2019_configs_smoke(name, cfg_factory, tmp_path, data_dir):
     ("metric_curves", ["model.pretrained=sentence-transformers/all-MiniLM-L6-v2", "metric=entropy"]),
     ("layer_sensitivity", ["model.pretrained=sentence-transformers/all-MiniLM-L6-v2", "layer_policy=sensitivity"]),
 ])
+@pytest.mark.slow  # a training run: over ~2 s
 def test_minilm_experiments_smoke(name, extra, cfg_factory):
     """The MiniLM experiments' configs, run as a fast_dev_run on the tiny model."""
     cfg = cfg_factory(f"experiment={name}", "model=tiny_bert", "debug=fast", "data.max_train_samples=32",
@@ -334,6 +344,7 @@ def train_cfg(cfg_factory):
                        "schedule.step=0.25")
 
 
+@pytest.mark.slow  # a training run: over ~2 s
 def test_train_run_exports_the_pruned_model(train_cfg, tmp_path, tokenizer, monkeypatch):
     seen = {}
     export = train_app.export_pruned
@@ -393,6 +404,7 @@ TINY_GPT2 = [*TINY_LM_MODEL, "+model.config_overrides.n_positions=64", "data.blo
              "trainer.num_sanity_val_steps=0"]
 
 
+@pytest.mark.slow  # a training run: over ~2 s
 def test_fast_dev_run_reports_perplexity(cfg_factory, tmp_path):
     run(cfg_factory(*TINY_GPT2, "debug=fast"))
     res = _results(tmp_path)
@@ -403,6 +415,7 @@ def test_fast_dev_run_reports_perplexity(cfg_factory, tmp_path):
     assert res["final"]["params"]["total"] < res["baseline"]["params"]["total"]
 
 
+@pytest.mark.slow  # a training run: over ~2 s
 def test_pruned_export_reloads_with_the_trained_models_logits(cfg_factory, tmp_path, monkeypatch):
     saved, save_pruned = {}, train_app.save_pruned
 

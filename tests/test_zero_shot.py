@@ -64,6 +64,7 @@ def test_prepare_errors_name_what_is_missing(tmp_path, monkeypatch):
         prepare_local_tasks(["sst2"], tmp_path, tmp_path / "cache")
 
 
+@pytest.mark.slow  # an lm-eval run: over ~2 s
 def test_tiny_model_zero_shot_offline_equals_direct_log_likelihoods(data_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     tok = tiny_tokenizer()
