@@ -29,13 +29,22 @@ def _bad(saved: dict, kind: str) -> str:
     return json.dumps(broken)
 
 
+@pytest.fixture(scope="module")
+def good_cache(tmp_path_factory):
+    """(model, cache file name, its text): one measured table that every case breaks in its own way."""
+    model, folder = tiny_bert(), tmp_path_factory.mktemp("latency")
+    first = latency_table(model, batch=2, seq=8, cache_dir=folder, warmup=0, repeats=1)
+    assert not first["cached"]
+    name = first["path"].rsplit("/", 1)[-1]
+    return model, name, (folder / name).read_text()
+
+
 @pytest.mark.parametrize("kind", ["truncated", "empty_list", "string", "missing_count", "negative", "non_numeric",
                                   "no_forward", "layer_ms_list"])
-def test_a_bad_cache_file_is_named_and_measured_again(kind, tmp_path, caplog):
-    model = tiny_bert()
-    first = latency_table(model, batch=2, seq=8, cache_dir=tmp_path, warmup=0, repeats=1)
-    path = tmp_path / first["path"].rsplit("/", 1)[-1]
-    path.write_text(_bad(json.loads(path.read_text()), kind))
+def test_a_bad_cache_file_is_named_and_measured_again(kind, good_cache, tmp_path, caplog):
+    model, name, text = good_cache
+    path = tmp_path / name
+    path.write_text(_bad(json.loads(text), kind))
     with caplog.at_level("WARNING"):
         again = latency_table(model, batch=2, seq=8, cache_dir=tmp_path, warmup=0, repeats=1)
     assert not again["cached"] and set(again["layer_ms"]) == {0, 1, 2, 3, 4}
