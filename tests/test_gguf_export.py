@@ -125,6 +125,19 @@ def test_uniform_file_is_llama_with_scalars_and_copies_a_source_vocabulary(tmp_p
     assert "output.weight" not in tensors  # tied: llama.cpp reuses token_embd
 
 
+def test_a_headless_layers_bias_is_folded_into_the_ffn_before_it(tmp_path, tok):
+    """llama.cpp's attention-free deci layer adds nothing, so a bias a recovery fitted there goes
+    into the previous layer's FFN down-projection bias (only a residual sum lies between them)."""
+    biased = tiny_llama(tok, attention_bias=True)
+    prune_heads(biased, {2: list(range(8))})
+    with torch.no_grad():
+        biased.model.layers[2].self_attn.o_proj.bias.fill_(0.5)
+    assert gguf_refusal(biased) is None
+    _, tensors = fields(save_gguf(biased, tmp_path / "m.gguf", tokenizer=tok, weights="f32").path)
+    assert np.array_equal(np.asarray(tensors["blk.1.ffn_down.bias"].data), np.full(64, 0.5, dtype=np.float32))
+    assert not any(name.startswith("blk.2.attn") for name in tensors) and "blk.0.ffn_down.bias" not in tensors
+
+
 def test_refusals_say_why_before_writing(tmp_path, tok):
     target = tmp_path / "x.gguf"
     cases = {
@@ -141,11 +154,6 @@ def test_refusals_say_why_before_writing(tmp_path, tok):
         assert reason in (gguf_refusal(model) or ""), (reason, gguf_refusal(model))
         with pytest.raises(ValueError, match="GGUF export refused"):
             save_gguf(model, target, tokenizer=tok)
-    biased = tiny_llama(tok, attention_bias=True)
-    prune_heads(biased, {2: list(range(8))})
-    with torch.no_grad():
-        biased.model.layers[2].self_attn.o_proj.bias.fill_(0.5)
-    assert "non-zero bias" in gguf_refusal(biased)
     with pytest.raises(ValueError, match="weights='q4'"):
         save_gguf(tiny_llama(tok), target, tokenizer=tok, weights="q4")
     with pytest.raises(ValueError, match="needs the vocabulary"):
@@ -190,6 +198,11 @@ def test_block_configs_refuse_what_deci_cannot_express(tok):
     assert "intermediate_size=128" in deci_refusal(tiny_llama(tok, {1: list(range(8))}))
     with pytest.raises(ValueError, match="vLLM DeciLM export refused"):
         deci_config(tiny_llama(tok, {2: [0, 1]}))
+    biased = tiny_llama(tok, {1: list(range(8))}, intermediate_size=256, attention_bias=True)
+    assert deci_refusal(biased) is None  # a zero bias adds nothing
+    with torch.no_grad():
+        biased.model.layers[1].self_attn.o_proj.bias.fill_(0.5)
+    assert "layer 1 keeps no heads but its output projection has a non-zero bias" in deci_refusal(biased)
     assert deci_refusal(tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=10, hidden_size=64, num_attention_heads=4,
                                                            num_hidden_layers=1, intermediate_size=256))) is None
 

@@ -54,6 +54,24 @@ def test_logits_match_pytorch(served):
     assert np.abs(want).max() > 0.5  # logits worth comparing
 
 
+def test_a_headless_layers_fitted_bias_is_served(tok, tmp_path):
+    """A layer without heads that keeps a recovery's bias (refit, bias compensation): the export folds
+    it into the FFN before it, and llama.cpp's logits still match PyTorch's."""
+    model = tiny_llama(tok, {2: list(range(8)), 1: [0, 1, 2, 3]}, attention_bias=True)
+    with torch.no_grad():
+        model.model.layers[2].self_attn.o_proj.bias.normal_(0, 0.5)
+    out = save_gguf(model, tmp_path / "headless.gguf", tokenizer=tok, weights="f32")
+    loaded = llamacpp.load(out.path, n_ctx=CTX)
+    try:
+        ids = tokens(48)
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0].double().numpy()
+        diff = np.abs(llamacpp.logits(loaded, ids) - want).max()
+    finally:
+        loaded.close()
+    assert out.arch == "deci" and diff <= 1e-3, f"max |llama.cpp - PyTorch| = {diff:.2e}"
+
+
 def torch_greedy(model, prompt: list[int], steps: int) -> list[int]:
     """Plain argmax steps with the KV cache (no generation config: no EOS stop, no logits processors)."""
     out = []

@@ -25,9 +25,10 @@ and its converter; the code is ours):
 
 Refused with the reason before anything is written (`gguf_refusal`): encoders, families without
 Llama's rotary layout (GPT-2, BERT, ...), rotary scaling, sliding windows, activations other than
-SiLU, an attention-free layer 0 (llama.cpp takes the head size from layer 0's head count), a
-layer without heads whose output projection keeps a non-zero bias (an attention-free `deci`
-layer adds nothing), and a vocabulary whose size differs from the embedding's.
+SiLU, an attention-free layer 0 (llama.cpp takes the head size from layer 0's head count), and a
+vocabulary whose size differs from the embedding's. A layer without heads whose output projection
+keeps a bias (a recovery's fit; an attention-free `deci` layer adds nothing) has that bias folded
+into the FFN down-projection bias of the layer before it, which llama.cpp's `deci` FFN adds.
 
 The file is written under a temporary name beside `path` and renamed when complete.
 """
@@ -135,12 +136,6 @@ def _layout_or_reason(model: nn.Module) -> GGUFLayout | str:
         heads.append(per_group * len(groups))
         kv_heads.append(len(groups))
         padded += heads[-1] - len(kept)
-        if not kept:
-            bias = getattr(adapter.out_proj(adapter.blocks(model)[i]), "bias", None)
-            if bias is not None and bool(bias.detach().abs().max() > 0):
-                return (f"layer {i} keeps no heads but its output projection has a non-zero bias (a recovery's "
-                        "fit); llama.cpp's attention-free deci layer adds nothing, so the file would compute "
-                        "something else; allowed: a layer without heads with no (or a zero) bias")
     ffn = [int(adapter.blocks(model)[i].mlp.up_proj.weight.shape[0]) for i in range(len(layout))]
     uniform = len(set(zip(heads, kv_heads, ffn))) == 1 and heads[0] > 0
     if not uniform and heads[0] == 0:
@@ -285,6 +280,22 @@ def _layer_tensors(model: nn.Module, layer: int, layout: GGUFLayout) -> dict[str
     return {f"blk.{layer}.{key}": value for key, value in out.items()}
 
 
+def _folded_headless_biases(model: nn.Module, layout: GGUFLayout, named: dict) -> dict[str, torch.Tensor]:
+    """A layer without heads outputs only its projection's bias (a recovery's fit), which llama.cpp's
+    attention-free `deci` layer cannot add. Between layer l-1's FFN output and layer l's attention
+    there is only the residual sum, so adding that bias to layer l-1's FFN down-projection bias
+    computes the same residual stream (layer 0 keeps heads: `_layout_or_reason`)."""
+    adapter, out = get_adapter(model), {}
+    for layer, heads in enumerate(layout.heads):
+        bias = getattr(adapter.out_proj(adapter.blocks(model)[layer]), "bias", None)
+        if heads or bias is None or not bool(bias.detach().abs().max() > 0):
+            continue
+        key = f"blk.{layer - 1}.ffn_down.bias"
+        down = out.get(key, named.get(key))
+        out[key] = bias.detach().float() + (down.detach().float() if down is not None else 0.0)  # (E,)
+    return out
+
+
 def _tensors(model: nn.Module, layout: GGUFLayout, weights: str) -> tuple[list[tuple], list[str]]:
     """[(GGUF name, numpy data, raw dtype or None)] in file order, and the Q8_0 export's F16 fallbacks."""
     from gguf import GGMLQuantizationType, quants
@@ -293,6 +304,7 @@ def _tensors(model: nn.Module, layout: GGUFLayout, weights: str) -> tuple[list[t
     named = {"token_embd.weight": base.embed_tokens.weight}
     for layer in range(len(layout.heads)):
         named.update(_layer_tensors(model, layer, layout))
+    named.update(_folded_headless_biases(model, layout, named))
     named["output_norm.weight"] = base.norm.weight
     lm_head = model.lm_head.weight
     if not (getattr(model.config, "tie_word_embeddings", False) and lm_head.data_ptr() == base.embed_tokens.weight.data_ptr()):

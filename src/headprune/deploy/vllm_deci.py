@@ -7,8 +7,9 @@ attention (no input norm, no Q/K/V/O weights); any other layer has all `num_atte
 query heads and `num_attention_heads // attention.n_heads_in_group` KV heads; its FFN width is
 `ffn.ffn_mult` through DeciLM's rounding (int(2 * ffn_mult * hidden / 3), rounded up to a multiple
 of 256). So a pruned layout is expressible when every layer keeps all its KV groups (and so all
-its query heads) or none, and the FFN width survives that rounding; anything else is refused
-with the reason (`deci_refusal`).
+its query heads) or none, no attention-free layer keeps a fitted output bias (a no-op layer adds
+nothing), and the FFN width survives that rounding; anything else is refused with the reason
+(`deci_refusal`).
 
 `save_deci` writes config.json (model_type `nemotron-nas`, architectures DeciLMForCausalLM,
 block_configs) and model.safetensors without the attention weights of the no-op layers, into a
@@ -46,6 +47,12 @@ def deci_refusal(model: nn.Module) -> str | None:
     adapter = get_adapter(model)
     n_heads = adapter.num_heads(config)
     for i, kept in enumerate(head_layout(model)):
+        bias = getattr(adapter.out_proj(adapter.blocks(model)[i]), "bias", None)
+        if not kept and bias is not None and bool(bias.detach().abs().max() > 0):
+            return (f"layer {i} keeps no heads but its output projection has a non-zero bias (a recovery's fit); "
+                    "a DeciLM attention.no_op layer adds nothing, so the checkpoint would compute something else; "
+                    "allowed: a layer without heads with no (or a zero) bias (the `deci` GGUF folds it into the "
+                    "FFN before it)")
         if kept and len(kept) != n_heads:
             return (f"layer {i} keeps {len(kept)} of {n_heads} query heads: DeciLM's layers have all "
                     f"num_attention_heads={n_heads} query heads or no attention (attention.no_op); allowed: layouts "
