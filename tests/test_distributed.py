@@ -38,45 +38,52 @@ def _run(cmd: list[str], env: dict, timeout: float) -> tuple[int, str]:
     return proc.returncode, output
 
 
-def test_two_process_ddp_with_the_progress_bar_finishes(tmp_path, data_dir):
-    """The issue's command (trainer=ddp, 2 CPU processes, gloo, logger=csv, default trainer settings
-    incl. the progress bar and sanity checks), shrunk to two rounds, finishes (in ~15 s) instead of hanging."""
-    cmd = [sys.executable, "-m", "headprune.apps.train", "model=tiny_bert", "data=sst2",
-           "data.max_train_samples=128", "data.score_samples=64",
-           "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "logger=csv",
-           "schedule.target_sparsity=0.5", "schedule.step=0.25", "schedule.baseline_epochs=1",
-           "export=false", "diagnostics.enabled=false", f"data.data_dir={data_dir}", f"hydra.run.dir={tmp_path}"]
+# One two-process launch read by the next two tests (a launch costs ~30 s of two interpreters
+# starting, importing and setting up; these tests had one each). It runs with the CLI's default
+# trainer settings: progress bar ON, sanity checks, logger=csv, the default callbacks.
+DDP_COMMON = ["model=tiny_bert", "data=sst2", "logger=csv", "data.max_train_samples=64", "data.score_samples=32",
+              "data.max_validation_samples=32", "data.eval_batch_size=8", "schedule=iterative",
+              "schedule.target_sparsity=0.5", "schedule.step=0.25", "schedule.baseline_epochs=0",
+              "schedule.epochs_per_round=1", "export=false", "diagnostics.enabled=false"]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, data_dir):
+    """(run dir, output) of `headprune-train trainer=ddp` (2 CPU processes, gloo) with DDP_COMMON and
+    check_consistency=true, which compares masks and weights across ranks after every round and
+    every epoch's optimizer steps. The subprocess timeout turns a hang into a failure."""
+    out = tmp_path_factory.mktemp("ddp")
+    cmd = [sys.executable, "-m", "headprune.apps.train", *DDP_COMMON, "trainer=ddp", "trainer.accelerator=cpu",
+           "trainer.devices=2", "check_consistency=true", f"data.data_dir={data_dir}", f"hydra.run.dir={out}"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", COLUMNS="120")
-    returncode, output = _run(cmd, env, timeout=90)
+    returncode, output = _run(cmd, env, timeout=120)
     assert returncode == 0, output[-6000:]
-    saved = json.loads((tmp_path / "results.json").read_text())
+    return out, output
+
+
+def test_two_process_ddp_with_the_progress_bar_finishes(ddp_run):
+    """The issue's command (trainer=ddp, 2 CPU processes, gloo, logger=csv, default trainer settings
+    incl. the progress bar and sanity checks), shrunk to two rounds, finishes instead of hanging
+    after the first round, and logs validation and training metrics."""
+    out, _ = ddp_run
+    saved = json.loads((out / "results.json").read_text())
     assert len(saved["rounds"]) == 2 and saved["final"]["sparsity"] == 0.5
     assert 0.0 <= saved["final"]["val"]["acc"] <= 1.0
-    (metrics,) = (tmp_path / "csv").glob("*/metrics.csv")
+    (metrics,) = (out / "csv").glob("*/metrics.csv")
     header = metrics.read_text().splitlines()[0].split(",")
     assert {"val/acc", "val/loss", "train/acc"} <= set(header)
 
 
-def test_ddp_ranks_agree_and_match_single_process(tmp_path, data_dir):
+def test_ddp_ranks_agree_and_match_single_process(ddp_run, tmp_path, data_dir):
     """Two CPU processes (gloo): every rank scores half of the scoring slice, the accumulators are
     summed across ranks, both ranks prune the same heads, remove them from the model and re-wrap it,
-    and gradients still synchronise (check_consistency compares masks and weights across ranks after
-    every round and every epoch's optimizer steps); round 1 (scored before any training) equals a
-    single process scoring the whole slice."""
-    common = ["model=tiny_bert", "logger=none", "callbacks=none", "data.max_train_samples=64",
-              "data.score_samples=32", "data.max_validation_samples=32", "data.eval_batch_size=8",
-              "trainer.num_sanity_val_steps=0", "schedule=iterative",
-              "schedule.target_sparsity=0.5", "schedule.step=0.25", "schedule.baseline_epochs=0",
-              "schedule.epochs_per_round=1", "export=false", "diagnostics.enabled=false"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    ddp_dir, single_dir = tmp_path / "ddp", tmp_path / "single"
-    cmd = [sys.executable, "-m", "headprune.apps.train", *common, f"data.data_dir={data_dir}", "trainer=ddp",
-           "check_consistency=true", f"hydra.run.dir={ddp_dir}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    run(compose_train(single_dir, data_dir, *common))  # the single process: this one, one thread like each rank
+    and gradients still synchronise (check_consistency, in ddp_run); round 1 (scored before any
+    training) equals a single process scoring the whole slice."""
+    ddp_dir, single_dir = ddp_run[0], tmp_path / "single"
+    run(compose_train(single_dir, data_dir, *DDP_COMMON))  # the single process: this one, one thread like each rank
     ddp, single = results(ddp_dir), results(single_dir)
     assert ddp["config"]["trainer"]["strategy"] == "ddp" and ddp["pruning"]["physical_effective"] is True
+    assert ddp["config"]["check_consistency"] is True
     assert ddp["rounds"][0]["pruned"] == single["rounds"][0]["pruned"]
     torch.testing.assert_close(torch.tensor(ddp["rounds"][0]["scores"]), torch.tensor(single["rounds"][0]["scores"]),
                                rtol=1e-4, atol=1e-6)
