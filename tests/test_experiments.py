@@ -226,8 +226,14 @@ def test_llm_uneven_targets_take_each_allocations_best_repair():
     collect = _script(EXP / "llm_uneven" / "collect.py")
     assert collect.split("attention_drop_refit_kv34") == ("attention_drop", "refit", "kv34")
     assert collect.split("attention_drop_kv67") == ("attention_drop", "", "kv67")
+    assert collect.split("measured_refit_skip_kv67") == ("measured", "refit_skip", "kv67")
     with pytest.raises(ValueError, match="not <arm>"):
         collect.row("nonsense_kv67", {})
+    # a refit run's tag must say whether its refit passed over the layers without heads (before 96d106f)
+    old = json.loads((EXP / "llm_uneven" / "results" / "attention_drop_refit_skip_kv67.json").read_text())
+    assert collect.row("attention_drop_refit_skip_kv67", old)["repair"].startswith("refit, attention-free layers skipped")
+    with pytest.raises(ValueError, match="skipped layers"):
+        collect.row("attention_drop_refit_kv67", old)
     dense = {"perplexity": {"seq128": {"ppl": 60.0}, "seq2048": {"ppl": 30.0}}}
 
     def run(arm, repair, ppl):

@@ -2,8 +2,9 @@
 
     python experiments/llm_uneven/collect.py [--runs ../llmruns/llm_uneven]
 
-Copies each finished run (`<runs>/<arm>[_refit]_<budget>/results.json`, with `wall.json` added) to
-`results/<arm>[_refit]_<budget>.json` (no tag: bias compensation; `_refit`: recovery=refit);
+Copies each finished run (`<runs>/<arm>[_<repair>]_<budget>/results.json`, with `wall.json` added) to
+`results/<arm>[_<repair>]_<budget>.json` (no tag: bias compensation; `_refit`: recovery=refit;
+`_refit_skip`: recovery=refit before 96d106f, `REPAIRS`);
 everything else is built from `results/*.json` (and `gguf.json`, gguf.py's GGUF sizes, when there) alone:
 `results.md` (per budget, allocation and repair: KV cache kept, layers left without attention, perplexity
 at seq 128 and 2048 on held-out Tiny Shakespeare and on SST-2's validation sentences (never
@@ -29,7 +30,11 @@ ARMS = {"uniform": "uniform (Fisher + rearrangement)", "global": "Fisher-global 
         "attention_drop": "attention drop (He et al. 2024)"}
 BUDGETS = {"kv67": "2 of 3 KV groups kept (1/3 of the KV cache removed)",
            "kv34": "1 of 3 KV groups kept (2/3 of the KV cache removed)"}
-REPAIRS = {"": "bias compensation", "refit": "output-projection refit"}  # run-name tag -> repair
+# run-name tag -> repair; refit_skip: recovery=refit before commit 96d106f, which passed over a layer
+# without heads (no bias fitted: an attention-free layer lost the removed heads' mean output); since
+# then such a layer gets its bias fitted (the mean target). row() checks each tag against the raw refit report.
+REPAIRS = {"": "bias compensation", "refit_skip": "refit, attention-free layers skipped (before 96d106f)",
+           "refit": "output-projection refit"}
 TARGETS = {"kv67": 25.0, "kv34": 100.0}  # issue 29: no training, at most this % perplexity rise at seq 2048
 OTHER = "sst2"  # the corpus not used for calibration
 ALLOCATION = ("measured", "attention_drop")  # the budget report's key of a measuring policy
@@ -60,11 +65,15 @@ def split(stem: str) -> tuple[str, str, str]:
 def row(stem: str, res: dict) -> dict:
     arm, tag, budget = split(stem)
     if arm not in ARMS or budget not in BUDGETS:
-        raise ValueError(f"{stem}: not <arm>[_refit]_<budget> with arm in {list(ARMS)}, budget in {list(BUDGETS)}")
+        raise ValueError(f"{stem}: not <arm>[_<repair>]_<budget> with arm in {list(ARMS)}, budget in {list(BUDGETS)}")
     (r,) = res["rounds"]
     ev = res["evaluation"]["pruned"]
     kept = r["budget"]["kept_units_per_layer"]
     alloc = next((r["budget"][k] for k in ALLOCATION if k in r["budget"]), {})
+    skipped = [layer["layer"] for layer in (r.get("refit") or {}).get("layers", []) if layer.get("skipped")]
+    if tag.startswith("refit") and (tag == "refit_skip") != bool(skipped):
+        raise ValueError(f"{stem}: tag {tag!r} but the refit skipped layers {skipped}: a run of the refit before "
+                         "96d106f is <arm>_refit_skip_<budget>, one after it <arm>_refit_<budget>")
     other = ev.get("perplexity_other", {}).get(OTHER, {})
     zero = ev.get("zero_shot", {})
     return {"run": stem, "budget": budget, "arm": arm, "repair": REPAIRS[tag], "kv_share": r["budget"]["predicted_share"],
