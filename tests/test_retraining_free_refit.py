@@ -12,7 +12,7 @@ EXP = REPO / "experiments" / "retraining_free"
 SHARES = ("0.5", "0.6", "0.7", "0.8")
 # the committed issue-30 runs: (arm, budget)
 RUN = {("fisher_ls_rerun", f"heads {s}") for s in SHARES}
-RUN |= {(arm, "flops4k 0.3") for arm in ("fisher",)}
+RUN |= {(arm, "flops4k 0.3") for arm in ("fisher", "fisher_ls")}
 
 
 def _collect():
@@ -27,10 +27,12 @@ def test_refit_rows_tables_and_targets_match_results(tmp_path):
     shutil.copytree(EXP / "results", tmp_path / "results")
     collect.main(["--out", str(tmp_path), "--beside", str(REPO / "experiments" / "recovery" / "results")])
     readme = (EXP / "README.md").read_text()
-    for name in ("results.md", "targets.md", "retraining_free.csv", "beside.md"):
+    for name in ("results.md", "targets.md", "retraining_free.csv", "beside.md", "summary.md"):
         assert (tmp_path / name).read_text() == (EXP / name).read_text(), name
     for name in ("results.md", "targets.md"):
         assert (tmp_path / name).read_text() in readme, name
+    assert (tmp_path / "summary.md").read_text() == (EXP / "summary.md").read_text()
+    assert (tmp_path / "summary.md").read_text() in (REPO / "README.md").read_text()  # the project README quotes it
     table = collect.all_rows(tmp_path)
     new = {(r["arm"], r["budget"]) for r in table if r["arm"] not in collect.ARMS or r["budget"].split()[0] != "heads"}
     new -= {r for r in new if r[0] in collect.ARMS and r[1].startswith("latency")}

@@ -92,7 +92,7 @@ def row(arm: str, budget: str, res: dict) -> dict:
             **{f"{k}_seconds": v for k, v in stages.items()},
             "repair_seconds": repair.get("seconds"), "kl_steps": (r.get("distill") or {}).get("steps"),
             "threads": cond.get("threads"), "load_start": cond.get("load_start"), "load_end": cond.get("load_end"),
-            "commit": cond.get("commit")}
+            "commit": cond.get("commit"), "wall_note": cond.get("wall_note")}
 
 
 def _sort(out: list[dict]) -> list[dict]:
@@ -205,17 +205,48 @@ def targets(table: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SUMMARY_ARMS = {"fisher": "no tuning", "fisher_ls": "least squares", "fisher_ls_rerun": "least squares",
+                "fisher_bc": "bias compensation", "fisher_refit": "the refit",
+                "refit_rank_refit": "refit-error ranking + refit", "fisher_refit_kl": "the refit + {steps} KL steps"}
+
+
+def summary(table: list[dict]) -> str:
+    """The line the project README quotes: issue 30's repairs against no tuning and least squares,
+    per model and budget, as measured."""
+    parts = []
+    for kind, what in (("flops4k", "the 4k-sentence model ({base}) at 30% of the attention FLOPs"),
+                       ("heads", "the full-SST-2 model ({base}) at {shares} of the heads removed"),
+                       ("heads4k", "the 4k-sentence model ({base}) at {shares} of the heads removed")):
+        runs = [r for r in table if r["budget"].split()[0] == kind and r["arm"] in SUMMARY_ARMS
+                and not (kind == "heads" and r["arm"] == "fisher_ls")]
+        budgets = sorted({r["budget"] for r in runs})
+        by_arm = {arm: [next((r for r in runs if r["arm"] == arm and r["budget"] == b), None) for b in budgets]
+                  for arm in SUMMARY_ARMS}
+        if not any(v and all(x is not None for x in v) for a, v in by_arm.items()
+                   if a not in ("fisher", "fisher_ls", "fisher_ls_rerun")):
+            continue
+        figures = [SUMMARY_ARMS[arm].format(steps=v[0]["kl_steps"]) + " " + " / ".join(f"{100 * r['acc']:.2f}" for r in v)
+                   for arm, v in by_arm.items() if v and all(x is not None for x in v)]
+        shares = "/".join(f"{100 * float(b.split()[1]):g}" for b in budgets) + "%"
+        parts.append(what.format(base=f"{100 * runs[0]['acc_unpruned']:.2f}", shares=shares) + ": " + ", ".join(figures))
+    if not parts:
+        return ""
+    return "Issue 30's repairs ([targets](experiments/retraining_free/README.md#issue-30-refit-ranked-removal-chain)): " + \
+        "; ".join(parts) + ".\n"
+
+
 def conditions(table: list[dict]) -> str:
     """Threads, load average range and commits of the runs that recorded them (issue 30's)."""
     recorded = [r for r in table if r["commit"] is not None]
     if not recorded:
         return ""
-    loads = [x for r in recorded for x in (r["load_start"], r["load_end"])]
+    loads = [x for r in recorded for x in (r["load_start"], r["load_end"]) if x is not None]
     walls = [r["wall_seconds"] for r in recorded]
     return (f"Issue 30's {len(recorded)} runs: torch threads {', '.join(sorted({str(r['threads']) for r in recorded}))}; "
             f"1-minute load average at their start and end {min(loads):.2f}-{max(loads):.2f}; "
             f"code of commit {', '.join(sorted({r['commit'] for r in recorded}))}; "
-            f"wall {min(walls):.0f}-{max(walls):.0f} s per run.\n")
+            f"wall {min(walls):.0f}-{max(walls):.0f} s per run."
+            + "".join(f" {r['arm']} {r['budget']}: {r['wall_note']}." for r in recorded if r["wall_note"]) + "\n")
 
 
 FINETUNE_ARMS = {"one_shot_short": "one-shot, then 1 epoch", "one_shot_long": "one-shot, then 1 epoch per round",
@@ -266,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     write_text_atomic(args.out / "retraining_free.csv", to_csv(table))
     write_text_atomic(args.out / "results.md", markdown(table))
     write_text_atomic(args.out / "targets.md", targets(table) + "\n" + conditions(table))
+    write_text_atomic(args.out / "summary.md", summary(table))
     if args.beside is not None:
         write_text_atomic(args.out / "beside.md", beside(table, args.beside))
     print((args.out / "results.md").read_text())
