@@ -12,7 +12,7 @@ EXP = REPO / "experiments" / "retraining_free"
 SHARES = ("0.5", "0.6", "0.7", "0.8")
 # the committed issue-30 runs: (arm, budget)
 RUN = {("fisher_ls_rerun", f"heads {s}") for s in SHARES}
-RUN |= {(arm, "flops4k 0.3") for arm in ("fisher", "fisher_ls")}
+RUN |= {(arm, "flops4k 0.3") for arm in ("fisher", "fisher_ls", "fisher_refit")}
 
 
 def _collect():
