@@ -246,7 +246,7 @@ def test_tuning_streams_blocks_once_per_layer_and_holds_one_layer(monkeypatch):
     projection and once whole (the last layer's whole runs are not needed): 2 passes' worth of
     MLPs and 3 of attention, linear in the layers (a forward per layer would be quadratic). The
     tensors held while fitting a layer do not grow with the number of layers."""
-    batches = [inputs(batch=4, tokens=48, seed=s) for s in range(4)]
+    batches = [inputs(batch=4, tokens=48, seed=s) for s in range(2)]  # each add() scans every live object: 2 batches, not 4
     small, large = run_counted(2, batches, monkeypatch), run_counted(8, batches, monkeypatch)
     for layers, run in ((2, small), (8, large)):
         assert run["mlp"] == len(batches) * 2 * (layers - 1)  # dense and pruned, all layers but the last
