@@ -357,6 +357,30 @@ def test_interleaved_alternates_cases_and_drops_warmup():
     assert {name: s.n for name, s in stats.items()} == {"a": 3, "b": 3, "c": 3}
 
 
+def test_interleaved_collects_only_what_its_calls_leave_and_unfreezes():
+    """Between rounds the collector skips the objects alive before the timing (frozen, then thawed):
+    a cycle made by a timed call is collected, the caller's objects are not rescanned."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    made, frozen = [], []
+
+    def cycle():
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        made.append(weakref.ref(a))
+        frozen.append(gc.get_freeze_count())
+
+    assert gc.get_freeze_count() == 0
+    interleaved({"cycle": cycle}, Clock("cpu"), warmup=0, repeats=2)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    assert made[0]() is None  # the first round's cycle went in the collection before round 2
+    assert min(frozen) > 1000  # this session's objects sat out the timing
+
+
 def test_stats_median_and_quartiles():
     s = Stats.of([5.0, 1.0, 3.0, 2.0, 4.0])
     assert (s.median_ms, s.q1_ms, s.q3_ms, s.min_ms, s.max_ms, s.n) == (3.0, 2.0, 4.0, 1.0, 5.0, 5)
