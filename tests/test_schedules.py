@@ -26,6 +26,11 @@ def test_schedules_monotone_and_end_at_target(target, step, rounds, initial):
         assert counts == sorted(counts)
 
 
+def test_a_subnormal_target_gives_no_empty_rounds():
+    s = Cubic(target_sparsity=5e-324, rounds=12).sparsities()
+    assert s and all(0 < x <= 5e-324 for x in s) and s[-1] == 5e-324
+
+
 def test_cubic_shape():
     s = Cubic(target_sparsity=0.8, rounds=4).sparsities()
     assert s == pytest.approx([0.8 - 0.8 * (3 / 4) ** 3, 0.8 - 0.8 * (1 / 2) ** 3, 0.8 - 0.8 * (1 / 4) ** 3, 0.8])

@@ -146,8 +146,9 @@ class Cubic(Schedule):
             return []
         s_i, s_f, n = self.initial_sparsity, self.target_sparsity, self.rounds
         ramp = [s_f + (s_i - s_f) * (1 - t / n) ** 3 for t in range(1, n)]
-        # rounded to 10 places against float noise, unless that would round a tiny target's step to 0
-        return [min(round(x, 10) if round(x, 10) > 0 else x, s_f) for x in ramp] + [s_f]
+        # rounded to 10 places against float noise, unless that would round a tiny target's step to 0; a
+        # step that underflows to 0 itself (a subnormal target) is no round at all
+        return [min(round(x, 10) if round(x, 10) > 0 else x, s_f) for x in ramp if x > 0] + [s_f]
 
 
 @dataclass
