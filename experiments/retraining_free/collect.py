@@ -219,7 +219,7 @@ def summary(table: list[dict]) -> str:
                        ("heads4k", "the 4k-sentence model ({base}) at {shares} of the heads removed")):
         runs = [r for r in table if r["budget"].split()[0] == kind and r["arm"] in SUMMARY_ARMS
                 and not (kind == "heads" and r["arm"] == "fisher_ls")]
-        budgets = sorted({r["budget"] for r in runs})
+        budgets = sorted({r["budget"] for r in runs if r["arm"] not in ("fisher", "fisher_ls", "fisher_ls_rerun")})
         by_arm = {arm: [next((r for r in runs if r["arm"] == arm and r["budget"] == b), None) for b in budgets]
                   for arm in SUMMARY_ARMS}
         if not any(v and all(x is not None for x in v) for a, v in by_arm.items()
@@ -235,7 +235,19 @@ def summary(table: list[dict]) -> str:
         "; ".join(parts) + ".\n"
 
 
-def conditions(table: list[dict]) -> str:
+def load_samples(path: Path) -> str:
+    """`load.csv` (unix seconds, 1-minute load average; sampled every 30 s while issue 30's runs
+    went): the range and the UTC times it covers."""
+    import datetime as dt
+    rows_ = [tuple(map(float, line.split(","))) for line in path.read_text().split()]
+    when = [dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%H:%M") for t in (rows_[0][0], rows_[-1][0])]
+    loads = [x for _, x in rows_]
+    return (f" Sampled every 30 s from {when[0]} to {when[1]} UTC ({len(rows_)} samples, `results/refit/load.csv`), "
+            f"the 1-minute load average was {min(loads):.2f}-{max(loads):.2f} (median {statistics.median(loads):.2f}) "
+            "on the 2 cores: other work ran beside these runs, so their seconds are upper bounds.")
+
+
+def conditions(table: list[dict], load_csv: Path | None = None) -> str:
     """Threads, load average range and commits of the runs that recorded them (issue 30's)."""
     recorded = [r for r in table if r["commit"] is not None]
     if not recorded:
@@ -246,7 +258,8 @@ def conditions(table: list[dict]) -> str:
             f"1-minute load average at their start and end {min(loads):.2f}-{max(loads):.2f}; "
             f"code of commit {', '.join(sorted({r['commit'] for r in recorded}))}; "
             f"wall {min(walls):.0f}-{max(walls):.0f} s per run."
-            + "".join(f" {r['arm']} {r['budget']}: {r['wall_note']}." for r in recorded if r["wall_note"]) + "\n")
+            + "".join(f" {r['arm']} {r['budget']}: {r['wall_note']}." for r in recorded if r["wall_note"])
+            + (load_samples(load_csv) if load_csv is not None and load_csv.is_file() else "") + "\n")
 
 
 FINETUNE_ARMS = {"one_shot_short": "one-shot, then 1 epoch", "one_shot_long": "one-shot, then 1 epoch per round",
@@ -296,7 +309,8 @@ def main(argv: list[str] | None = None) -> None:
     table = all_rows(args.out)
     write_text_atomic(args.out / "retraining_free.csv", to_csv(table))
     write_text_atomic(args.out / "results.md", markdown(table))
-    write_text_atomic(args.out / "targets.md", targets(table) + "\n" + conditions(table))
+    write_text_atomic(args.out / "targets.md", targets(table) + "\n"
+                      + conditions(table, args.out / "results" / "refit" / "load.csv"))
     write_text_atomic(args.out / "summary.md", summary(table))
     if args.beside is not None:
         write_text_atomic(args.out / "beside.md", beside(table, args.beside))
