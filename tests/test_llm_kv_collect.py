@@ -45,7 +45,7 @@ def _run(ppl2048, round_, other=None, word=None, dense=None):
 
 
 CHAIN_ROUND = {"score_seconds": 3.0, "val_before_finetune": {"ppl": 80.0}, "chain": ["refit", "distill"],
-               "refit": {"seconds": 4.0, "layers": []}, "distill": {"seconds": 10.0, "tokens": 512},
+               "refit": {"seconds": 4.0, "layers": [], "tokens": {"fit": 6, "heldout": 2}}, "distill": {"seconds": 10.0, "tokens": 512},
                "val_after_refit": {"ppl": 40.0}, "val_after_distill": {"ppl": 33.0}, "val_after_recovery": {"ppl": 33.0}}
 
 

@@ -80,10 +80,11 @@ def row(stem: str, res: dict, shape: dict) -> dict:
 
 def recovery_report(r: dict) -> dict:
     """A round's recovery report: its one recovery's entry, or for a chain (`recovery=chain`, the
-    round's `chain`: the stage names) the stages' seconds and training tokens added up."""
+    round's `chain`: the stage names) the stages' seconds and training tokens added up (the refit's
+    `tokens` are its calibration tokens, fit / held out, and do not count)."""
     if "chain" in r:
         parts = [r[name] for name in r["chain"] if name in r]
-        tokens = [p["tokens"] for p in parts if p.get("tokens") is not None]
+        tokens = [p["tokens"] for p in parts if isinstance(p.get("tokens"), int)]  # training tokens (the refit's: a dict)
         return {"seconds": sum(p["seconds"] for p in parts), "tokens": sum(tokens) if tokens else None}
     return next((r[k] for k in TUNING if k in r), {})
 
