@@ -179,8 +179,9 @@ def targets(table: list[dict]) -> str:
             measured = "; ".join(f"{100 * float(b.split()[1]):g}%: {100 * x['acc']:.2f} vs {100 * none['acc']:.2f} "
                                  f"({_pts(x['acc'] - none['acc'])})" for b, x, none in pairs)
             full = len(pairs) == len(shares)
-            verdict = ("hit" if all(g > 0 for g in gains) and full else "miss") + \
-                f": smallest margin {_pts(min(gains))} points" + ("" if full else f" ({len(pairs)} of {len(shares)} budgets run)")
+            verdict = (("hit" if all(g > 0 for g in gains) else "miss") + f": smallest margin {_pts(min(gains))} points"
+                       if full or min(gains) <= 0 else
+                       f"not judged: {len(pairs)} of {len(shares)} budgets run (smallest margin there {_pts(min(gains))})")
             lines.append(f"| {what} beats no tuning ((b)) at every heads budget | {model} | {measured} | {verdict} |")
         seventy = [r for r in table if r["budget"] == f"{kind} 0.7"]
         if seventy:
