@@ -12,9 +12,11 @@ EXP = REPO / "experiments" / "retraining_free"
 SHARES = ("0.5", "0.6", "0.7", "0.8")
 # the committed issue-30 runs: (arm, budget)
 RUN = {("fisher_ls_rerun", f"heads {s}") for s in SHARES}
-RUN |= {(arm, "flops4k 0.3") for arm in ("fisher", "fisher_ls", "fisher_refit", "refit_rank_refit", "fisher_refit_kl")}
+RUN |= {(arm, "flops4k 0.3") for arm in ("fisher", "fisher_ls", "fisher_refit", "refit_rank_refit", "fisher_refit_kl",
+                                         "fisher_bc")}
 RUN |= {("fisher_refit", f"heads {s}") for s in SHARES}
 RUN |= {(arm, "heads 0.7") for arm in ("refit_rank_refit", "fisher_refit_kl", "fisher_bc")}
+RUN |= {("refit_rank_refit", "heads 0.5")}
 
 
 def _collect():
