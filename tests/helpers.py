@@ -3,6 +3,7 @@ CLI runner, and the callbacks test overrides name as Hydra `_target_`s (`tests.h
 
 Test modules import from here, never from one another; conftest.py holds only fixtures and the
 environment it sets before torch is imported."""
+import dataclasses
 import functools
 import json
 import os
@@ -147,6 +148,59 @@ TRAIN_CLI = [sys.executable, "-m", "headprune.apps.train"]
 def cli_env(**extra) -> dict:
     """The environment a CLI run in a subprocess gets: offline hub, one thread per process."""
     return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
+
+
+@dataclasses.dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def train_cli(*args: str) -> CliResult:
+    """`headprune-train *args` run in this process: Hydra's own command line (`hydra.main`, so
+    .hydra/, train.log, multirun sweeps and their callbacks as the console script has them), with
+    what the interpreter would print and exit with. A subprocess costs ~9 s of interpreter start
+    and imports before Hydra sees the command; the console script itself is run in a subprocess
+    by test_train.py. Hydra's logging, its global state and sys.argv are restored afterwards."""
+    import contextlib
+    import io
+    import logging
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from headprune.apps.train import main
+
+    loggers = [logging.getLogger()] + [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)]
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers]
+    out, err, argv = io.StringIO(), io.StringIO(), sys.argv
+    GlobalHydra.instance().clear()
+    code = 0
+    try:
+        sys.argv = ["headprune-train", *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as exit_:
+                if isinstance(exit_.code, str):  # the interpreter prints such a message and exits 1
+                    print(exit_.code, file=sys.stderr)
+                    code = 1
+                else:
+                    code = exit_.code or 0
+    finally:
+        sys.argv = argv
+        GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None
+        known = {lg for lg, *_ in saved}
+        new = [lg for lg in map(logging.getLogger, list(logging.root.manager.loggerDict)) if lg not in known]
+        for lg, handlers, level, propagate, disabled in saved + [(lg, [], logging.NOTSET, True, False) for lg in new]:
+            for handler in set(lg.handlers) - set(handlers):
+                handler.close()
+            lg.handlers[:] = handlers
+            lg.setLevel(level)
+            lg.propagate, lg.disabled = propagate, disabled
+    return CliResult(code, out.getvalue(), err.getvalue())
 
 
 def results(run_dir) -> dict:

@@ -2,16 +2,16 @@
 their run dir (through the CLI, where Hydra writes .hydra/ and train.log), and an unwritable run
 dir is named before training."""
 import shutil
-import subprocess
 
 import pytest
 
 from headprune.apps.train import run
-from tests.helpers import TRAIN_CLI, cli_env, compose_iterative, files
+from tests.helpers import compose_iterative, files, train_cli
 
 
 def _cli(data_dir):
-    return [*TRAIN_CLI, "model=tiny_bert", "debug=fast", "data.max_train_samples=32", "data.score_samples=16",
+    """The CLI's overrides; train_cli runs Hydra's command line (as headprune-train) in this process."""
+    return ["model=tiny_bert", "debug=fast", "data.max_train_samples=32", "data.score_samples=16",
             f"data.data_dir={data_dir}", "callbacks=default"]
 
 
@@ -20,8 +20,7 @@ def cli_run(tmp_path_factory, data_dir):
     """One finished CLI run (.hydra/, train.log, results.json), started once for this module; the
     tests run against their own copy (`first`)."""
     out = tmp_path_factory.mktemp("cli_run") / "run"
-    proc = subprocess.run([*_cli(data_dir), f"hydra.run.dir={out}"], env=cli_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = train_cli(*_cli(data_dir), f"hydra.run.dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -38,8 +37,7 @@ def test_a_refused_run_leaves_the_folder_as_it_was(first, data_dir):
     anything is written, so .hydra/ and train.log still describe the first run."""
     before = files(first)
     assert first / ".hydra" / "config.yaml" in before and first / "train.log" in before
-    proc = subprocess.run([*_cli(data_dir), f"hydra.run.dir={first}", "seed=7"], env=cli_env(), capture_output=True,
-                          text=True, timeout=300)
+    proc = train_cli(*_cli(data_dir), f"hydra.run.dir={first}", "seed=7")
     assert proc.returncode != 0 and "already holds a run's results.json" in proc.stderr + proc.stdout
     assert files(first) == before
 
@@ -50,15 +48,12 @@ def test_refused_runs_write_nothing_into_their_run_dir(first, tmp_path, data_dir
     start-time check leaves the first run's record as it was, and a new run refused for its data
     (a check made after the data is read) leaves its run dir without .hydra/ or train.log."""
     cli = _cli(data_dir)
-    env = cli_env()
     before = files(first)
-    resume = [*cli, f"hydra.run.dir={first}", "data.score_samples=0", f"ckpt_path={first}/checkpoints/last.ckpt"]
-    proc = subprocess.run(resume, env=env, capture_output=True, text=True, timeout=300)
+    proc = train_cli(*cli, f"hydra.run.dir={first}", "data.score_samples=0", f"ckpt_path={first}/checkpoints/last.ckpt")
     assert proc.returncode != 0 and "data.score_samples=0 leaves no held-out examples" in proc.stderr + proc.stdout
     assert files(first) == before
     fresh = tmp_path / "fresh"
-    proc = subprocess.run([*cli, f"hydra.run.dir={fresh}", "data.train_file=sst2/missing.tsv"], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = train_cli(*cli, f"hydra.run.dir={fresh}", "data.train_file=sst2/missing.tsv")
     assert proc.returncode != 0
     assert not (fresh / ".hydra").exists() and not (fresh / "train.log").exists(), proc.stderr[-2000:]
 

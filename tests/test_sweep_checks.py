@@ -1,22 +1,18 @@
 """The Optuna sweeps' settings are checked before the first trial (apps/sweep_checks.py, wired
 into conf/hydra/sweeper/*.yaml as a Hydra callback)."""
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow  # each case starts the CLI in a subprocess
+from tests.helpers import train_cli
 
 BASE = ["model=tiny_bert", "debug=fast", "logger=none", "data.max_train_samples=32", "data.score_samples=16",
         "data.max_validation_samples=32"]
 
 
 def _sweep(tmp_path, data_dir, *overrides):
-    env = dict(os.environ, HEADPRUNE_DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "headprune.apps.train", "-m", *overrides, *BASE, f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    """`headprune-train -m ...` (Hydra's multirun, the sweeper's callbacks), in this process."""
+    return train_cli("-m", *overrides, *BASE, f"data.data_dir={data_dir}", f"hydra.sweep.dir={tmp_path / 'sweep'}")
 
 
 @pytest.mark.parametrize("overrides, pattern", [

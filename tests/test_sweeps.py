@@ -1,23 +1,24 @@
 """Multirun sweeps of headprune-train through the CLI (conf/hydra/launcher, conf/hydra/sweeper): a
 failed job does not stop the others, the joblib launcher runs jobs in parallel, and the Optuna
-sweepers run offline and are collected. (Their settings checks: test_sweep_checks.py.)"""
+sweepers run offline and are collected. (Their settings checks: test_sweep_checks.py.) The joblib
+sweep starts the console script in a subprocess (its jobs are processes of their own); the others
+run Hydra's command line in this process (train_cli), as the basic launcher runs its jobs."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.helpers import results
+from tests.helpers import results, train_cli
 
 pytestmark = pytest.mark.slow
 
 
-def test_failed_job_in_multirun_does_not_stop_the_others(tmp_path, data_dir):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
-    cmd = [sys.executable, "-m", "headprune.apps.train", "-m", "model=tiny_bert", "debug=fast", "logger=wandb",
-           "data.max_train_samples=32", "data.score_samples=16", f"data.data_dir={data_dir}",
-           "schedule.target_sparsity=1.5,0.25", f"hydra.sweep.dir={tmp_path}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+def test_failed_job_in_multirun_does_not_stop_the_others(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    proc = train_cli("-m", "model=tiny_bert", "debug=fast", "logger=wandb", "data.max_train_samples=32",
+                     "data.score_samples=16", f"data.data_dir={data_dir}", "schedule.target_sparsity=1.5,0.25",
+                     f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode != 0
     assert "schedule.target_sparsity=1.5" in proc.stderr + proc.stdout
     done = results(tmp_path / "1")
@@ -48,11 +49,10 @@ def test_optuna_sweep_of_three_trials_is_collected(sweeper, extra, values, tmp_p
 
     from headprune.apps.collect import load_runs
 
-    env = dict(os.environ, HEADPRUNE_DATA_DIR=str(data_dir), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "headprune.apps.train", "-m", f"hydra/sweeper={sweeper}", "hydra.sweeper.n_trials=3",
-           *extra, "model=tiny_bert", "debug=fast", "logger=none", "data.max_train_samples=32", "data.score_samples=16",
-           "data.max_validation_samples=32", "export=false", "diagnostics.enabled=false", f"hydra.sweep.dir={tmp_path}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = train_cli("-m", f"hydra/sweeper={sweeper}", "hydra.sweeper.n_trials=3", *extra, "model=tiny_bert",
+                     "debug=fast", "logger=none", "data.max_train_samples=32", "data.score_samples=16",
+                     "data.max_validation_samples=32", "export=false", "diagnostics.enabled=false",
+                     f"data.data_dir={data_dir}", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
     best = summary.get("best_value", None) if values == 1 else [s["values"] for s in summary["solutions"]]
