@@ -147,19 +147,3 @@ def test_local_task_data_is_checked_before_anything_is_written(tmp_path, data_di
     with pytest.raises(FileNotFoundError, match=r"zero_shot task 'sst2_local' needs .*sst2/validation.tsv"):
         run(compose_train(tmp_path / "run", empty, *TINY_LM, "evaluation.zero_shot_tasks=[sst2_local]"))
     assert not (tmp_path / "run" / "results.json").exists() and not (tmp_path / "run" / ".hydra").exists()
-
-
-@pytest.mark.slow
-def test_a_hub_task_offline_fails_at_the_check(monkeypatch):
-    """With the hub offline, an lm-eval task whose data is not cached fails in check_tasks (before
-    the model loads), naming the task; an unknown name fails without building lm-eval's index."""
-    import datasets
-    import huggingface_hub
-
-    from headprune.evaluation.zero_shot import check_tasks
-
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(RuntimeError, match=r"zero_shot task 'piqa': lm-eval could not load its data"):
-        check_tasks(["sst2_local", "piqa"], "evaluation.zero_shot_tasks")

@@ -113,6 +113,48 @@ def test_hub_tasks_offline_and_unknown_tasks_fail_naming_the_task(monkeypatch):
         zero_shot(tiny_chat_lm(tok), tok, tasks=["no_such_task"], limit=2)
 
 
+@pytest.mark.slow
+def test_a_hub_task_offline_fails_at_the_check(monkeypatch):
+    """With the hub offline, an lm-eval task whose data is not cached fails in check_tasks (before
+    the model loads), naming the task; an unknown name fails without building lm-eval's index.
+    (Beside the test above: both read lm-eval's task index, built once per process.)"""
+    import datasets
+    import huggingface_hub
+
+    from headprune.evaluation.zero_shot import check_tasks
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(RuntimeError, match=r"zero_shot task 'piqa': lm-eval could not load its data"):
+        check_tasks(["sst2_local", "piqa"], "evaluation.zero_shot_tasks")
+
+
+def test_the_task_index_is_built_once_per_folder_and_files(data_dir, tmp_path, monkeypatch):
+    """task_manager builds lm-eval's TaskManager once for the same folders and files (a start-time
+    check and each model's evaluation share it); a file added to the local folder makes a new one."""
+    import importlib
+
+    import lm_eval.tasks
+
+    zs = importlib.import_module("headprune.evaluation.zero_shot")  # the module; the package exports the function
+
+    built = []
+
+    class Counting(lm_eval.tasks.TaskManager):
+        def __init__(self, *args, **kwargs):
+            built.append(kwargs)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", Counting)
+    monkeypatch.setattr(zs, "_MANAGERS", {})
+    folder = prepare_local_tasks(["sst2_local"], data_dir, tmp_path)
+    first = zs.task_manager(folder, include_defaults=False)
+    assert zs.task_manager(folder, include_defaults=False) is first and len(built) == 1
+    (folder / "other.yaml").write_text("task: other_local\n")
+    assert zs.task_manager(folder, include_defaults=False) is not first and len(built) == 2
+
+
 @pytest.mark.real_model
 def test_smollm2_sst2_local_on_64_sentences(data_dir, tmp_path):
     model, tokenizer = smollm2()

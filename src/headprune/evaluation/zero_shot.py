@@ -132,9 +132,7 @@ def check_tasks(names: Sequence[str], field: str = "tasks") -> None:
             raise ValueError(f"{field}: {name!r} is neither a local task ({', '.join(LOCAL_TASKS)}) nor an lm-eval task "
                              "name (e.g. hellaswag, piqa, arc_easy, winogrande, boolq)")
     if any(os.environ.get(v) for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
-        from lm_eval.tasks import TaskManager
-
-        manager = TaskManager()
+        manager = task_manager(None, include_defaults=True)
         with _rng_kept():
             for name in hub:
                 _load_task(manager, name)
@@ -180,6 +178,25 @@ def _rng_kept():
     finally:
         random.setstate(py)
         np.random.set_state(npy)
+
+
+_MANAGERS: dict[tuple, object] = {}
+
+
+def task_manager(include: Path | None, include_defaults: bool):
+    """lm-eval's TaskManager over its own tasks (`include_defaults`) and the local task folder
+    `include`, built once per process for the same folders and files: building the index of
+    lm-eval's tasks parses every one of its YAML files (10-15 s on 2 cores), and a run needs it at
+    the start-time check and again for the dense and the pruned model. The index names files; a
+    task's YAML is read when it loads, so a rewritten local file is read afresh; a file added to
+    or removed from `include` makes a new index."""
+    from lm_eval.tasks import TaskManager
+
+    files = tuple(sorted(p.name for p in Path(include).iterdir())) if include else ()
+    key = (str(include) if include else None, include_defaults, files)
+    if key not in _MANAGERS:
+        _MANAGERS[key] = TaskManager(include_path=str(include) if include else None, include_defaults=include_defaults)
+    return _MANAGERS[key]
 
 
 def _load_task(manager, name: str):
@@ -237,10 +254,8 @@ def _evaluate(model: nn.Module, tokenizer, tasks: list[str], include: Path | Non
     """`zero_shot`'s lm-eval run; `include`: the prepared local task folder (None: no local task)."""
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(include) if include else None,
-                          include_defaults=any(t not in LOCAL_TASKS for t in tasks))
+    manager = task_manager(include, include_defaults=any(t not in LOCAL_TASKS for t in tasks))
     loaded = {name: _load_task(manager, name) for name in tasks}
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     out = simple_evaluate(model=lm, tasks=list(loaded.values()), task_manager=manager, limit=limit, log_samples=False)
