@@ -22,6 +22,7 @@
 #   OMP_NUM_THREADS=1 bash experiments/retraining_free/run.sh finetune4k   # -> $FT4K
 #   OMP_NUM_THREADS=1 FT4K=<its export> bash experiments/retraining_free/run.sh flops4k
 #   OMP_NUM_THREADS=1 FT4K=<its export> bash experiments/retraining_free/run.sh heads4k
+# ONLY="<run name> ..." runs just those of a mode's runs (e.g. ONLY="fisher_bc_heads_0.5 fisher_bc_heads_0.6").
 set -euo pipefail
 OUT=${OUT:-experiments/retraining_free/runs}
 FT=${FT:-experiments/metric_curves/runs/finetune/export}
@@ -44,6 +45,7 @@ KL_DATA="data.max_train_samples=null"
 one() {  # one <name> <overrides...>   (model: $MODEL, default $FT)
     local dir=$OUT/$1; shift
     [ -f "$dir/results.json" ] && grep -q '"export_dir"' "$dir/results.json" && return 0
+    [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $(basename "$dir") "* ]] && return 0
     local start end load0
     start=$(date +%s.%N)
     load0=$(cut -d' ' -f1 /proc/loadavg)
