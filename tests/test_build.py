@@ -37,7 +37,7 @@ def test_minilm_prune_and_finetune_round_on_sst2_slice(data_dir, tmp_path):
             "data.score_samples=32", "data.max_validation_samples=64", "data.max_length=48",
             "schedule=one_shot", "schedule.target_sparsity=0.25", "schedule.baseline_epochs=1",
             "schedule.epochs_per_round=1", "callbacks=none", "logger=none",
-            "trainer.num_sanity_val_steps=0"])
+            "trainer.num_sanity_val_steps=0", "diagnostics.enabled=false"])  # diagnostics: test_diagnostics.py
     GlobalHydra.instance().clear()
     res = run(cfg)
     assert res["model"] == {"layers": 6, "heads": 12}
