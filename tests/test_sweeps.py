@@ -1,12 +1,8 @@
 """Multirun sweeps of headprune-train through the CLI (conf/hydra/launcher, conf/hydra/sweeper): a
 failed job does not stop the others, the joblib launcher runs jobs in parallel, and the Optuna
-sweepers run offline and are collected. (Their settings checks: test_sweep_checks.py.) The joblib
-sweep starts the console script in a subprocess (its jobs are processes of their own); the others
-run Hydra's command line in this process (train_cli), as the basic launcher runs its jobs."""
-import os
-import subprocess
-import sys
-
+sweepers run offline and are collected. (Their settings checks: test_sweep_checks.py.) Hydra's
+command line runs in this process (train_cli); the joblib launcher's jobs run in its own worker
+processes, the basic launcher's in this one."""
 import pytest
 
 from tests.helpers import results, train_cli
@@ -27,12 +23,12 @@ def test_failed_job_in_multirun_does_not_stop_the_others(tmp_path, data_dir, mon
 
 
 def test_joblib_launcher_sweep(tmp_path, data_dir):
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "headprune.apps.train", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2",
-           "model=tiny_bert", "debug=fast", "data.max_train_samples=32", "data.score_samples=16",
-           "export=false", "diagnostics.enabled=false",  # what the jobs do is not under test here
-           f"data.data_dir={data_dir}", "layer_policy=global,uniform", f"hydra.sweep.dir={tmp_path}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    """Two jobs at once in joblib's worker processes (the launcher's own), started from Hydra's
+    command line in this process."""
+    proc = train_cli("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "model=tiny_bert", "debug=fast",
+                     "data.max_train_samples=32", "data.score_samples=16",
+                     "export=false", "diagnostics.enabled=false",  # what the jobs do is not under test here
+                     f"data.data_dir={data_dir}", "layer_policy=global,uniform", f"hydra.sweep.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     policies = {results(tmp_path / str(i))["config"]["layer_policy"]["_target_"].rsplit(".", 1)[1] for i in (0, 1)}
     assert policies == {"GlobalPolicy", "UniformPolicy"}
