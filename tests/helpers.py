@@ -6,7 +6,6 @@ environment it sets before torch is imported."""
 import dataclasses
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -140,14 +139,6 @@ def compose_bench(out, *overrides):
             return compose("bench", overrides=[f"paths.output_dir={out}", "bench.quick=true", *overrides])
     finally:
         GlobalHydra.instance().clear()
-
-
-TRAIN_CLI = [sys.executable, "-m", "headprune.apps.train"]
-
-
-def cli_env(**extra) -> dict:
-    """The environment a CLI run in a subprocess gets: offline hub, one thread per process."""
-    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", **extra)
 
 
 @dataclasses.dataclass

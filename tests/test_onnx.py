@@ -16,15 +16,15 @@ def test_onnx_export_equals_the_pruned_model(family, tmp_path, request):
     headprune-export CLI: ONNX Runtime's logits equal PyTorch's within 1e-4 on another shape.
     (Llama: the full graph of the llama_decode export below, the same model; an export is ~10 s.)"""
     if family == "llama":
-        tmp_path, code = request.getfixturevalue("llama_decode")
+        folder, code = request.getfixturevalue("llama_decode")
         assert code == 0
-        graph = tmp_path / "full.onnx"
+        graph = folder / "full.onnx"
     else:
-        model = prune_heads(tiny(family), PRUNE)
-        save_pruned(model, tmp_path / "model")
-        graph = tmp_path / "model.onnx"
-        assert export_main([str(tmp_path / "model"), "--onnx", str(graph)]) == 0
-    assert load_pruned(tmp_path / "model").headprune_layout[0] == []
+        folder = tmp_path
+        save_pruned(prune_heads(tiny(family), PRUNE), folder / "model")
+        graph = folder / "model.onnx"
+        assert export_main([str(folder / "model"), "--onnx", str(graph)]) == 0
+    assert load_pruned(folder / "model").headprune_layout[0] == []
     check = json.loads(graph.with_suffix(".check.json").read_text())
     assert check["max_abs_diff"] < 1e-4 and check["batch"] == 3 and check["seq"] == 11
     from headprune.deploy.onnx import onnx_session
@@ -35,7 +35,7 @@ def test_onnx_export_equals_the_pruned_model(family, tmp_path, request):
             for i in session.get_inputs()}
     got = torch.from_numpy(session.run(None, feed)[0])
     with torch.no_grad():
-        want = load_pruned(tmp_path / "model").eval()(**batch).logits
+        want = load_pruned(folder / "model").eval()(**batch).logits
     real = batch["attention_mask"].bool()
     torch.testing.assert_close(got[real] if got.dim() == 3 else got, want[real] if want.dim() == 3 else want,
                                atol=1e-4, rtol=0)
