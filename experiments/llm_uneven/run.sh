@@ -17,7 +17,8 @@
 #   bash experiments/llm_uneven/run.sh collect
 # From the repository root with HEADPRUNE_DATA_DIR pointing at ../shared/data. Raw results:
 # experiments/llm_uneven/results/<arm>_<budget>.json and <arm>_refit_<budget>.json (copied from the
-# run dirs by collect.py). One run: [REPAIR=recovery=refit] bash experiments/llm_uneven/run.sh one <arm> <budget>
+# run dirs by collect.py). One run: [REPAIR=recovery=refit|recovery=chain] bash experiments/llm_uneven/run.sh one <arm> <budget>
+# (recovery=chain: the refit, then 50 KL steps; run dirs <arm>_refit_kl_<budget>; with EVAL="" for zero-shot and answers)
 set -euo pipefail
 OUT=${OUT:-../llmruns/llm_uneven}  # run dirs (exports: hundreds of MB) outside the repository
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -25,7 +26,10 @@ REPAIR=${REPAIR:-recovery=bias_compensation}
 case $REPAIR in  # the run dir's repair tag: none for bias compensation (the first rows' names)
     recovery=bias_compensation) TAG="" ;;
     recovery=refit) TAG=_refit ;;
-    *) echo "run.sh: REPAIR=$REPAIR has no run-dir tag (recovery=bias_compensation or recovery=refit)" >&2; exit 2 ;;
+    # the refit, then $STEPS steps of the KL to the unpruned model with every weight trained on 2 x 512
+    # training tokens per step (recovery=chain, as experiments/llm_kv's fisher_re_refit_kl)
+    recovery=chain) TAG=_refit_kl; REPAIR="recovery=chain recovery.options.distill.steps=${STEPS:-50} recovery.options.distill.alpha=1.0 recovery.options.distill.temperature=1.0 data.max_train_samples=null data.batch_size=2" ;;
+    *) echo "run.sh: REPAIR=$REPAIR has no run-dir tag (recovery=bias_compensation, recovery=refit or recovery=chain)" >&2; exit 2 ;;
 esac
 # perplexity only (both corpora, seq 128 and 2048): the shared 2-core machine ran these at ~1/8 of a core
 # each, so zero-shot and the chat answers were left out (EVAL="" runs experiment=llm_kv's full block)
