@@ -221,12 +221,14 @@ def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
 
 
 def test_llm_uneven_targets_take_each_allocations_best_repair():
-    """experiments/llm_uneven: a run name carries its repair (`<arm>[_refit]_<budget>`), and
-    targets.md judges every allocation by its best repaired row, the budget's best in bold."""
+    """experiments/llm_uneven: a run name carries its repair (`<arm>[_refit|_refit_kl]_<budget>`),
+    checked against the raw run, and targets.md judges every allocation by its best repaired row
+    without training and by its refit + KL row against the KL target, each target's best in bold."""
     collect = _script(EXP / "llm_uneven" / "collect.py")
     assert collect.split("attention_drop_refit_kv34") == ("attention_drop", "refit", "kv34")
     assert collect.split("attention_drop_kv67") == ("attention_drop", "", "kv67")
     assert collect.split("measured_refit_skip_kv67") == ("measured", "refit_skip", "kv67")
+    assert collect.split("measured_refit_kl_kv67") == ("measured", "refit_kl", "kv67")
     with pytest.raises(ValueError, match="not <arm>"):
         collect.row("nonsense_kv67", {})
     # a refit run's tag must say whether its refit passed over the layers without heads (before 96d106f)
@@ -234,16 +236,30 @@ def test_llm_uneven_targets_take_each_allocations_best_repair():
     assert collect.row("attention_drop_refit_skip_kv67", old)["repair"].startswith("refit, attention-free layers skipped")
     with pytest.raises(ValueError, match="skipped layers"):
         collect.row("attention_drop_refit_kv67", old)
+    # and whether it trained: the refit_kl tag is the refit then exactly collect.KL_STEPS KL steps
+    chain = json.loads((EXP / "llm_kv" / "results" / "fisher_re_refit_kl_kv67.json").read_text())
+    assert collect.row("uniform_refit_kl_kv67", chain)["trained"]
+    with pytest.raises(ValueError, match="trained 50 KL steps"):
+        collect.row("uniform_refit_kv67", chain)
+    chain["rounds"][0]["distill"]["steps"] = 20
+    with pytest.raises(ValueError, match="trained 20 KL steps"):
+        collect.row("uniform_refit_kl_kv67", chain)
+    with pytest.raises(ValueError, match="trained None KL steps"):
+        collect.row("attention_drop_refit_kl_kv67", {**old, "rounds": [{**old["rounds"][0], "refit": None}]})
     dense = {"perplexity": {"seq128": {"ppl": 60.0}, "seq2048": {"ppl": 30.0}}}
 
-    def run(arm, repair, ppl):
-        return {"budget": "kv67", "arm": arm, "repair": repair, "ppl2048": ppl, "other2048": None}
+    def run(arm, repair, ppl, trained=False):
+        return {"budget": "kv67", "arm": arm, "repair": repair, "ppl2048": ppl, "other2048": None, "trained": trained}
     rows = [run("uniform", "bias compensation", 45.0), run("uniform", "output-projection refit", 36.0),
-            run("measured", "output-projection refit", 50.0), run("measured", "bias compensation", 39.0)]
+            run("measured", "output-projection refit", 50.0), run("measured", "bias compensation", 39.0),
+            run("measured", "output-projection refit, then 50 KL steps", 32.7, True),
+            run("uniform", "output-projection refit, then 50 KL steps", 33.3, True)]
     lines = collect.targets(dense, rows).splitlines()[2:]
-    assert len(lines) == 2
-    assert "| **uniform (Fisher + rearrangement)** | output-projection refit | +20.0% | yes | -5.0 |" in lines[0]
-    assert "| measured (cost curves, knapsack, greedy correction) | bias compensation | +30.0% | no | +5.0 |" in lines[1]
+    assert len(lines) == 4
+    assert "| none | <= +25% | **uniform (Fisher + rearrangement)** | output-projection refit | +20.0% | yes | -5.0 |" in lines[0]
+    assert "| none | <= +25% | measured (cost curves, knapsack, greedy correction) | bias compensation | +30.0% | no | +5.0 |" in lines[1]
+    assert "| 50 KL steps | <= +10% | uniform (Fisher + rearrangement) | output-projection refit, then 50 KL steps | +11.0% | no | +1.0 |" in lines[2]
+    assert "| 50 KL steps | <= +10% | **measured (cost curves, knapsack, greedy correction)** | output-projection refit, then 50 KL steps | +9.0% | yes | -1.0 |" in lines[3]
 
 
 def test_llm_uneven_gguf_rows():
