@@ -15,8 +15,7 @@ RUN = {("fisher_ls_rerun", f"heads {s}") for s in SHARES}
 RUN |= {(arm, "flops4k 0.3") for arm in ("fisher", "fisher_ls", "fisher_refit", "refit_rank_refit", "fisher_refit_kl",
                                          "fisher_bc")}
 RUN |= {("fisher_refit", f"heads {s}") for s in SHARES}
-RUN |= {(arm, "heads 0.7") for arm in ("refit_rank_refit", "fisher_refit_kl", "fisher_bc")}
-RUN |= {("refit_rank_refit", "heads 0.5")}
+RUN |= {(arm, f"heads {s}") for arm in ("refit_rank_refit", "fisher_refit_kl", "fisher_bc") for s in SHARES}
 
 
 def _collect():
