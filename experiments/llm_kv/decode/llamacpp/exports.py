@@ -7,10 +7,14 @@ group a layer drops changes neither). Written with save_pruned, each recording `
   kv34    KV groups 0 and 1 removed from every layer (1 of 3 kept): uniform, `llama`
   drop10  all attention removed from the 10 layers the one-layer profile ranks cheapest (issue 29:
           4, 6, 9, 12, 17, 22, 25, 26, 28, 29), the others dense: 1/3 of the KV cache, uneven, `deci`
+  <arm>_<budget>  the KV groups per layer that experiments/llm_uneven's allocations kept (arm global,
+          measured, attention_drop; budget kv67, kv34), read from its `<arm>_refit_<budget>.json`
+          (`rounds[0].budget.kept_units_per_layer`): uneven, `deci`
 
-Usage: python experiments/llm_kv/decode/llamacpp/exports.py OUT_DIR
+Usage: python experiments/llm_kv/decode/llamacpp/exports.py OUT_DIR [NAME ...]   (default: every layout)
 """
 import copy
+import json
 import sys
 from pathlib import Path
 
@@ -22,10 +26,19 @@ LAYOUTS = {
     "kv34": {layer: [0, 1] for layer in range(30)},
     "drop10": {layer: [0, 1, 2] for layer in (4, 6, 9, 12, 17, 22, 25, 26, 28, 29)},
 }
+UNEVEN = Path(__file__).resolve().parents[3] / "llm_uneven" / "results"
+GROUPS = 3  # SmolLM2's KV groups per layer (checked against the model below)
+for arm in ("global", "measured", "attention_drop"):
+    for budget in ("kv67", "kv34"):
+        kept = json.loads((UNEVEN / f"{arm}_refit_{budget}.json").read_text())["rounds"][0]["budget"]["kept_units_per_layer"]
+        LAYOUTS[f"{arm}_{budget}"] = {layer: list(range(GROUPS - k)) for layer, k in enumerate(kept) if k < GROUPS}
 
 out = Path(sys.argv[1])
 dense, tokenizer = build_model("smollm2", task="causal_lm").eval(), load_tokenizer("smollm2")
-for name, groups in LAYOUTS.items():
+assert dense.config.num_key_value_heads == GROUPS, dense.config.num_key_value_heads
+names = sys.argv[2:] or list(LAYOUTS)  # optional: only these layouts
+for name in names:
+    groups = LAYOUTS[name]
     model = prune_heads(copy.deepcopy(dense), heads_of_kv_groups(dense, groups))
     saved = save_pruned(model, out / name / "export", tokenizer=tokenizer, origin="smollm2", overwrite=True)
     print(name, saved, "plain transformers checkpoint" if saved.plain_hf else "load_pruned folder")
