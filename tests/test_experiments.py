@@ -262,6 +262,35 @@ def test_llm_uneven_targets_take_each_allocations_best_repair():
     assert "| 50 KL steps | <= +10% | **measured (cost curves, knapsack, greedy correction)** | output-projection refit, then 50 KL steps | +9.0% | yes | -1.0 |" in lines[3]
 
 
+def test_llm_uneven_decode_rows_are_checked_against_each_allocations_layout():
+    """experiments/llm_uneven: the llama.cpp decode table takes each allocation's benched layout
+    (uniform as kv67, the others as <arm>_kv67) after checking, from llama.cpp's per-layer KV bytes,
+    that the bench ran that allocation's KV groups per layer; a budget none was benched at gets none."""
+    collect = _script(EXP / "llm_uneven" / "collect.py")
+    group = [{"run": "measured_refit_kv67", "arm": "measured", "repair": "output-projection refit",
+              "kept_units_per_layer": [3, 0, 2]},
+             {"run": "uniform_refit_kv67", "arm": "uniform", "repair": "output-projection refit",
+              "kept_units_per_layer": [2, 2, 2]}]
+
+    def bench_row(variant, kept, context, tokens_per_s, kind="pruned"):
+        return {"variant": variant, "kind": kind, "arch": "deci", "threads": 1, "context": context, "new_tokens": 16,
+                "tokens_per_s": tokens_per_s, "per_token_ratio": 1.5, "bound": 1.4, "ratio_to_bound": 1.07,
+                "kv_ratio": sum(kept) / 9, "kv_exact": True, "kv_layer_bytes_per_token": [256 * k for k in kept]}
+    rows = [bench_row(v, k, c, t) for c in (512, 4096) for v, k, t in
+            (("dense", [3, 3, 3], 5.0), ("measured_kv67", [3, 0, 2], 7.0), ("kv67", [2, 2, 2], 7.5),
+             ("measured_kv34", [1, 0, 2], 9.0))] + [bench_row("attention_probe", [1, 0, 0], 512, 20.0, "probe")]
+    lines = collect.decode_table({"llamacpp": rows, "meta": {"commit": "abc"}}, group, "kv67")
+    body = [line for line in lines if line.startswith("| ") and not line.startswith("| allocation")]
+    assert [line.split(" | ")[0] for line in body] == ["| dense", "| uniform (Fisher + rearrangement)",
+                                                        "| measured (cost curves, knapsack, greedy correction)"]
+    assert "| measured (cost curves, knapsack, greedy correction) | deci | 1 | 7.0 | 7.0 | 1.50 | 1.40 | 1.07 | 0.556 | True |" in lines
+    not_benched = [{**group[0], "arm": "global"}]  # no global_kv34 row in the bench
+    assert collect.decode_table({"llamacpp": rows}, not_benched, "kv34") == []
+    rows[1]["kv_layer_bytes_per_token"] = [768, 256, 512]  # the bench ran another layout
+    with pytest.raises(ValueError, match=r"measured_kv67 keeps \[3, 1, 2\] KV heads per layer"):
+        collect.decode_table({"llamacpp": rows}, group, "kv67")
+
+
 def test_llm_uneven_gguf_rows():
     """experiments/llm_uneven: gguf.py's sizes and llama.cpp perplexities become a row per exported
     run (a refused layout says why); a budget with no exported run gets no GGUF table."""

@@ -10,7 +10,8 @@ everything else is built from `results/*.json` (and `gguf.json`, gguf.py's GGUF 
 `results.md` (per budget, allocation and repair: KV cache kept, layers left without attention, perplexity
 at seq 128 and 2048 on held-out Tiny Shakespeare and on SST-2's validation sentences (never
 calibrated on) with their change from dense, zero-shot accuracies, the allocation's seconds
-against the scoring's, its passes and tokens; the GGUF files' sizes and llama.cpp perplexities), `targets.md` (issue 29's targets against each
+against the scoring's, its passes and tokens; the GGUF files' sizes and llama.cpp perplexities; decode in
+llama.cpp of each allocation's layout, from experiments/llm_kv/decode/llamacpp/bench.json), `targets.md` (issue 29's targets against each
 allocation's best repaired row without training, and the KL targets against its refit + KL row, hit or
 miss and by how much),
 `llm_uneven.csv` (one row per run) and `layouts.png` (KV groups kept per layer, per run).
@@ -44,6 +45,8 @@ KL_TARGETS = {"kv67": 10.0, "kv34": 35.0}  # issue 29: with the KL recovery (50 
 OTHER = "sst2"  # the corpus not used for calibration
 ALLOCATION = ("measured", "attention_drop")  # the budget report's key of a measuring policy
 LLM_KV = HERE.parent / "llm_kv" / "results"
+DECODE = HERE.parent / "llm_kv" / "decode" / "llamacpp" / "bench.json"  # its run.sh benches these layouts
+KV_HEAD_BYTES = 2 * 2 * 64  # K and V, F16 cache, head size 64: llama.cpp's bytes per token per KV head
 UNIFORM = {"uniform_kv67": LLM_KV / "fisher_re_bias_kv67.json", "uniform_kv34": LLM_KV / "fisher_re_bias_kv34.json",
            "uniform_refit_kv67": LLM_KV / "fisher_re_refit_kv67.json",
            "uniform_refit_kv34": LLM_KV / "fisher_re_refit_kv34.json",
@@ -159,7 +162,48 @@ def gguf_table(gguf: dict, group: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def table(dense: dict, rows: list[dict], gguf: dict | None = None) -> str:
+def decode_table(bench: dict, group: list[dict], budget: str) -> list[str]:
+    """llama.cpp decode of each allocation's layout at `budget` (bench.json of experiments/llm_kv/decode/
+    llamacpp: uniform as `kv67` / `kv34`, the others as `<arm>_<budget>`, structural exports of the
+    same KV groups per layer): tokens/s per context and, at the longest, the speed-up over dense
+    against its bound. Each benched layout is checked against the allocation's from llama.cpp's
+    per-layer KV bytes; [] when none of `group`'s allocations was benched."""
+    rows = [r for r in bench.get("llamacpp", []) if r["kind"] != "probe"]
+    names = {"dense": "dense", **{(budget if arm == "uniform" else f"{arm}_{budget}"): arm
+                                  for arm in ARMS if ordered(group, arm)}}
+    rows = [r for r in rows if r["variant"] in names]
+    if not any(r["variant"] != "dense" for r in rows):
+        return []
+    for r in rows:
+        if r["variant"] == "dense":
+            continue
+        benched = [b // KV_HEAD_BYTES for b in r["kv_layer_bytes_per_token"]]
+        kept = ordered(group, names[r["variant"]])[0]["kept_units_per_layer"]
+        if benched != kept:
+            raise ValueError(f"{DECODE}: {r['variant']} keeps {benched} KV heads per layer, the {names[r['variant']]} "
+                             f"allocation at {budget} {kept}: re-run experiments/llm_kv/decode/llamacpp/run.sh")
+    contexts = sorted({r["context"] for r in rows})
+    at = {(r["variant"], r["threads"], r["context"]): r for r in rows}
+    meta = bench.get("meta", {})
+    lines = [f"Decode in llama.cpp (experiments/llm_kv/decode/llamacpp: structural exports of these layouts, F16 GGUF, "
+             f"flash attention, F16 KV cache, {rows[0]['new_tokens']} tokens per round, commit {meta.get('commit')}, "
+             f"load average before {meta.get('load_before')}):", "",
+             "| allocation | GGUF | threads | " + " | ".join(f"tokens/s at {c}" for c in contexts)
+             + f" | x dense at {contexts[-1]} | bound x | x / bound | KV ratio | KV exact |",
+             "|---|---|---:|" + "---:|" * len(contexts) + "---:|---:|---:|---:|---|"]
+    order = list(names)  # dense first, then the allocations in ARMS order
+    for threads, variant in sorted(dict.fromkeys((r["threads"], r["variant"]) for r in rows),
+                                   key=lambda k: (k[0], order.index(k[1]))):
+        last = at[variant, threads, contexts[-1]]
+        name = "dense" if variant == "dense" else ARMS[names[variant]]
+        speeds = " | ".join(f"{at[variant, threads, c]['tokens_per_s']:.1f}" for c in contexts)
+        exact = all(at[variant, threads, c]["kv_exact"] for c in contexts)
+        lines.append(f"| {name} | {last['arch']} | {threads} | {speeds} | {last['per_token_ratio']:.2f} | "
+                     f"{last['bound']:.2f} | {last['ratio_to_bound']:.2f} | {last['kv_ratio']:.3f} | {exact} |")
+    return lines + [""]
+
+
+def table(dense: dict, rows: list[dict], gguf: dict | None = None, bench: dict | None = None) -> str:
     d = dense_ppl(dense)
     zero = dense.get("zero_shot", {})
     lines = [f"Dense: Tiny Shakespeare perplexity {d['ppl128']:.2f} (seq 128), {d['ppl2048']:.2f} (seq 2048); "
@@ -196,6 +240,7 @@ def table(dense: dict, rows: list[dict], gguf: dict | None = None) -> str:
                 lines.append(f"- {arm}{which}: {''.join(str(k) for k in r['kept_units_per_layer'])}")
         lines.append("")
         lines += gguf_table(gguf or {}, group)
+        lines += decode_table(bench or {}, group, budget)
     return "\n".join(lines)
 
 
@@ -271,7 +316,8 @@ def main() -> None:
     dense, rows = load(args.out / "results")
     gguf = args.out / "gguf.json"  # gguf.py's sizes and llama.cpp perplexities, when measured
     gguf = json.loads(gguf.read_text()) if gguf.is_file() else None
-    write_text_atomic(args.out / "results.md", table(dense, rows, gguf) + "\n")
+    bench = json.loads(DECODE.read_text()) if DECODE.is_file() else None
+    write_text_atomic(args.out / "results.md", table(dense, rows, gguf, bench) + "\n")
     write_text_atomic(args.out / "targets.md", targets(dense, rows) + "\n")
     write_text_atomic(args.out / "llm_uneven.csv", to_csv([{**r, "kept_units_per_layer": "".join(
         str(k) for k in r["kept_units_per_layer"])} for r in rows]))
