@@ -204,6 +204,15 @@ def test_other_corpus_table_matches_results():
     assert all(r["main"] == r["committed"] for r in rows) and {r["model"] for r in rows} == {"dense", "fisher_re_ls_kv67"}
 
 
+def test_llm_decode_tables_are_what_table_py_prints_of_the_bench_files():
+    """experiments/llm_kv/decode: each run's PyTorch decode table in the README is table.py's
+    rendering of that folder's committed bench.json (never typed by hand)."""
+    table = _script(EXP / "llm_kv" / "decode" / "table.py")
+    readme = (EXP / "llm_kv" / "decode" / "README.md").read_text()
+    for folder in ("cpu_threads1", "cpu_threads1_decode_repeat", "cpu_threads2_decode", "cpu_layouts"):
+        assert table.table(str(EXP / "llm_kv" / "decode" / folder / "bench.json")) in readme, folder
+
+
 def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
     """experiments/llm_uneven: results.md, targets.md and llm_uneven.csv are what collect.py makes of
     the committed result files (and experiments/llm_kv's uniform runs); its README quotes both tables."""

@@ -22,8 +22,14 @@ def rows(path: str) -> list[str]:
     return out
 
 
-print("| export | threads | batch | prompt | dense ms/token | pruned ms/token | speed-up | bound | speed-up / bound "
-      "| attention share (dense) | KV bytes ratio | prefill speed-up |")
-print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-for path in sys.argv[1:]:
-    print("\n".join(rows(path)))
+HEADER = ("| export | threads | batch | prompt | dense ms/token | pruned ms/token | speed-up | bound | speed-up / bound "
+          "| attention share (dense) | KV bytes ratio | prefill speed-up |\n"
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+
+def table(*paths: str) -> str:
+    return "\n".join([HEADER] + [row for path in paths for row in rows(path)]) + "\n"
+
+
+if __name__ == "__main__":
+    print(table(*sys.argv[1:]), end="")
