@@ -214,8 +214,9 @@ def test_llm_decode_tables_are_what_table_py_prints_of_the_bench_files():
 
 
 def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
-    """experiments/llm_uneven: results.md, targets.md and llm_uneven.csv are what collect.py makes of
-    the committed result files (and experiments/llm_kv's uniform runs); its README quotes both tables."""
+    """experiments/llm_uneven: results.md, targets.md, summary.md and llm_uneven.csv are what collect.py
+    makes of the committed result files (and experiments/llm_kv's uniform runs); its README quotes the
+    first two, the project README summary.md."""
     collect = _script(EXP / "llm_uneven" / "collect.py")
     shutil.copytree(EXP / "llm_uneven" / "results", tmp_path / "results")
     if (EXP / "llm_uneven" / "gguf.json").is_file():
@@ -223,10 +224,11 @@ def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["collect.py", "--runs", str(tmp_path / "no_runs"), "--out", str(tmp_path),
                                       "--no-plot"])
     collect.main()
-    for name in ("results.md", "targets.md", "llm_uneven.csv"):
+    for name in ("results.md", "targets.md", "summary.md", "llm_uneven.csv"):
         assert (tmp_path / name).read_text() == (EXP / "llm_uneven" / name).read_text(), name
     readme = (EXP / "llm_uneven" / "README.md").read_text()
     assert (tmp_path / "results.md").read_text() in readme and (tmp_path / "targets.md").read_text() in readme
+    assert (tmp_path / "summary.md").read_text() in (REPO / "README.md").read_text()  # the project README's table
 
 
 def test_llm_uneven_targets_take_each_allocations_best_repair():

@@ -13,7 +13,8 @@ calibrated on) with their change from dense, zero-shot accuracies, the allocatio
 against the scoring's, its passes and tokens; the GGUF files' sizes and llama.cpp perplexities; decode in
 llama.cpp of each allocation's layout, from experiments/llm_kv/decode/llamacpp/bench.json), `targets.md` (issue 29's targets against each
 allocation's best repaired row without training, and the KL targets against its refit + KL row, hit or
-miss and by how much),
+miss and by how much), `summary.md` (the project README's table: per budget, without and with
+training, the uniform layout's best row beside the best uneven allocation's),
 `llm_uneven.csv` (one row per run) and `layouts.png` (KV groups kept per layer, per run).
 The dense model's numbers come from the run that evaluated it (`evaluation.dense`). A budget
 and repair without a uniform run here reads experiments/llm_kv's (`UNIFORM`).
@@ -276,6 +277,28 @@ def targets(dense: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary(dense: dict, rows: list[dict]) -> str:
+    """Per budget, without and with training (`TRAINED`): the uniform layout's best row (lowest
+    perplexity at seq 2048) and the best row of any uneven allocation."""
+    d = dense_ppl(dense)
+    lines = ["| budget | training | layout | allocation | repair | KV kept | layers without attention | TS ppl 2048 "
+             "| change | SST-2 change | last word |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for budget, title in BUDGETS.items():
+        for trained in (False, True):
+            group = [r for r in rows if r["budget"] == budget and r["trained"] == trained]
+            for layout, runs in (("uniform", [r for r in group if r["arm"] == "uniform"]),
+                                 ("uneven", [r for r in group if r["arm"] != "uniform"])):
+                if not runs:
+                    continue
+                best = min(runs, key=lambda r: r["ppl2048"])
+                lines.append(f"| {title} | {f'{KL_STEPS} KL steps' if trained else 'none'} | {layout} "
+                             f"| {ARMS[best['arm']]} | {best['repair']} | {best['kv_share']:.3f} "
+                             f"| {best['attention_free_layers']} | {best['ppl2048']:.2f} "
+                             f"| {_pct(_change(best['ppl2048'], d['ppl2048']))} "
+                             f"| {_pct(_change(best['other2048'], d['other2048']))} | {_fmt(best['last_word_acc'], 3)} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     from headprune.plots import close, plt
 
@@ -319,6 +342,7 @@ def main() -> None:
     bench = json.loads(DECODE.read_text()) if DECODE.is_file() else None
     write_text_atomic(args.out / "results.md", table(dense, rows, gguf, bench) + "\n")
     write_text_atomic(args.out / "targets.md", targets(dense, rows) + "\n")
+    write_text_atomic(args.out / "summary.md", summary(dense, rows) + "\n")
     write_text_atomic(args.out / "llm_uneven.csv", to_csv([{**r, "kept_units_per_layer": "".join(
         str(k) for k in r["kept_units_per_layer"])} for r in rows]))
     if not args.no_plot:
