@@ -224,7 +224,7 @@ def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["collect.py", "--runs", str(tmp_path / "no_runs"), "--out", str(tmp_path),
                                       "--no-plot"])
     collect.main()
-    for name in ("results.md", "targets.md", "summary.md", "llm_uneven.csv"):
+    for name in ("results.md", "targets.md", "summary.md", "answers.md", "llm_uneven.csv"):
         assert (tmp_path / name).read_text() == (EXP / "llm_uneven" / name).read_text(), name
     readme = (EXP / "llm_uneven" / "README.md").read_text()
     assert (tmp_path / "results.md").read_text() in readme and (tmp_path / "targets.md").read_text() in readme
@@ -300,6 +300,25 @@ def test_llm_uneven_decode_rows_are_checked_against_each_allocations_layout():
     rows[1]["kv_layer_bytes_per_token"] = [768, 256, 512]  # the bench ran another layout
     with pytest.raises(ValueError, match=r"measured_kv67 keeps \[3, 1, 2\] KV heads per layer"):
         collect.decode_table({"llamacpp": rows}, group, "kv67")
+
+
+def test_llm_uneven_answers_are_each_runs_beside_the_dense_models(tmp_path):
+    """experiments/llm_uneven/answers.md: per prompt the dense model's answer, then each run's that
+    generated; a run asked other prompts is refused by its file name."""
+    collect = _script(EXP / "llm_uneven" / "collect.py")
+    dense = [{"prompt": "Q1?", "answer": "a|b"}, {"prompt": "Q2?", "answer": "line\nbreak"}]
+
+    def result(name, generation):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"evaluation": {"pruned": {"generation": generation}}}))
+    result("measured_refit_kv67", [{"prompt": "Q1?", "answer": "m1"}, {"prompt": "Q2?", "answer": "m2"}])
+    result("global_kv67", None)  # generation off: no row
+    text = collect.answers(dense, tmp_path)
+    assert text.splitlines()[:6] == ["### Q1?", "", "| model | answer |", "|---|---|", "| dense | a/b |",
+                                     "| measured_refit_kv67 | m1 |"]
+    assert "| dense | line break |" in text and "global_kv67" not in text
+    result("attention_drop_refit_kv34", [{"prompt": "Q9?", "answer": "x"}])
+    with pytest.raises(ValueError, match="attention_drop_refit_kv34.json: its chat prompts"):
+        collect.answers(dense, tmp_path)
 
 
 def test_llm_uneven_gguf_rows():

@@ -14,8 +14,9 @@ against the scoring's, its passes and tokens; the GGUF files' sizes and llama.cp
 llama.cpp of each allocation's layout, from experiments/llm_kv/decode/llamacpp/bench.json), `targets.md` (issue 29's targets against each
 allocation's best repaired row without training, and the KL targets against its refit + KL row, hit or
 miss and by how much), `summary.md` (the project README's table: per budget, without and with
-training, the uniform layout's best row beside the best uneven allocation's),
-`llm_uneven.csv` (one row per run) and `layouts.png` (KV groups kept per layer, per run).
+training, the uniform layout's best row beside the best uneven allocation's), `answers.md` (the greedy
+chat answers of every run that generated them, beside the dense model's from experiments/llm_kv, whose
+protocol asks the same prompts), `llm_uneven.csv` (one row per run) and `layouts.png` (KV groups kept per layer, per run).
 The dense model's numbers come from the run that evaluated it (`evaluation.dense`). A budget
 and repair without a uniform run here reads experiments/llm_kv's (`UNIFORM`).
 """
@@ -299,6 +300,38 @@ def summary(dense: dict, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def dense_answers() -> list[dict]:
+    """The dense model's chat answers: experiments/llm_kv's first result that evaluated the dense model
+    with generation on (this folder's runs evaluate the dense model without it)."""
+    for path in sorted(LLM_KV.glob("*.json")):
+        generation = json.loads(path.read_text())["evaluation"].get("dense", {}).get("generation")
+        if generation:
+            return generation
+    return []
+
+
+def answers(dense: list[dict], results: Path) -> str:
+    """Per prompt, the dense answer and each run's (runs in file-name order; uniform runs are in
+    experiments/llm_kv/answers.md). A run asked other prompts than the dense model is refused."""
+    prompts = [a["prompt"] for a in dense]
+    runs = {}
+    for path in sorted(results.glob("*.json")):
+        generation = json.loads(path.read_text())["evaluation"]["pruned"].get("generation")
+        if generation:
+            if [a["prompt"] for a in generation] != prompts:
+                raise ValueError(f"{path}: its chat prompts are not experiments/llm_kv's dense model's {prompts}")
+            runs[path.stem] = generation
+    lines = []
+    for i, prompt in enumerate(prompts):
+        lines += [f"### {prompt}", "", "| model | answer |", "|---|---|", f"| dense | {_cell(dense[i]['answer'])} |"]
+        lines += [f"| {run} | {_cell(gen[i]['answer'])} |" for run, gen in runs.items()] + [""]
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ")
+
+
 def plot(rows: list[dict], path: Path) -> None:
     from headprune.plots import close, plt
 
@@ -343,6 +376,7 @@ def main() -> None:
     write_text_atomic(args.out / "results.md", table(dense, rows, gguf, bench) + "\n")
     write_text_atomic(args.out / "targets.md", targets(dense, rows) + "\n")
     write_text_atomic(args.out / "summary.md", summary(dense, rows) + "\n")
+    write_text_atomic(args.out / "answers.md", answers(dense_answers(), args.out / "results") + "\n")
     write_text_atomic(args.out / "llm_uneven.csv", to_csv([{**r, "kept_units_per_layer": "".join(
         str(k) for k in r["kept_units_per_layer"])} for r in rows]))
     if not args.no_plot:
