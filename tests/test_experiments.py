@@ -214,9 +214,9 @@ def test_llm_decode_tables_are_what_table_py_prints_of_the_bench_files():
 
 
 def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
-    """experiments/llm_uneven: results.md, targets.md, summary.md and llm_uneven.csv are what collect.py
-    makes of the committed result files (and experiments/llm_kv's uniform runs); its README quotes the
-    first two, the project README summary.md."""
+    """experiments/llm_uneven: results.md, targets.md, summary.md, answers.md and llm_uneven.csv are what
+    collect.py makes of the committed result files (and experiments/llm_kv's uniform runs and bench.json);
+    its README quotes the first two, the project README summary.md."""
     collect = _script(EXP / "llm_uneven" / "collect.py")
     shutil.copytree(EXP / "llm_uneven" / "results", tmp_path / "results")
     if (EXP / "llm_uneven" / "gguf.json").is_file():
