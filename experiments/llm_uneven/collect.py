@@ -23,6 +23,8 @@ and repair without a uniform run here reads experiments/llm_kv's (`UNIFORM`).
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import json
 from pathlib import Path
 
@@ -49,6 +51,15 @@ ALLOCATION = ("measured", "attention_drop")  # the budget report's key of a meas
 LLM_KV = HERE.parent / "llm_kv" / "results"
 DECODE = HERE.parent / "llm_kv" / "decode" / "llamacpp" / "bench.json"  # its run.sh benches these layouts
 KV_HEAD_BYTES = 2 * 2 * 64  # K and V, F16 cache, head size 64: llama.cpp's bytes per token per KV head
+
+
+@functools.cache
+def _script(path: Path):
+    """Another experiment's script as a module, loaded once (its tables: one rendering, not a copy here)."""
+    spec = importlib.util.spec_from_file_location(path.parent.name + "_" + path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 UNIFORM = {"uniform_kv67": LLM_KV / "fisher_re_bias_kv67.json", "uniform_kv34": LLM_KV / "fisher_re_bias_kv34.json",
            "uniform_refit_kv67": LLM_KV / "fisher_re_refit_kv67.json",
            "uniform_refit_kv34": LLM_KV / "fisher_re_refit_kv34.json",
@@ -184,24 +195,14 @@ def decode_table(bench: dict, group: list[dict], budget: str) -> list[str]:
         if benched != kept:
             raise ValueError(f"{DECODE}: {r['variant']} keeps {benched} KV heads per layer, the {names[r['variant']]} "
                              f"allocation at {budget} {kept}: re-run experiments/llm_kv/decode/llamacpp/run.sh")
-    contexts = sorted({r["context"] for r in rows})
-    at = {(r["variant"], r["threads"], r["context"]): r for r in rows}
+    order = list(names)  # dense first, then the allocations in ARMS order
+    rows = sorted(rows, key=lambda r: (r["threads"], order.index(r["variant"]), r["context"]))
     meta = bench.get("meta", {})
     lines = [f"Decode in llama.cpp (experiments/llm_kv/decode/llamacpp: structural exports of these layouts, F16 GGUF, "
              f"flash attention, F16 KV cache, {rows[0]['new_tokens']} tokens per round, commit {meta.get('commit')}, "
-             f"load average before {meta.get('load_before')}):", "",
-             "| allocation | GGUF | threads | " + " | ".join(f"tokens/s at {c}" for c in contexts)
-             + f" | x dense at {contexts[-1]} | bound x | x / bound | KV ratio | KV exact |",
-             "|---|---|---:|" + "---:|" * len(contexts) + "---:|---:|---:|---:|---|"]
-    order = list(names)  # dense first, then the allocations in ARMS order
-    for threads, variant in sorted(dict.fromkeys((r["threads"], r["variant"]) for r in rows),
-                                   key=lambda k: (k[0], order.index(k[1]))):
-        last = at[variant, threads, contexts[-1]]
-        name = "dense" if variant == "dense" else ARMS[names[variant]]
-        speeds = " | ".join(f"{at[variant, threads, c]['tokens_per_s']:.1f}" for c in contexts)
-        exact = all(at[variant, threads, c]["kv_exact"] for c in contexts)
-        lines.append(f"| {name} | {last['arch']} | {threads} | {speeds} | {last['per_token_ratio']:.2f} | "
-                     f"{last['bound']:.2f} | {last['ratio_to_bound']:.2f} | {last['kv_ratio']:.3f} | {exact} |")
+             f"load average before {meta.get('load_before')}):", ""]
+    tables = _script(DECODE.parent / "tables.py")
+    lines += tables.decode_lines(rows, "allocation", lambda v: "dense" if v == "dense" else ARMS[names[v]], kv_digits=3)
     return lines + [""]
 
 
@@ -312,7 +313,8 @@ def dense_answers() -> list[dict]:
 
 def answers(dense: list[dict], results: Path) -> str:
     """Per prompt, the dense answer and each run's (runs in file-name order; uniform runs are in
-    experiments/llm_kv/answers.md). A run asked other prompts than the dense model is refused."""
+    experiments/llm_kv/answers.md), rendered by experiments/llm_kv's collect.py. A run asked other
+    prompts than the dense model is refused."""
     prompts = [a["prompt"] for a in dense]
     runs = {}
     for path in sorted(results.glob("*.json")):
@@ -321,15 +323,7 @@ def answers(dense: list[dict], results: Path) -> str:
             if [a["prompt"] for a in generation] != prompts:
                 raise ValueError(f"{path}: its chat prompts are not experiments/llm_kv's dense model's {prompts}")
             runs[path.stem] = generation
-    lines = []
-    for i, prompt in enumerate(prompts):
-        lines += [f"### {prompt}", "", "| model | answer |", "|---|---|", f"| dense | {_cell(dense[i]['answer'])} |"]
-        lines += [f"| {run} | {_cell(gen[i]['answer'])} |" for run, gen in runs.items()] + [""]
-    return "\n".join(lines)
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "/").replace("\n", " ")
+    return _script(HERE.parent / "llm_kv" / "collect.py").answers_table({"generation": dense}, runs)
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -30,20 +30,26 @@ def decode_table(bench: dict) -> str:
     against dense and whether llama.cpp's per-layer bytes equal the layout's. The per-context
     ratios are in bench.md."""
     rows = [r for r in bench["llamacpp"] if r["kind"] != "probe"]
+    return "\n".join(decode_lines(rows)) + "\n"
+
+
+def decode_lines(rows: list[dict], first: str = "variant", label=lambda variant: variant, kv_digits: int = 4) -> list[str]:
+    """decode_table's lines for `rows` (bench.json's llamacpp rows, probe left out), one per variant and
+    thread count in the order they first appear; `label` names a variant in the `first` column
+    (experiments/llm_uneven's results.md shows its allocations this way)."""
     contexts = sorted({r["context"] for r in rows})
     longest = contexts[-1]
-    keys = list(dict.fromkeys((r["variant"], r["threads"]) for r in rows))
     at = {(r["variant"], r["threads"], r["context"]): r for r in rows}
-    lines = ["| variant | GGUF | threads | " + " | ".join(f"tokens/s at {c}" for c in contexts)
+    lines = [f"| {first} | GGUF | threads | " + " | ".join(f"tokens/s at {c}" for c in contexts)
              + f" | x dense at {longest} | bound x | x / bound | KV ratio | KV exact |",
              "|---|---|---:|" + "---:|" * len(contexts) + "---:|---:|---:|---:|---|"]
-    for variant, threads in keys:
+    for variant, threads in dict.fromkeys((r["variant"], r["threads"]) for r in rows):
         last = at[variant, threads, longest]
         speeds = " | ".join(f"{at[variant, threads, c]['tokens_per_s']:.1f}" for c in contexts)
         exact = all(at[variant, threads, c]["kv_exact"] for c in contexts)
-        lines.append(f"| {variant} | {last['arch']} | {threads} | {speeds} | {last['per_token_ratio']:.2f} | "
-                     f"{last['bound']:.2f} | {last['ratio_to_bound']:.2f} | {last['kv_ratio']:.4f} | {exact} |")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| {label(variant)} | {last['arch']} | {threads} | {speeds} | {last['per_token_ratio']:.2f} | "
+                     f"{last['bound']:.2f} | {last['ratio_to_bound']:.2f} | {last['kv_ratio']:.{kv_digits}f} | {exact} |")
+    return lines
 
 
 def shares(bench: dict) -> str:
