@@ -27,15 +27,15 @@ LAYOUTS = {
     "drop10": {layer: [0, 1, 2] for layer in (4, 6, 9, 12, 17, 22, 25, 26, 28, 29)},
 }
 UNEVEN = Path(__file__).resolve().parents[3] / "llm_uneven" / "results"
-GROUPS = 3  # SmolLM2's KV groups per layer (checked against the model below)
-for arm in ("global", "measured", "attention_drop"):
-    for budget in ("kv67", "kv34"):
-        kept = json.loads((UNEVEN / f"{arm}_refit_{budget}.json").read_text())["rounds"][0]["budget"]["kept_units_per_layer"]
-        LAYOUTS[f"{arm}_{budget}"] = {layer: list(range(GROUPS - k)) for layer, k in enumerate(kept) if k < GROUPS}
 
 out = Path(sys.argv[1])
 dense, tokenizer = build_model("smollm2", task="causal_lm").eval(), load_tokenizer("smollm2")
-assert dense.config.num_key_value_heads == GROUPS, dense.config.num_key_value_heads
+groups_per_layer = dense.config.num_key_value_heads
+for arm in ("global", "measured", "attention_drop"):
+    for budget in ("kv67", "kv34"):
+        kept = json.loads((UNEVEN / f"{arm}_refit_{budget}.json").read_text())["rounds"][0]["budget"]["kept_units_per_layer"]
+        LAYOUTS[f"{arm}_{budget}"] = {layer: list(range(groups_per_layer - k))
+                                      for layer, k in enumerate(kept) if k < groups_per_layer}
 names = sys.argv[2:] or list(LAYOUTS)  # optional: only these layouts
 for name in names:
     groups = LAYOUTS[name]
