@@ -7,6 +7,7 @@ runtime.py    section: ONNX Runtime forward of exported dense and pruned models
 decoder.py    section: prefill, per-token decode with the KV cache, cache bytes
 llm.py        section: the same on a pretrained causal LM vs its pruned exports, with Amdahl bounds
 llamacpp.py   section: decode of the same exports as GGUF files in llama.cpp, with the same columns
+scale.py      section: peak memory and seconds of each LLM pipeline stage per model size, one child process each
 origin.py     the dense model a pruned export came from (recorded in the export, or bench.dense_model)
 variants.py   dense / masked / pruned / unstructured copies of one model
 render.py     the markdown table builder, cell formats and plot curves the sections share
@@ -15,4 +16,4 @@ config.py     the typed `bench:` settings (common fields + one block per section
 Timing, FLOP counts and attention replay live in headprune.costs.
 """
 # Importing a section registers it; this order is the order of bench.json, bench.md and the run.
-from headprune.bench import encoder, train_step, runtime, decoder, llm, llamacpp  # noqa: F401  # isort: skip
+from headprune.bench import encoder, train_step, runtime, decoder, llm, llamacpp, scale  # noqa: F401  # isort: skip
