@@ -82,9 +82,11 @@ def test_a_resume_with_other_settings_is_refused_naming_them(finished, tmp_path,
     assert files(tmp_path / "run") == before
 
 
-def test_a_schedule_without_epochs_has_nothing_to_resume(finished, tmp_path, data_dir):
+def test_a_schedule_without_epochs_resumes_only_from_a_recovery_checkpoint(finished, tmp_path, data_dir):
+    """An epoch checkpoint cannot continue a run that trains no epoch: the refusal names the one
+    kind it can (a recovery's step-budget checkpoint)."""
     last = _copy(finished, tmp_path / "run")
-    with pytest.raises(ValueError, match="trains no epoch.*no checkpoint to resume from"):
+    with pytest.raises(ValueError, match="trains no epoch.*only checkpoints its runs write are those of a recovery"):
         run(compose_train(tmp_path / "run", data_dir, *BASE, "schedule.baseline_epochs=0",
                           "schedule.epochs_per_round=0", "recovery=least_squares", f"ckpt_path={last}"))
 
@@ -159,9 +161,10 @@ def test_a_resume_past_round_1_asks_the_recovery_before_anything_is_written(tmp_
 
 
 def test_a_run_that_trains_no_epoch_is_told_to_start_again_with_overwrite(tmp_path):
-    """A killed retraining-free LoRA / distill run (0 epochs) has no checkpoint: the resume is
-    refused with advice that works (without ckpt_path, with overwrite=true), and starting again
-    without overwrite=true is refused naming it, not a resume from a checkpoint there is none of."""
+    """A retraining-free run (0 epochs) killed before any recovery checkpoint has none: the resume
+    is refused naming the file such runs write, and starting again without overwrite=true is
+    refused naming it, not a resume from a checkpoint there is none of; once a recovery's step
+    budget wrote <run dir>/recovery/last.ckpt, the refusal offers that one."""
     from omegaconf import OmegaConf
 
     from headprune.apps.resume import check_resume
@@ -170,11 +173,15 @@ def test_a_run_that_trains_no_epoch_is_told_to_start_again_with_overwrite(tmp_pa
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "results.json").write_text("{}")
-    with pytest.raises(ValueError, match="start the run again without ckpt_path and with overwrite=true"):
+    with pytest.raises(FileNotFoundError, match="no such file; allowed: a run's recovery/last.ckpt"):
         check_resume(OmegaConf.create({}), str(run_dir / "checkpoints" / "last.ckpt"), run_dir, epochs=0)
     with pytest.raises(FileExistsError) as refused:
         refuse_to_overwrite(run_dir, resuming=False, overwrite=False)
     assert "it wrote no checkpoint to resume from" in str(refused.value) and "ckpt_path" not in str(refused.value)
+    (run_dir / "recovery").mkdir()
+    (run_dir / "recovery" / "last.ckpt").write_bytes(b"")
+    with pytest.raises(FileExistsError, match=r"resume it with ckpt_path=.*recovery/last.ckpt"):
+        refuse_to_overwrite(run_dir, resuming=False, overwrite=False)
     assert "pass overwrite=true to run it again" in str(refused.value)
     refuse_to_overwrite(run_dir, resuming=False, overwrite=True)  # the advice works
     (run_dir / "checkpoints").mkdir()

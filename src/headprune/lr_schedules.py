@@ -1,6 +1,6 @@
 """Learning-rate schedules, one module for every training loop: `warmup_decay` for a Trainer's
 fine-tuning epochs (a `partial`-friendly factory, Hydra: `_partial_: true`, conf/optim/) and
-`warmup_cosine` for a recovery's fixed step budget (recovery/training_steps.py)."""
+`warmup_cosine` for a recovery's fixed step budget (engine/step_fit.py)."""
 from __future__ import annotations
 
 import math

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from headprune.engine.step_fit import RUN_STATE
 from headprune.results import flatten
 
 log = logging.getLogger(__name__)
@@ -34,17 +35,25 @@ def experiment(config: dict) -> dict:
 
 def check_resume(cfg: DictConfig, ckpt_path: str, output_dir: Path, epochs: int, recovery=None) -> dict | None:
     """Refuse a resume that cannot continue this run (naming what differs, or what `recovery`
-    needs and lacks); return the finished run's results when there is nothing left to do (None: go on)."""
-    if epochs == 0:
-        raise ValueError(f"ckpt_path={ckpt_path}: this schedule trains no epoch (baseline_epochs + rounds x "
-                         "epochs_per_round + recover_epochs = 0), so its runs (a retraining-free prune, step-budget "
-                         "LoRA or distillation included) write no checkpoint to resume from; start the run again "
-                         "without ckpt_path and with overwrite=true (what it recorded before it stopped is replaced)")
+    needs and lacks); return the finished run's results when there is nothing left to do (None: go on).
+    A run that trains no epoch resumes only from a recovery's step-budget checkpoint
+    (`<run dir>/recovery/last.ckpt`), which holds the run's state (`step_fit.RUN_STATE`)."""
     path = Path(ckpt_path)
     if not path.is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such file; allowed: a run's checkpoints/last.ckpt")
+        allowed = "a run's recovery/last.ckpt" if epochs == 0 else "a run's checkpoints/last.ckpt"
+        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such file; allowed: {allowed}")
     checkpoint = _load(path)
-    saved = _saved_config(checkpoint, output_dir)
+    in_recovery = RUN_STATE in checkpoint
+    if epochs == 0 and not in_recovery:
+        raise ValueError(f"ckpt_path={ckpt_path}: this schedule trains no epoch (baseline_epochs + rounds x "
+                         "epochs_per_round + recover_epochs = 0), so the only checkpoints its runs write are those of a "
+                         "recovery's step budget (<run dir>/recovery/last.ckpt, every recovery.checkpoint_every steps "
+                         "of recovery=distill|lora|chain with steps > 0), and this file is not one; start the run "
+                         "again without ckpt_path and with overwrite=true")
+    if epochs > 0 and in_recovery:
+        raise ValueError(f"ckpt_path={ckpt_path} is a recovery's step-budget checkpoint, which resumes runs that train "
+                         "no epoch; this schedule trains epochs: allowed: the run's checkpoints/last.ckpt")
+    saved = checkpoint[RUN_STATE]["pruner"].get("config") if in_recovery else _saved_config(checkpoint, output_dir)
     if saved is not None:
         now, before = experiment(OmegaConf.to_container(cfg, resolve=True)), experiment(saved)
         differ = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
@@ -65,7 +74,7 @@ def check_resume(cfg: DictConfig, ckpt_path: str, output_dir: Path, epochs: int,
                         "it changes nothing", output_dir, final["export_dir"])
             return data
     check = getattr(recovery, "check_resume", None)
-    if check is not None and rounds_done(checkpoint):  # the recovery set itself up in round 1
+    if check is not None and not in_recovery and rounds_done(checkpoint):  # (a step-budget resume rebuilds it)  # the recovery set itself up in round 1
         check(output_dir)
     return None
 

@@ -68,8 +68,10 @@ def refuse_to_overwrite(output_dir: Path, resuming: bool, overwrite: bool) -> No
     checkpoint). Rank 0 decides (other ranks start while rank 0 already owns the folder)."""
     if is_rank_zero() and not (resuming or overwrite) and (output_dir / "results.json").exists():
         last = output_dir / "checkpoints" / "last.ckpt"
-        resume = (f"resume it with ckpt_path={last}, " if last.is_file() else
-                  "(it wrote no checkpoint to resume from: runs that train no epoch write none) ")
+        in_recovery = output_dir / "recovery" / "last.ckpt"  # a run without epochs, killed in a step budget
+        resume = next((f"resume it with ckpt_path={path}, " for path in (last, in_recovery) if path.is_file()),
+                      "(it wrote no checkpoint to resume from: runs that train no epoch write one only during a "
+                      "recovery's step budget) ")
         raise FileExistsError(f"{output_dir} already holds a run's results.json; choose another hydra.run.dir, "
                               f"{resume}or pass overwrite=true to run it again in this folder")
 

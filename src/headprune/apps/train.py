@@ -6,6 +6,7 @@ LM; lower is better) so Hydra sweepers can optimise it.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -26,10 +27,11 @@ from headprune.apps.objectives import objectives
 from headprune.apps.preflight import check_model, check_settings
 from headprune.apps.resume import check_resume
 from headprune.deploy.fold import fold
+from headprune.engine import FitPlan, Runtime, UnavailableRuntime
 from headprune.deploy.hf import load_pruned, save_pruned
 from headprune.heads.surgery import count_params
 from headprune.lightning.callbacks import HeadPruning
-from headprune.lightning.loggers import LogSink, finish_wandb, log_evaluation, log_stages
+from headprune.lightning.loggers import LogSink, SinkLogger, finish_wandb, log_evaluation, log_stages
 from headprune.lightning.observer import run_untrained
 from headprune.lightning.module import HeadPruneModule
 from headprune.results import RunResults
@@ -58,6 +60,7 @@ def run(cfg: DictConfig) -> dict:
         task = _task(cfg)
         schedule.check_metrics(VAL_METRICS[task], task)
         check_settings(cfg, schedule, layer_policy, recovery, budget)
+        runtime = Runtime.of(cfg.trainer)  # a GPU, device count or precision this machine lacks: refused here
         evaluation = evaluations.settings(cfg)
         evaluation.check(task)
         run_dir.refuse_to_overwrite(output_dir, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
@@ -66,7 +69,9 @@ def run(cfg: DictConfig) -> dict:
             if finished is not None:
                 return finished
         start = time.perf_counter()
-        setup = _setup(cfg, output_dir, schedule, metric, layer_policy, recovery, budget, task)
+        if not _trains(cfg, schedule) and runtime.world_size > 1:
+            _launch(runtime)  # the other ranks start here and run the same command (a Trainer's fit launches its own)
+        setup = _setup(cfg, output_dir, schedule, metric, layer_policy, recovery, budget, task, runtime)
         setup.evaluation = evaluation
         evaluation.check_model(setup.module.model, setup.datamodule)
         setup.stages["load"] = round(time.perf_counter() - start, 3)
@@ -91,18 +96,42 @@ class Setup:
     pruner: Pruner
     pruning: HeadPruning
     baseline_params: dict
+    runtime: Runtime = field(default_factory=Runtime)
     evaluation: EvaluationSettings = field(default_factory=EvaluationSettings)
     stages: dict = field(default_factory=dict)  # seconds per stage, for results.json
 
 
-def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, recovery, budget, task: str) -> Setup:
-    """Data, model (and teacher) loaded and checked against the settings; the run's objects built."""
+def _trains(cfg: DictConfig, schedule) -> bool:
+    """Whether the run trains epochs under a Trainer (else it builds none)."""
+    return schedule.total_epochs() > 0 or bool(cfg.trainer.get("fast_dev_run", False))
+
+
+def _launch(runtime: Runtime) -> None:
+    """The data-parallel processes of a run that trains no epoch: Lightning Fabric starts the other
+    ranks (re-running this command, as a Trainer's fit does) and the process group; every rank then
+    scores its shard of the calibration slice, and each recovery's fit joins this process group."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(**{k: v for k, v in runtime.trainer_kwargs().items()
+                       if k in ("accelerator", "devices", "strategy", "precision")})
+    fabric.launch()
+    runtime.rank, runtime.world_size = fabric.global_rank, fabric.world_size
+
+
+def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, recovery, budget, task: str,
+           runtime: Runtime | None = None) -> Setup:
+    """Data, model (and teacher) loaded and checked against the settings; the run's objects built.
+    A run without a Trainer places the model where `runtime` says (a Trainer places it itself)."""
+    runtime = runtime or Runtime()
+    trains = _trains(cfg, schedule)
     L.seed_everything(cfg.seed, workers=True)
     tokenizer = load_tokenizer(cfg.model.pretrained)
     select = {"select_samples": schedule.selection_samples()} if schedule.selection_samples() else {}
     datamodule = build(cfg.data, tokenizer=tokenizer, **select)
     datamodule.setup("fit")
     model = instantiate(cfg.model)(num_labels=datamodule.num_labels)
+    if not trains:
+        runtime.place(model)
     check_model(model, schedule, layer_policy, budget)
     recovery.check_model(model)
     metric = _with_eos_ids(metric, cfg.metric, model, tokenizer)
@@ -113,7 +142,10 @@ def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, re
                              optimizer=instantiate(cfg.optim.optimizer),
                              scheduler=instantiate(cfg.optim.scheduler) if cfg.optim.get("scheduler") else None,
                              recovery=recovery, **_gates_in_finetune(cfg.metric))
+    if not trains:
+        module.head_mask.to(runtime.device)
     results = RunResults(output_dir, config=OmegaConf.to_container(cfg, resolve=True))
+    results.data["runtime"] = runtime.record()
     if labels:
         results.data["labels"] = labels
     if select:
@@ -121,11 +153,11 @@ def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, re
                                            "(never the validation set reported in val)")
     pruner = Pruner(model, metric, schedule, layer_policy, budget, recovery, mask=module.head_mask,
                     rearrange=bool(cfg.pruning.rearrange), results=results,
-                    dense_factory=lambda: instantiate(cfg.model)(num_labels=datamodule.num_labels))
+                    dense_factory=lambda: runtime.place(instantiate(cfg.model)(num_labels=datamodule.num_labels)))
     pruning = HeadPruning(pruner, diagnostics=_diagnostics_options(cfg),
                           check_consistency=bool(cfg.get("check_consistency", False)),
                           physical=bool(cfg.pruning.physical))
-    return Setup(module, datamodule, tokenizer, pruner, pruning, baseline_params)
+    return Setup(module, datamodule, tokenizer, pruner, pruning, baseline_params, runtime)
 
 
 def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
@@ -136,7 +168,8 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
     schedule, budget, results = pruner.schedule, pruner.budget, pruner.results
     loggers = instantiate_group(cfg.get("logger"))
     epochs = schedule.total_epochs()
-    trains = epochs > 0 or bool(cfg.trainer.get("fast_dev_run", False))
+    trains = _trains(cfg, schedule)
+    runtime = setup.runtime
     log.info("schedule: %d baseline epoch(s), %d round(s) to %s, %d epoch(s) per round -> %d epochs%s",
              schedule.baseline_epochs, schedule.num_rounds, budget.describe(schedule), schedule.epochs_per_round, epochs,
              "" if trains else " (nothing trains: no Trainer)")
@@ -149,15 +182,19 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
             trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, max_epochs=max(epochs, 1),
                                   enable_checkpointing=any(isinstance(c, Checkpoint) for c in callbacks))
         sink = LogSink.of_trainer(trainer) if trainer is not None else LogSink(loggers)
-        writer = trainer is None or trainer.is_global_zero
+        writer = trainer.is_global_zero if trainer is not None else runtime.rank == 0
+        pruner.fit_plan = FitPlan(runtime=runtime, loggers=[SinkLogger(sink)] if sink.loggers else [])
         if writer:
-            sink.log_hyperparams(results.data.get("config") or {})
+            sink.log_hyperparams({**(results.data.get("config") or {}), "runtime": results.data["runtime"]})
         if setup.evaluation.enabled and setup.evaluation.dense and writer:
-            _evaluate(results, "dense", setup, cfg, module.model, sink)
+            with runtime.autocast():
+                _evaluate(results, "dense", setup, cfg, module.model, sink)
         start = time.perf_counter()
         if trainer is None:
-            run_untrained(pruner, module, datamodule, sink, physical=bool(cfg.pruning.physical),
-                          diagnostics=pruning.diagnostics)
+            with runtime.autocast():
+                run_untrained(pruner, module, datamodule, sink, physical=bool(cfg.pruning.physical),
+                              diagnostics=pruning.diagnostics, runtime=runtime, ckpt_path=cfg.get("ckpt_path"),
+                              check_consistency=pruning.check_consistency)
         else:
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
             if "val" not in results.data["final"]:  # resumed at its last epoch (killed during the export)
@@ -172,7 +209,8 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
             if measured:
                 results.data["final"].update(measured)
             if setup.evaluation.enabled:
-                _evaluate(results, "pruned", setup, cfg, _load_export(output_dir / "export", module.model), sink)
+                with runtime.autocast():
+                    _evaluate(results, "pruned", setup, cfg, _load_export(output_dir / "export", module.model), sink)
             results.save()
         if writer:
             log_stages(sink, stages)
@@ -286,7 +324,12 @@ def _diagnostics_options(cfg: DictConfig) -> dict | None:
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")
 def main(cfg: DictConfig) -> float | list[float]:
-    return objectives(run(cfg), cfg.get("objectives") or ["headline"])
+    try:
+        data = run(cfg)
+    except UnavailableRuntime as err:  # a usage error: exit 2, nothing written
+        print(f"headprune-train: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return objectives(data, cfg.get("objectives") or ["headline"])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ import os
 import socket
 from urllib.parse import urlparse
 
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
 
 log = logging.getLogger(__name__)
 
@@ -222,3 +223,33 @@ def finish_wandb(loggers: list) -> None:
     for logger in loggers:
         if isinstance(logger, WandbLogger) and getattr(logger, "_experiment", None) is not None:
             logger.experiment.finish()
+
+
+class SinkLogger(Logger):
+    """A Lightning logger that sends a fit's metrics (a recovery's step budget: `recovery/loss`,
+    `recovery/lr`, `recovery/tokens_per_s`) to a run's `LogSink`, at the sink's step: they land in
+    the run's own loggers, between its rounds, with steps that only increase (wandb drops a step
+    lower than one it has seen). The run finalizes its loggers itself."""
+
+    def __init__(self, sink: LogSink):
+        super().__init__()
+        self.sink = sink
+
+    @property
+    def name(self) -> str:
+        return "headprune-run"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        self.sink.log_metrics({k: v for k, v in metrics.items() if k != "epoch"})
+
+    @rank_zero_only
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass  # the run logged its settings once
+
+    def finalize(self, status: str) -> None:
+        pass

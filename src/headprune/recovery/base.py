@@ -27,6 +27,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from headprune.engine.step_fit import FitPlan
 from headprune.heads.mask import HeadMask
 from headprune.tasks import evaluate, forward_logits, per_example_loss
 
@@ -42,7 +43,9 @@ class RecoveryContext:
     """The part of a run a recovery may read and change. `loaders` has `score` (calibration),
     `val`, `train` (the training text of a step-budget recovery); `dense` is the frozen unpruned
     copy when the recovery (or the budget) needs one; `run_dir` is None outside a run folder;
-    `writer` is False on the data-parallel ranks that must not write files."""
+    `writer` is False on the data-parallel ranks that must not write files; `fit`: where and how a
+    step budget trains (the run's device, precision, strategy, checkpoints, loggers; None: one process
+    where the model is, no checkpoints)."""
 
     model: nn.Module
     mask: HeadMask
@@ -51,6 +54,7 @@ class RecoveryContext:
     run_dir: Path | None = None
     writer: bool = True
     max_batches: int | None = None
+    fit: FitPlan | None = None
 
     def evaluate(self, loader: Iterable | None) -> dict | None:
         if loader is None:

@@ -21,6 +21,8 @@ from torch import nn
 
 from headprune.recovery.base import AFTER_RECOVERY, Recovery, RecoveryContext
 
+DONE = "chain_done"  # a round's record while its chain runs: the stages already finished
+
 
 def _plain(value: Any) -> Any:
     """Nested mappings (OmegaConf's included) as plain dicts."""
@@ -103,11 +105,21 @@ class Chain(Recovery):
         return restored
 
     def after_round(self, ctx: RecoveryContext, record: dict) -> None:
+        """Each stage in order. `record[DONE]` lists the stages finished so far, so a round resumed
+        from a checkpoint taken during a stage's fit (the record travels in it) runs only the rest."""
+        done = record.setdefault(DONE, [])
         for name, part in zip(self.names, self.parts):
+            if name in done:
+                continue
             record.pop(AFTER_RECOVERY, None)
             part.after_round(ctx, record)
             if AFTER_RECOVERY in record:
                 record[f"val_after_{name}"] = record[AFTER_RECOVERY]
+            done.append(name)
+        last = f"val_after_{self.names[-1]}"
+        if last in record:
+            record[AFTER_RECOVERY] = record[last]
+        del record[DONE]
         record["chain"] = list(self.names)
 
     def training_loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

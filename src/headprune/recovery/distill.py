@@ -15,9 +15,11 @@ the teacher's entropy.
 
 Two ways to train: `steps=0` (default) distils during the schedule's fine-tuning epochs (the
 LightningModule's training step calls `training_loss`); `steps=N` trains N optimizer steps on the
-training text right after each round masks its heads (`training_steps.py`), with no Trainer: the
-LLM way, usable after a retraining-free prune (`schedule.epochs_per_round=0`) and between the
-rounds of an iterative one (the schedule's epochs, if it has any, then train on the same loss).
+training text right after each round masks its heads, as a Lightning fit of its own
+(`engine.step_fit.fit_steps`: the run's device, precision, strategy and gradient accumulation,
+checkpoints every `checkpoint_every` steps that a killed run resumes from): the LLM way, usable
+after a retraining-free prune (`schedule.epochs_per_round=0`) and between the rounds of an
+iterative one (the schedule's epochs, if it has any, then train on the same loss).
 `recovery=lora` (lora.py) is the same with LoRA adapters (`Distilling` holds what both share).
 """
 from __future__ import annotations
@@ -33,9 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from headprune.deploy.hf import load_pruned, save_pruned
+from headprune.engine.step_fit import FitPlan, fit_steps
 from headprune.heads.adapters import model_shape
 from headprune.recovery.base import AFTER_RECOVERY, Recovery, RecoveryContext, trains_after_pruning
-from headprune.recovery.training_steps import train_steps, trainable
+from headprune.recovery.trainable import trainable
 from headprune.tasks import CLASSIFICATION, MODEL_INPUTS, Task, real_tokens, task_of
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,9 @@ class Distilling(Recovery):
     to `<run dir>/teacher/` so a resumed run reloads it. The teacher is `state.model`, never a
     submodule of the student: it is not trained, not in the optimizer and not in checkpoints.
     `steps > 0`: train that many optimizer steps on the training text right after each round
-    (`training_steps.py`); `steps = 0`: train in the schedule's epochs (`in_epochs`)."""
+    (a Lightning fit, `engine.step_fit`), with a checkpoint every `checkpoint_every` steps (0: only
+    after the last) in `<run dir>/recovery/last.ckpt`; `steps = 0`: train in the schedule's epochs
+    (`in_epochs`)."""
 
     alpha: float = 0.9
     temperature: float = 2.0
@@ -67,6 +72,7 @@ class Distilling(Recovery):
     steps: int = 0
     lr: float = 5e-5  # peak learning rate of the steps
     max_grad_norm: float = 1.0
+    checkpoint_every: int = 20  # about 3-10 minutes of SmolLM2-135M KL steps on 2 CPU cores
 
     TEACHER_DIR: ClassVar[str] = "teacher"
     record_key: ClassVar[str] = "distill"  # results.json round entry of the steps' report
@@ -84,6 +90,10 @@ class Distilling(Recovery):
             raise ValueError(f"recovery.lr={self.lr!r} must be > 0")
         if not self.max_grad_norm > 0:
             raise ValueError(f"recovery.max_grad_norm={self.max_grad_norm!r} must be > 0")
+        every = self.checkpoint_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"recovery.checkpoint_every={every!r} must be an integer >= 0 (optimizer steps between "
+                             "checkpoints of a step budget; 0: only after its last step)")
         self.state = TeacherState()
 
     # -- what it needs ---------------------------------------------------------------------------
@@ -168,8 +178,11 @@ class Distilling(Recovery):
         `record[record_key]`, the validation metrics after it to `AFTER_RECOVERY`."""
         train = training_loader(ctx.loaders, self.record_key)
         start = time.perf_counter()
-        report = train_steps(ctx.model, train, lambda model, batch: self.training_loss(model, batch)[1].mean(),
-                             self.steps, self.lr, self.max_grad_norm, label=f"round {record['round']}: {self.record_key}")
+        plan = ctx.fit if ctx.fit is not None else FitPlan(seed=record["round"])
+        plan.checkpoint_every = self.checkpoint_every
+        report = fit_steps(ctx.model, train, lambda model, batch: self.training_loss(model, batch)[1].mean(),
+                           self.steps, self.lr, self.max_grad_norm, plan=plan,
+                           label=f"round {record['round']}: {self.record_key}")
         report.update(extra, **self.take_train_stats(), seconds=round(time.perf_counter() - start, 3))
         record[self.record_key] = report
         if ctx.loaders.val is not None:

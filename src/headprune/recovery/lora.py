@@ -28,7 +28,7 @@ from torch import nn
 from headprune.heads.adapters import PROJECTION_TYPES, get_adapter, stores_in_out
 from headprune.recovery.base import RecoveryContext
 from headprune.recovery.distill import Distilling
-from headprune.recovery.training_steps import trainable
+from headprune.recovery.trainable import trainable
 
 log = logging.getLogger(__name__)
 

@@ -24,15 +24,19 @@ same shape, for timing).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from headprune.costs.tables import LayerCosts
+from headprune.engine.step_fit import FitPlan
+from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.mask import HeadMask
 from headprune.recovery import Recovery, make_recovery
 from headprune.recovery.base import AFTER_RECOVERY, RecoveryContext
@@ -42,6 +46,7 @@ from headprune.selection.rounds import prune_round
 from headprune.tasks import evaluate
 
 log = logging.getLogger(__name__)
+RECOVERY_DIR = "recovery"  # <run dir>/recovery/last.ckpt: the newest checkpoint of a recovery's step budget
 
 
 @dataclass
@@ -107,6 +112,10 @@ class Pruner:
         self.stop_reason: str | None = None
         self.sensitivity: list[float] | None = None
         self.last_good: torch.Tensor | None = None
+        # where a recovery's step budget trains (the run's runtime, loggers; checkpoints in
+        # <run dir>/recovery when the run has a folder); set by the driving code
+        self.fit_plan = FitPlan()
+        self._resume_from: Path | None = None  # a step-fit checkpoint the current round continues from
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -149,10 +158,42 @@ class Pruner:
         if self.costs is None and not self.budget.counts_heads:
             self._measure_costs()
 
-    def context(self, loaders: Loaders) -> RecoveryContext:
-        """What the recovery sees of this run."""
+    def context(self, loaders: Loaders, record: dict | None = None) -> RecoveryContext:
+        """What the recovery sees of this run; during round `record` a step budget's fit checkpoints
+        the run's state with it (`run_state`)."""
+        fit = None
+        if record is not None:
+            output = self.results.output_dir
+            fit = dataclasses.replace(self.fit_plan, seed=record["round"], resume_from=self._resume_from,
+                                      run_state=lambda: self.run_state(record),
+                                      checkpoint_dir=self.fit_plan.checkpoint_dir or (
+                                          output / RECOVERY_DIR if output is not None else None))
         return RecoveryContext(self.model, self.mask, loaders, dense=self.dense, run_dir=self.results.output_dir,
-                               writer=self.results.writer, max_batches=self.max_batches)
+                               writer=self.results.writer, max_batches=self.max_batches, fit=fit)
+
+    def run_state(self, record: dict) -> dict:
+        """What a recovery checkpoint taken during round `record` holds besides the weights, so a
+        killed run continues there (`resume_in_round`): the run's state, the round's record so far,
+        the mask and the physical head layout."""
+        return {"pruner": self.state_dict(), "record": record, "mask": self.mask.mask.detach().cpu().clone(),
+                "layout": head_layout(self.model) if getattr(self.model, LAYOUT_ATTR, None) is not None else None}
+
+    def resume_in_round(self, state: dict, checkpoint: Path, loaders: Loaders) -> dict:
+        """Continue a run killed during a recovery's step budget from that fit's checkpoint (`state`
+        is its `run_state`): the model as loaded is the unpruned model (a run that trains no epoch
+        starts from it), so the dense copy, the costs and the recovery's setup are made as round 1
+        made them; then the checkpoint's layout and mask, and the round's recovery continues at the
+        checkpoint's step (the stages it finished are not run again). Returns the round's record."""
+        from headprune.heads.surgery import apply_layout
+
+        self.load_state_dict(state["pruner"])
+        self._start(loaders)
+        if state["layout"] is not None:
+            apply_layout(self.model, state["layout"])
+        self.mask.mask.copy_(state["mask"].to(self.mask.mask.device))
+        self._resume_from = Path(checkpoint)
+        log.info("resuming round %d's recovery from %s", state["record"]["round"], checkpoint)
+        return self._recover(len(self.rounds), loaders, state["record"])
 
     def stop(self, reason: str) -> None:
         """End the run after the current round (e.g. a non-finite training loss): `final` says why."""
@@ -204,13 +245,14 @@ class Pruner:
             self.step(len(self.rounds), made, sync=sync)
         return self.stop_reason is not None
 
-    def run(self, loaders: Loaders, finetune: Callable[[nn.Module, int], None] | None = None) -> dict:
+    def run(self, loaders: Loaders, finetune: Callable[[nn.Module, int], None] | None = None,
+            sync: Callable[[Any], Any] | None = None) -> dict:
         """The whole run with no Trainer: `advance` at each round's epoch, `finetune(model, k)` in
         between when the schedule fine-tunes after round k (use `loss(batch)` inside it for the
         recovery's training loss; without it nothing trains), then `finish`. Baseline epochs are
         the caller's: the run starts where round 1 prunes."""
         epoch = self.schedule.round_epoch(len(self.rounds))
-        while not self.advance(epoch, loaders) and self.awaiting_finetune:
+        while not self.advance(epoch, loaders, sync=sync) and self.awaiting_finetune:
             k = len(self.rounds) - 1
             if finetune is not None:
                 finetune(self.model, k)
@@ -247,8 +289,14 @@ class Pruner:
         if result.sensitivity is not None:
             self._record_sensitivity(result.sensitivity)
         self.observer.pruned(result)
-        record = result.record()
-        self.recovery.after_round(self.context(loaders), record)
+        return self._recover(k, loaders, result.record())
+
+    def _recover(self, k: int, loaders: Loaders, record: dict) -> dict:
+        """Round k's recovery and its record (the second half of `step`)."""
+        try:
+            self.recovery.after_round(self.context(loaders, record), record)
+        finally:
+            self._resume_from = None
         self.rounds.append(record)
         self.awaiting_finetune = self.schedule.epochs_per_round > 0
         if not self.awaiting_finetune:  # nothing trains before the next round: this is its result
