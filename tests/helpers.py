@@ -55,14 +55,47 @@ FAMILIES = {  # name -> (config, task)
     "qwen2": (lambda: tf.Qwen2Config(**GQA), "lm"),  # Q/K/V biases
 }
 DECODERS = [name for name, (_, task) in FAMILIES.items() if task == "lm"]
+# The families added since (issue 39), each with what sets it apart switched on. Every check the
+# parametrized tests above make runs once per family in tests/test_families.py (one build per
+# attention implementation: headprune.deploy.coverage.check_model), to keep the suite quick.
+HD = dict(GQA, head_dim=16)  # head_dim apart from hidden / heads (64-wide attention, hidden 32)
+MORE_FAMILIES = {  # name -> (config, task); task "image": an image classifier of 32 x 32 pixels
+    "qwen3": (lambda: tf.Qwen3Config(**HD), "lm"),  # per-head q_norm / k_norm
+    "qwen3_moe": (lambda: tf.Qwen3MoeConfig(**HD, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "lm"),
+    "gemma2": (lambda: tf.Gemma2Config(**HD, query_pre_attn_scalar=12, sliding_window=4, attn_logit_softcapping=5.0,
+                                       final_logit_softcapping=3.0), "lm"),  # sliding layers, soft-capping
+    "gemma3_text": (lambda: tf.Gemma3TextConfig(**HD, query_pre_attn_scalar=12, sliding_window=4,
+                                                sliding_window_pattern=2), "lm"),
+    "mixtral": (lambda: tf.MixtralConfig(**GQA, num_local_experts=4, num_experts_per_tok=2), "lm"),
+    "smollm3": (lambda: tf.SmolLM3Config(**GQA, no_rope_layer_interval=2, pad_token_id=0), "lm"),  # layers without rotary
+    "granite": (lambda: tf.GraniteConfig(**GQA, attention_multiplier=0.3, embedding_multiplier=2.0,
+                                         residual_multiplier=0.5, logits_scaling=2.0), "lm"),
+    "phi3": (lambda: tf.Phi3Config(**GQA, pad_token_id=0, bos_token_id=1, eos_token_id=2), "lm"),  # fused qkv_proj
+    "olmo2": (lambda: tf.Olmo2Config(**GQA, pad_token_id=0, bos_token_id=1, eos_token_id=2), "lm"),  # whole-projection norms
+    "gpt_neox": (lambda: tf.GPTNeoXConfig(**SMALL, bos_token_id=1, eos_token_id=2), "lm"),  # per-head fused, partial rotary
+    "vit": (lambda: tf.ViTConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3, intermediate_size=64,
+                                 image_size=32, patch_size=8, num_labels=2), "image"),
+    "deit": (lambda: tf.DeiTConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3,
+                                   intermediate_size=64, image_size=32, patch_size=8, num_labels=2,
+                                   architectures=["DeiTForImageClassification"]), "image"),  # auto names two classes
+    "dinov2": (lambda: tf.Dinov2Config(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3,
+                                       image_size=32, patch_size=8, num_labels=2), "image"),
+    "siglip": (lambda: tf.SiglipConfig(vision_config=dict(hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                                          num_hidden_layers=3, intermediate_size=64, image_size=32,
+                                                          patch_size=8), num_labels=2), "image"),
+    "clip": (lambda: tf.CLIPConfig(vision_config=dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3,
+                                                      intermediate_size=64, image_size=32, patch_size=8),
+                                   num_labels=2), "image"),
+}
 # Layer 0 loses every head (also the cache layer models read lengths from); layer 1 one head
 # (for GQA: an uneven group, so its KV head stays); layer 2 two heads (for GQA: a whole group).
 PRUNE = {0: [0, 1, 2, 3], 1: [1], 2: [2, 3]}
 
 
 def tiny(family: str, attn: str = "sdpa", seed: int = 0):
-    make_config, task = FAMILIES[family]
-    auto = tf.AutoModelForSequenceClassification if task == "cls" else tf.AutoModelForCausalLM
+    make_config, task = FAMILIES[family] if family in FAMILIES else MORE_FAMILIES[family]
+    auto = {"cls": tf.AutoModelForSequenceClassification, "lm": tf.AutoModelForCausalLM,
+            "image": tf.AutoModelForImageClassification}[task]
     torch.manual_seed(seed)
     return auto.from_config(make_config(), attn_implementation=attn).eval()
 

@@ -153,9 +153,10 @@ def test_bad_requests_name_the_value_and_the_range():
 
 
 def test_unsupported_architecture_says_how_to_add_one():
-    model = tf.AutoModelForCausalLM.from_config(tf.GPTNeoXConfig(
-        vocab_size=V, hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=1, intermediate_size=64))
-    with pytest.raises(NotImplementedError, match=r"gpt_neox.*bert.*gpt2.*llama.*docs/adding_an_architecture.md"):
+    model = tf.AutoModelForCausalLM.from_config(tf.CodeGenConfig(
+        vocab_size=V, n_embd=HIDDEN, n_head=HEADS, n_layer=1, n_positions=64, rotary_dim=4, bos_token_id=1, eos_token_id=2))
+    with pytest.raises(NotImplementedError, match=r"codegen.*CodeGenAttention.*\['out_proj', 'qkv_proj'\].*"
+                                                  r"bert.*gpt2.*llama.*docs/adding_an_architecture.md"):
         prune_heads(model, {0: [0]})
 
 

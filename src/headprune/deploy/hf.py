@@ -182,6 +182,9 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
             check_layout_shapes(self, shapes, directory / LAYOUT_FILE)
 
     Pruned.__name__ = Pruned.__qualname__ = cls.__name__
+    # transformers renames legacy checkpoint keys (GPT-NeoX's embed_out -> lm_head) only for its own
+    # classes (`is_custom_code` reads the module): without this the renamed weights would not load
+    Pruned.__module__ = cls.__module__
     model = Pruned.from_pretrained(directory, **from_pretrained_kwargs)
     model.__class__ = cls
     return model.to(device) if device is not None else model

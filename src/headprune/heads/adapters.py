@@ -100,12 +100,18 @@ class ArchAdapter:
     """Describes one architecture family.
 
     `layers_path` is the dotted path from the *base* model (`model.base_model`) to the list
-    of transformer blocks; `attn_path` leads from a block to the module that owns the head
+    of transformer blocks (a tuple: the paths tried in order, the first the model has: a vision
+    tower sits at `vision_model.encoder.layers` in CLIP's classifier, at `encoder.layers` in
+    its vision model); `attn_path` leads from a block to the module that owns the head
     attributes; `q`, `k`, `v`, `o` name the projections inside that module (`o` may be a
     dotted path, as in BERT where the output projection sits beside the attention).
     When `q`, `k` and `v` name one module, its outputs are the fused [q | k | v] (GPT-2).
 
     Only Linear and GPT-2's Conv1D projections are supported.
+
+    `qkv_layout` (fused projections only): "concat" when the outputs are [all q | all k | all v]
+    (GPT-2's `c_attn`, Phi-3's `qkv_proj`), "per_head" when they are [q_h | k_h | v_h] head after
+    head (GPT-NeoX's `query_key_value`, viewed (B, T, H, 3 * D)).
 
     `config_head_dim`: the family's config carries `head_dim` apart from the hidden size, so a
     model that keeps the same numbers of query and KV heads in every layer is a plain model of
@@ -114,13 +120,25 @@ class ArchAdapter:
     For physical removal (`surgery.py`): `core` leads from the attention module to the module
     that computes the heads' context (and owns the attributes its forward reads); "" means the
     attention module itself. `size_attrs` lists those attributes as (name, quantity) with
-    quantity one of "heads" (query heads kept), "width" (heads * head_dim) or "groups" (query
-    heads per KV head, i.e. `num_key_value_groups`).
+    quantity one of "heads" (query heads the kernel computes: the kept ones, plus zero queries
+    padded into a KV group partly kept), "width" (heads * head_dim), "groups" (query heads per KV
+    head, i.e. `num_key_value_groups`) or "kv_heads" (KV heads kept). `config_attrs` lists, the
+    same way, head counts the forward reads from `self.config` (Phi-3 splits its fused output at
+    `config.num_attention_heads * head_dim`): the core then gets its own view of the config
+    (`LayerConfig`) answering those for its layer and everything else from the model's config.
+
+    `projection_norms` names the core's (q norm, k norm) when they are RMSNorms over the WHOLE
+    query / key projection (OLMo 2's `q_norm` over heads * head_dim), not over each head: the RMS
+    a kept head is divided by reads every head's features, so removing heads keeps the Q and K
+    projections whole (the statistic still sees every head) and hands only the kept heads'
+    features to attention and the KV cache. Exact, at a cost: the Q and K projections' parameters
+    and FLOPs do not shrink (V, O, the attention itself and the KV cache do). Per-head norms (over
+    head_dim, Qwen3's and Gemma 3's) need nothing: slicing heads leaves them alone.
     """
 
     name: str
     model_types: tuple[str, ...]
-    layers_path: str
+    layers_path: str | tuple[str, ...]
     attn_path: str
     q: str
     k: str
@@ -131,9 +149,31 @@ class ArchAdapter:
     core: str = ""
     size_attrs: tuple[tuple[str, str], ...] = ()
     config_head_dim: bool = False  # the config's head_dim is its own field, so fewer heads fit a plain config
+    qkv_layout: str = "concat"  # a fused projection's outputs: [all q | all k | all v], or "per_head" [q_h k_h v_h]...
+    config_attrs: tuple[tuple[str, str], ...] = ()  # head counts the core's forward reads from self.config
+    projection_norms: tuple[str, str] | None = None  # (q norm, k norm) over the whole projection (OLMo 2)
+    sub_config: str = ""  # the sub-config holding the head counts (CLIP's vision_config), "" for the config itself
+
+    def config_of(self, config):
+        """The (sub-)config the head counts are read from: `config.<sub_config>` where it has one."""
+        return getattr(config, self.sub_config, config) if self.sub_config else config
+
+    def __post_init__(self):
+        if self.qkv_layout not in ("concat", "per_head"):
+            raise ValueError(f"ArchAdapter {self.name!r}: qkv_layout={self.qkv_layout!r}; allowed: 'concat', 'per_head'")
+        quantities = ("heads", "width", "groups", "kv_heads")
+        for name, quantity in (*self.size_attrs, *self.config_attrs):
+            if quantity not in quantities:
+                raise ValueError(f"ArchAdapter {self.name!r}: {name} has quantity {quantity!r}; allowed: {quantities}")
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
-        return list(model.base_model.get_submodule(self.layers_path))
+        paths = (self.layers_path,) if isinstance(self.layers_path, str) else self.layers_path
+        for path in paths[:-1]:
+            try:
+                return list(model.base_model.get_submodule(path))
+            except AttributeError:
+                continue
+        return list(model.base_model.get_submodule(paths[-1]))
 
     def attention(self, block: nn.Module) -> nn.Module:
         return block.get_submodule(self.attn_path)
@@ -142,15 +182,16 @@ class ArchAdapter:
         return self.attention(block).get_submodule(self.o)
 
     def num_heads(self, config) -> int:
-        return int(getattr(config, self.heads_attr))
+        return int(getattr(self.config_of(config), self.heads_attr))
 
     def num_kv_heads(self, config) -> int:
         if self.kv_heads_attr is None:
             return self.num_heads(config)
-        value = getattr(config, self.kv_heads_attr, None)
+        value = getattr(self.config_of(config), self.kv_heads_attr, None)
         return int(value) if value is not None else self.num_heads(config)
 
     def head_dim(self, config) -> int:
+        config = self.config_of(config)
         explicit = getattr(config, "head_dim", None)
         if explicit:
             return int(explicit)
@@ -191,13 +232,19 @@ class ArchAdapter:
         d = self.head_dim(model.config)
         kv_kept = list(self.kv_groups(model.config, kept))  # KV heads the layer holds, in order
         q, k, v, o = (attn.get_submodule(path) for path in (self.q, self.k, self.v, self.o))
+        if self.fused_qkv and self.qkv_layout == "per_head":  # [q_h | k_h | v_h] per head (no GQA)
+            return {head: {part: Rows(q, True, (3 * pos + i) * d, (3 * pos + i + 1) * d)
+                           for i, part in enumerate(("q", "k", "v"))} | {"o": Rows(o, False, pos * d, (pos + 1) * d)}
+                    for pos, head in enumerate(kept)}
         k_offset = len(kept) * d if self.fused_qkv else 0
         v_offset = k_offset + len(kv_kept) * d if self.fused_qkv else 0
         rows = {}
         for pos, head in enumerate(kept):
             kv = kv_kept.index(self.kv_head(model.config, head))
-            rows[head] = {"q": Rows(q, True, pos * d, (pos + 1) * d),
-                          "k": Rows(k, True, k_offset + kv * d, k_offset + (kv + 1) * d),
+            # whole-projection norms (OLMo 2): Q and K keep every head's rows, at the original positions
+            q_at, k_at = (head, self.kv_head(model.config, head)) if self.projection_norms else (pos, kv)
+            rows[head] = {"q": Rows(q, True, q_at * d, (q_at + 1) * d),
+                          "k": Rows(k, True, k_offset + k_at * d, k_offset + (k_at + 1) * d),
                           "v": Rows(v, True, v_offset + kv * d, v_offset + (kv + 1) * d),
                           "o": Rows(o, False, pos * d, (pos + 1) * d)}
         return rows
@@ -242,24 +289,109 @@ register_adapter(ArchAdapter(
     q="c_attn", k="c_attn", v="c_attn", o="c_proj", heads_attr="n_head",
     size_attrs=(("num_heads", "heads"), ("split_size", "width")),
 ))
+# The Llama layout: blocks `model.layers`, attention `self_attn` with separate q_proj / k_proj / v_proj /
+# o_proj Linears, a forward that reshapes with -1 heads and reads only `num_key_value_groups`. Every
+# model type listed here passes the coverage check (mask == removal == reload, generate; see
+# headprune.heads.coverage and docs/coverage.md): their differences (per-head q_norm / k_norm over
+# head_dim, head_dim apart from hidden / heads, query_pre_attn_scalar, soft-capping, sliding-window
+# or rotary-less layers, multipliers, MoE feed-forwards) are all outside the heads' slices.
+LLAMA_LAYOUT_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "mixtral", "smollm3", "granite",
+    # decoders found by `python -m headprune.deploy.coverage --probe` (transformers 5.24)
+    "apertus", "apertus1p5_text", "arcee", "aria_text", "cohere", "cohere2", "cohere2_moe", "cwm", "dots1",
+    "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "gemma", "glm", "glm4", "glm4_moe", "granitemoe",
+    "granitemoeshared", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder",
+    "jais2", "kolibri1", "mellum", "minimax_m3_vl_text", "ministral", "ministral3", "nanochat", "nemotron", "olmo",
+    "phimoe", "qwen2_moe", "sarvam_moe", "seed_oss", "solar_open", "starcoder2", "vaultgemma",
+    # encoders with the same layout (bidirectional attention)
+    "eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "ultrabert",
+)
 register_adapter(ArchAdapter(
-    name="llama", model_types=("llama", "mistral", "qwen2"), layers_path="layers",
+    name="llama", model_types=LLAMA_LAYOUT_TYPES, layers_path="layers",
     attn_path="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
     kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),), config_head_dim=True,
 ))
+# The same layout where a config with fewer heads is not the pruned model (Helium's config derives
+# what its head_dim field says otherwise): uniform layouts too are saved with their layout file.
+register_adapter(ArchAdapter(
+    name="llama_layout_file", model_types=("helium",), layers_path="layers",
+    attn_path="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
+    kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),),
+))
+# Phi-3 / Phi-4-mini: one fused qkv_proj [all q | all k | all v]; the forward splits it at
+# config.num_attention_heads * head_dim and reads num_key_value_heads from the module.
+register_adapter(ArchAdapter(
+    name="phi3", model_types=("phi3",), layers_path="layers", attn_path="self_attn",
+    q="qkv_proj", k="qkv_proj", v="qkv_proj", o="o_proj", kv_heads_attr="num_key_value_heads",
+    size_attrs=(("num_key_value_groups", "groups"), ("num_key_value_heads", "kv_heads")),
+    config_attrs=(("num_attention_heads", "heads"),), config_head_dim=True,
+))
+# OLMo 2: the Llama layout, but q_norm / k_norm are RMSNorms over the whole projection.
+register_adapter(ArchAdapter(
+    name="olmo2", model_types=("olmo2", "olmo3", "olmoe", "flex_olmo", "minimax_m2"), layers_path="layers",
+    attn_path="self_attn",
+    q="q_proj", k="k_proj", v="v_proj", o="o_proj", kv_heads_attr="num_key_value_heads",
+    size_attrs=(("num_key_value_groups", "groups"),), projection_norms=("q_norm", "k_norm"),
+))
+# GPT-NeoX / Pythia: fused query_key_value viewed (B, T, H, 3 * D), i.e. [q_h | k_h | v_h] per head.
+register_adapter(ArchAdapter(
+    name="gpt_neox", model_types=("gpt_neox",), layers_path="layers", attn_path="attention",
+    q="query_key_value", k="query_key_value", v="query_key_value", o="dense", qkv_layout="per_head",
+))
+
+
+# Vision encoders (transformers 5 gives ViT, DeiT and DINOv2 the q_proj..o_proj layout too).
+register_adapter(ArchAdapter(
+    name="vit", model_types=("vit", "deit", "dinov2"), layers_path=("layers", "encoder.layers", "encoder.layer"),
+    attn_path="attention", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
+    size_attrs=(("num_attention_heads", "heads"),),
+))
+# SigLIP / CLIP vision towers (their image classifiers and vision models; a two-tower model's vision
+# tower: the text tower is not pruned).
+register_adapter(ArchAdapter(
+    name="clip_vision", model_types=("clip", "clip_vision_model", "siglip", "siglip_vision_model"),
+    layers_path=("vision_model.encoder.layers", "encoder.layers"), attn_path="self_attn",
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj", size_attrs=(("num_heads", "heads"),), sub_config="vision_config",
+))
+
+
+# Model types checked and refused, with what stands in the way (the coverage table lists them too).
+REFUSED: dict[str, str] = {}
 
 
 def get_adapter(model: nn.Module) -> ArchAdapter:
-    """The adapter for `model`'s family, or an error listing the supported families."""
+    """The adapter for `model`'s family, or an error saying what is missing for this one (what its
+    attention looks like) and listing the supported families."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in ADAPTERS:
         supported = ", ".join(sorted(ADAPTERS))
         raise NotImplementedError(
-            f"headprune has no head adapter for model_type={model_type!r}. Supported model types: "
+            f"headprune has no head adapter for model_type={model_type!r}: {missing(model)}. Supported model types: "
             f"{supported}. To add one, register an ArchAdapter naming the block list and the Q/K/V/O "
             "projections (see docs/adding_an_architecture.md)."
         )
     return ADAPTERS[model_type]
+
+
+def missing(model: nn.Module) -> str:
+    """What stands between `model` and an adapter, in a phrase: the known reason for a refused type,
+    else what its first attention module holds."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in REFUSED:
+        return REFUSED[model_type]
+    found = next(((name, module) for name, module in model.named_modules()
+                  if name and type(module).__name__.lower().endswith(("attention", "attn"))), None)
+    if found is None:
+        return "no module of it is an attention (its class name ending in Attention): no heads to prune"
+    name, attn = found
+    linears = [n for n, m in attn.named_children() if isinstance(m, PROJECTION_TYPES)]
+    where = f"its attention `{name}` ({type(attn).__name__})"
+    if {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(linears):
+        return (f"{where} has Llama's q_proj / k_proj / v_proj / o_proj, but this type has not been checked with "
+                f"that layout: `python -m headprune.deploy.coverage --only {model_type} --probe` checks it, and "
+                "LLAMA_LAYOUT_TYPES in headprune/heads/adapters.py lists the types that pass")
+    return (f"{where} has projections {linears or 'none'}: no adapter says which of their rows and columns belong "
+            "to each head")
 
 
 def head_layout(model: nn.Module) -> list[list[int]]:

@@ -34,7 +34,7 @@ class HeadlessAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
         batch, tokens = hidden_states.shape[:2]
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = next((kwargs[k] for k in ("cache", "past_key_values", "layer_past") if kwargs.get(k) is not None), None)
         if cache is not None and self.layer_idx is not None:
             empty = hidden_states.new_zeros(batch, 0, tokens, self.head_dim)  # (B, 0, T, D)
             _advance(cache, self.layer_idx, empty)

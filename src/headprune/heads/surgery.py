@@ -191,15 +191,19 @@ def integer_id(value, what: str) -> int:
 def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list[int],
                  sliced: list[Sliced] | None = None) -> None:
     """Slice one layer down to heads `after` (sorted original ids): every projection keeps the
-    features that the adapter's `head_rows` give the kept heads."""
+    features that the adapter's `head_rows` give the kept heads (but Q and K under
+    whole-projection norms, which keep every row: `ArchAdapter.projection_norms`)."""
     d = adapter.head_dim(model.config)
     block = adapter.blocks(model)[layer]
     attn = adapter.attention(block)
     core = attn.get_submodule(adapter.core) if adapter.core else attn
     q, o = attn.get_submodule(adapter.q), attn.get_submodule(adapter.o)
+    whole = {id(attn.get_submodule(adapter.q)), id(attn.get_submodule(adapter.k))} if adapter.projection_norms else set()
     keep: dict[tuple[int, bool], tuple[nn.Module, bool, set[int]]] = {}
     for head, parts in adapter.head_rows(model, layer).items():  # in the current layout
         for r in parts.values():  # every projection gets an entry, even one that keeps nothing
+            if r.outputs and id(r.module) in whole:
+                continue
             kept = keep.setdefault((id(r.module), r.outputs), (r.module, r.outputs, set()))[2]
             if head in after:
                 kept.update(r.index)
@@ -210,18 +214,66 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
     groups = adapter.kv_groups(model.config, after)
     kv_after, counts = list(groups), [len(heads) for heads in groups.values()]
     per_group = max(counts, default=0)
-    sizes = {"heads": len(after), "width": len(after) * d, "groups": per_group}
+    slots = len(kv_after) * per_group  # query heads the kernel computes (zeros padded into partial groups)
+    sizes = {"heads": slots, "width": slots * d, "groups": per_group, "kv_heads": len(kv_after)}
     for name, quantity in adapter.size_attrs:
         setattr(core, name, sizes[quantity])
+    if adapter.config_attrs:
+        base = core.config.base if isinstance(core.config, LayerConfig) else core.config
+        core.config = LayerConfig(base, {name: sizes[quantity] for name, quantity in adapter.config_attrs})
 
     for handle in getattr(core, "_headprune_hooks", []):
         handle.remove()
     core._headprune_hooks = []
+    queries = q  # the module whose output holds the kept heads' queries (first, side by side)
+    if adapter.projection_norms and after:
+        q_norm, k_norm = (attn.get_submodule(path) for path in adapter.projection_norms)
+        q_rows = [h * d + j for h in after for j in range(d)]
+        k_rows = [g * d + j for g in kv_after for j in range(d)]
+        core._headprune_hooks += [_select_features(q_norm, q_rows), _select_features(k_norm, k_rows)]
+        queries = q_norm
     if not after:
         _make_headless(adapter, block, core, d, getattr(core, "layer_idx", layer))
-    elif len(after) != len(kv_after) * per_group:
-        slots = [i * per_group + t for i, c in enumerate(counts) for t in range(c)]
-        core._headprune_hooks = _pad_queries(q, o, slots, len(kv_after) * per_group, d)
+    elif len(after) != slots:
+        at = [i * per_group + t for i, c in enumerate(counts) for t in range(c)]
+        core._headprune_hooks += _pad_queries(queries, o, at, slots, d)
+
+
+class LayerConfig:
+    """One layer's view of the model's config: the head counts in `overrides` (the layer's own,
+    after pruning) are answered here, every other attribute is the model's config's (read live,
+    so e.g. a later `set_attn_implementation` reaches the layer). For attention forwards that read
+    head counts from `self.config` (`ArchAdapter.config_attrs`)."""
+
+    def __init__(self, base, overrides: dict):
+        self.__dict__.update(base=base, overrides=dict(overrides))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("base", "overrides"):
+            raise AttributeError(name)
+        if name in self.overrides:
+            return self.overrides[name]
+        return getattr(self.base, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in self.overrides:
+            self.overrides[name] = value
+        else:
+            setattr(self.base, name, value)
+
+    def __repr__(self) -> str:
+        return f"LayerConfig({self.overrides}, base={type(self.base).__name__})"
+
+
+def _select_features(norm: nn.Module, rows: list[int]):
+    """A hook keeping only output features `rows` of a whole-projection norm (OLMo 2's q_norm /
+    k_norm): the norm's statistic has read every head, attention gets the kept heads."""
+    index = torch.tensor(rows, dtype=torch.long, device="cpu")  # not meta, even inside from_pretrained
+
+    def select(module, args, out):
+        return out.index_select(-1, index.to(out.device))
+
+    return norm.register_forward_hook(select)
 
 
 def _make_headless(adapter: ArchAdapter, block: nn.Module, core: nn.Module, head_dim: int, layer_idx: int) -> None:
@@ -256,13 +308,16 @@ def _keep(module: nn.Module, index: torch.Tensor, outputs: bool, sliced: list[Sl
 
 def _pad_queries(q: nn.Module, o: nn.Module, slots: list[int], n_slots: int, head_dim: int) -> list:
     """Hooks giving the kernel `n_slots` query heads (kept heads at `slots`, zeros elsewhere)
-    and handing only the kept heads' contexts to the output projection."""
+    and handing only the kept heads' contexts to the output projection. `q`'s output starts with
+    the kept heads' queries; whatever follows them (a fused projection's K and V) passes unchanged."""
     index = torch.tensor(slots, dtype=torch.long, device="cpu")  # not meta, even inside from_pretrained
+    width = len(slots) * head_dim
 
     def spread(module, args, out):
-        heads = out.unflatten(-1, (-1, head_dim))  # (B, T, h, D)
+        heads = out[..., :width].unflatten(-1, (-1, head_dim))  # (B, T, h, D)
         padded = heads.new_zeros(*heads.shape[:-2], n_slots, head_dim)  # (B, T, S, D)
-        return padded.index_copy(-2, index.to(out.device), heads).flatten(-2)
+        padded = padded.index_copy(-2, index.to(out.device), heads).flatten(-2)  # (B, T, S*D)
+        return padded if out.shape[-1] == width else torch.cat([padded, out[..., width:]], dim=-1)
 
     def gather(module, args):
         slots_ctx = args[0].unflatten(-1, (n_slots, head_dim))  # (B, T, S, D)

@@ -1,0 +1,456 @@
+"""Which transformers model types headprune prunes exactly: the coverage table, generated from
+transformers itself.
+
+For every model type in transformers' auto mappings (causal LM, masked LM, sequence
+classification, image classification, seq2seq LM, speech seq2seq), `tiny_config` builds the
+config class with small sizes (no download), and `check_model_type` records one of
+
+- ``passes``: head masks equal physical removal (uneven heads, a layer left without heads, a whole
+  KV group) under eager attention, and under sdpa where transformers offers it, to 1e-5; the
+  pruned model saved with `save_pruned` reloads with `load_pruned` to the same outputs; a uniform
+  layout of whole KV groups reloads with plain `from_pretrained` where the family's config can say
+  it; greedy `generate()` with the KV cache gives the masked model's tokens (causal LMs);
+- ``refused``: headprune has no adapter for the model type (the reason says what is missing);
+- ``fails``: one of those checks went wrong (the reason says which);
+- ``not built``: the tiny model could not be built from its config class here (not a judgement
+  on headprune).
+
+Run it (about ten minutes on two cores) and render the Markdown table from its JSON:
+
+    python -m headprune.deploy.coverage --out docs/coverage.json --markdown docs/coverage.md
+
+`--only TYPE ...` checks some types; `--probe` also tries the Llama layout (`LLAMA_LAYOUT_TYPES`)
+on unregistered types whose attention has q_proj / k_proj / v_proj / o_proj, to find the ones
+that can join that list.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import json
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MAPPINGS = {  # name in the table -> transformers' mapping
+    "causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked_lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "sequence_classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+    "image_classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "seq2seq_lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "speech_seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+}
+STATUSES = ("passes", "refused", "fails", "not built")
+ATOL = 1e-5
+MAX_PARAMS = 20_000_000  # a "tiny" config still this big is not built (its sizes are not the ones we set)
+VOCAB, TOKENS, BATCH = 128, 9, 2
+
+# Small sizes, by the config fields' usual names (a field the config class lacks is not passed).
+SIZES = {
+    "vocab_size": VOCAB, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "num_hidden_layers": 3, "intermediate_size": 64, "max_position_embeddings": 128,
+    "d_model": 64, "d_ff": 64, "d_kv": 16, "num_heads": 4, "num_layers": 3, "num_decoder_layers": 3,
+    "encoder_layers": 3, "decoder_layers": 3, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+    "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "ffn_dim": 64, "n_inner": 64, "embed_dim": 64,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
+    "image_size": 32, "patch_size": 8, "num_channels": 3, "num_labels": 2,
+    "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
+    "sliding_window": 4, "num_mel_bins": 16, "max_source_positions": 16, "max_target_positions": 32,
+}
+
+
+# -- tiny configs ------------------------------------------------------------------------------------
+def tiny_config(model_type: str):
+    """The config class of `model_type` with the small `SIZES` it has fields for (sub-configs such as
+    `text_config` shrunk the same way)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    return cls(**_tiny_kwargs(cls))
+
+
+def _tiny_kwargs(cls) -> dict:
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    names = {**{k: k for k in fields}, **{k: v for k, v in getattr(cls, "attribute_map", {}).items() if v in fields}}
+    kwargs = {names[k]: v for k, v in SIZES.items() if k in names}
+    for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if name in fields and isinstance(sub, type):
+            kwargs[name] = _tiny_kwargs(sub)
+    return kwargs
+
+
+def model_types() -> dict[str, list[str]]:
+    """{model type: the mappings (`MAPPINGS` names) it appears in, in `MAPPINGS` order}."""
+    from transformers.models.auto import modeling_auto
+
+    out: dict[str, list[str]] = {}
+    for mapping, attr in MAPPINGS.items():
+        for model_type in getattr(modeling_auto, attr):
+            out.setdefault(model_type, []).append(mapping)
+    return dict(sorted(out.items()))
+
+
+# -- the checks ----------------------------------------------------------------------------------------
+class _Timeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: int):
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _Timeout(f"took over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _inputs(model: nn.Module, task: str, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    config = model.config
+    if task == "image_classification":
+        size, channels = getattr(config, "image_size", 32), getattr(config, "num_channels", 3)
+        size = size if isinstance(size, int) else size[0]
+        return {"pixel_values": torch.randn(BATCH, channels, size, size, generator=g)}
+    vocab = getattr(config, "vocab_size", None) or VOCAB
+    ids = torch.randint(3, min(vocab, VOCAB), (BATCH, TOKENS), generator=g)  # (B, T)
+    mask = torch.ones_like(ids)
+    if task in ("causal_lm", "sequence_classification"):
+        mask[0, :2] = 0  # left padding for one row
+    batch = {"input_ids": ids, "attention_mask": mask}
+    if task in ("seq2seq_lm", "speech_seq2seq"):
+        batch["decoder_input_ids"] = ids[:, :4]
+    return batch
+
+
+@torch.no_grad()
+def _outputs(model: nn.Module, batch: dict) -> torch.Tensor:
+    out = model(**batch)
+    return (out.logits if hasattr(out, "logits") else out[0]).float()
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor, atol: float) -> str:
+    """'' when equal to `atol` (NaN where the other is NaN: fully padded positions of some eager
+    kernels), else what differs."""
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    nan_got, nan_want = torch.isnan(got), torch.isnan(want)
+    if not torch.equal(nan_got, nan_want):
+        return "NaN at different positions"
+    if nan_got.all():
+        return "every output is NaN"
+    diff = (got - want).abs()[~nan_got].max().item()
+    return "" if diff <= atol else f"max |diff| {diff:.2e} > {atol:g}"
+
+
+def prune_spec(model: nn.Module) -> dict[int, list[int]]:
+    """The request every check removes: layer 0 loses every head, layer 1 one head (under GQA a
+    partly kept KV group), the last layer its last KV group whole (three layers at least; with
+    fewer, the first of these that fit)."""
+    from headprune.heads.surgery import kv_group_heads
+
+    groups = kv_group_heads(model)
+    n_layers = len(_layers(model))
+    all_heads = [h for g in groups for h in g]
+    spec = {0: all_heads, 1: [all_heads[1] if len(all_heads) > 1 else all_heads[0]], n_layers - 1: groups[-1]}
+    return {layer: heads for layer, heads in spec.items() if layer < n_layers}
+
+
+def _layers(model: nn.Module) -> list:
+    from headprune.heads.adapters import get_adapter
+
+    return get_adapter(model).blocks(model)
+
+
+def _pairs(spec: dict) -> list[tuple[int, int]]:
+    return [(layer, h) for layer, heads in spec.items() for h in heads]
+
+
+def check_model(build, task: str, attn_implementations=("eager", "sdpa"), tmp: Path | None = None) -> dict:
+    """Run every check on the models `build(attn_implementation)` returns (same weights each call,
+    eval mode). Returns {"status", "reason", "adapter", "checks": {name: result}}: each result is
+    "passes", "fails: ...", or why it does not apply. The first failure ends the checks."""
+    from headprune.deploy.hf import load_pruned, save_pruned
+    from headprune.heads.adapters import get_adapter
+    from headprune.heads.mask import HeadMask
+    from headprune.heads.surgery import kv_group_heads, prune_heads
+
+    checks: dict[str, str] = {}
+    result = {"status": "passes", "reason": "", "adapter": None, "checks": checks}
+
+    def fail(name: str, why: str) -> dict:
+        checks[name] = f"fails: {why}"
+        result.update(status="fails", reason=f"{name}: {why}")
+        return result
+
+    model = build("eager")
+    try:
+        adapter = get_adapter(model)
+    except NotImplementedError as err:
+        result.update(status="refused", reason=str(err).split(" Supported model types:")[0])
+        return result
+    result["adapter"] = adapter.name
+    spec = prune_spec(model)
+    generates = task == "causal_lm" and hasattr(model, "generate")
+    batch = _inputs(model, task)
+    pruned_eager = None
+    for attn in attn_implementations:
+        try:
+            model = build(attn) if attn != "eager" or pruned_eager is not None else model
+        except (ValueError, ImportError) as err:
+            checks[attn] = f"not offered by transformers ({str(err).splitlines()[0][:80]})"
+            continue
+        masked = copy.deepcopy(model)
+        HeadMask.for_model(masked).prune(_pairs(spec))
+        try:
+            prune_heads(model, spec)
+            why = _compare(_outputs(model, batch), _outputs(masked, batch), ATOL)
+        except Exception as err:  # noqa: BLE001 - recorded in the table
+            return fail(attn, f"{type(err).__name__}: {err}".splitlines()[0][:200])
+        if why:
+            return fail(attn, f"removal != mask ({why})")
+        checks[attn] = "passes"
+        if generates:
+            try:
+                kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+                small = {k: v for k, v in batch.items()}
+                same = torch.equal(model.generate(**small, **kwargs), masked.generate(**small, **kwargs))
+            except Exception as err:  # noqa: BLE001
+                return fail(f"generate ({attn})", f"{type(err).__name__}: {err}".splitlines()[0][:200])
+            if not same:
+                return fail(f"generate ({attn})", "tokens differ from the masked model's")
+            checks[f"generate ({attn})"] = "passes"
+        if attn == "eager":
+            pruned_eager = model
+    if pruned_eager is None:
+        return fail("eager", "no attention implementation could be built")
+
+    with tempfile.TemporaryDirectory(dir=tmp) as folder:
+        try:
+            save_pruned(pruned_eager, Path(folder) / "uneven")
+            loaded = load_pruned(Path(folder) / "uneven", attn_implementation="eager").eval()
+            why = _compare(_outputs(loaded, batch), _outputs(pruned_eager, batch), 1e-6)
+        except Exception as err:  # noqa: BLE001
+            return fail("reload", f"{type(err).__name__}: {err}".splitlines()[0][:200])
+        if why:
+            return fail("reload", why)
+        checks["reload"] = "passes"
+
+        uniform = build("eager")
+        groups = kv_group_heads(uniform)
+        if len(groups) < 2:
+            checks["plain"] = "one KV group: no uniform layout keeps heads"
+            return result
+        prune_heads(uniform, {layer: groups[-1] for layer in range(len(adapter.blocks(uniform)))})
+        try:
+            saved = save_pruned(uniform, Path(folder) / "uniform")
+            if not saved.plain_hf:
+                checks["plain"] = f"layout file ({saved.why})"
+                return result
+            plain = type(uniform).from_pretrained(Path(folder) / "uniform", attn_implementation="eager").eval()
+            why = _compare(_outputs(plain, batch), _outputs(uniform, batch), 1e-6)
+        except Exception as err:  # noqa: BLE001
+            return fail("plain", f"{type(err).__name__}: {err}".splitlines()[0][:200])
+        if why:
+            return fail("plain", why)
+        checks["plain"] = "passes"
+    return result
+
+
+def _builder(model_type: str, task: str):
+    """build(attn) for the tiny `model_type` under `task`'s auto class, the same weights each call;
+    or raises (not built)."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    from transformers.models.auto import modeling_auto
+
+    name = getattr(modeling_auto, MAPPINGS[task])[model_type]
+    cls = getattr(transformers, name if isinstance(name, str) else name[0])  # DeiT names two: the first
+    config = tiny_config(model_type)
+    with torch.device("meta"):
+        meta = cls._from_config(config)
+    n = sum(p.numel() for p in meta.parameters())
+    if n > MAX_PARAMS:
+        raise ValueError(f"the tiny config still has {n / 1e6:.0f}M parameters (sizes not shrunk)")
+
+    def build(attn: str):
+        torch.manual_seed(0)
+        return cls._from_config(copy.deepcopy(config), attn_implementation=attn).eval()
+
+    build("eager")
+    return build
+
+
+def check_model_type(model_type: str, mappings: list[str], probe: bool = False, timeout: int = 120) -> dict:
+    """One row of the table: {"model_type", "mappings", "task", "status", "reason", "adapter",
+    "checks", "seconds"}."""
+    from headprune.heads import adapters
+
+    task = mappings[0]
+    row = {"model_type": model_type, "mappings": mappings, "task": task}
+    start = time.perf_counter()
+    probed = False
+    try:
+        with _time_limit(timeout):
+            try:
+                build = _builder(model_type, task)
+            except _Timeout:
+                raise
+            except Exception as err:  # noqa: BLE001 - recorded in the table
+                row.update(status="not built", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200],
+                           adapter=None, checks={})
+                return row
+            if probe and model_type not in adapters.ADAPTERS and _looks_like_llama(build("eager")):
+                adapters.ADAPTERS[model_type] = adapters.ADAPTERS["llama"]
+                probed = True
+            try:
+                row.update(check_model(build, task))
+            except _Timeout:
+                raise
+            except Exception as err:  # noqa: BLE001 - a check that crashed: recorded in the table
+                row.update(status="fails", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200],
+                           adapter=row.get("adapter"), checks=row.get("checks", {}))
+    except _Timeout as err:
+        row.update(status="fails", reason=f"timeout: {err}", adapter=row.get("adapter"), checks=row.get("checks", {}))
+    finally:
+        if probed:
+            del adapters.ADAPTERS[model_type]
+        row["seconds"] = round(time.perf_counter() - start, 2)
+    if probed:
+        row["probed"] = "llama"
+    return row
+
+
+def _looks_like_llama(model: nn.Module) -> bool:
+    layers = getattr(model.base_model, "layers", None)
+    attn = getattr(layers[0], "self_attn", None) if layers is not None and len(layers) else None
+    return attn is not None and all(isinstance(getattr(attn, p, None), nn.Linear)
+                                    for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
+
+
+def run(only: list[str] | None = None, probe: bool = False, timeout: int = 120, log=None) -> dict:
+    """The coverage document: transformers' version, when, and one row per model type."""
+    import transformers
+
+    types = model_types()
+    if only:
+        unknown = sorted(set(only) - set(types))
+        if unknown:
+            raise ValueError(f"not in transformers' mappings: {unknown}")
+        types = {t: types[t] for t in only}
+    rows = []
+    for model_type, mappings in types.items():
+        row = check_model_type(model_type, mappings, probe=probe, timeout=timeout)
+        rows.append(row)
+        if log:
+            log(f"{model_type:32s} {row['status']:10s} {row['seconds']:6.1f}s {row['reason'][:100]}")
+    return {"transformers_version": transformers.__version__, "torch_version": torch.__version__.split("+")[0],
+            "mappings": {name: attr for name, attr in MAPPINGS.items()}, "atol": ATOL, "rows": rows}
+
+
+# -- the Markdown table ------------------------------------------------------------------------------
+CHECK_COLUMNS = ("eager", "sdpa", "generate (eager)", "generate (sdpa)", "reload", "plain")
+
+
+def _cell(value: str | None) -> str:
+    if value is None:
+        return ""
+    if value == "passes":
+        return "yes"
+    if value.startswith("fails"):
+        return "**no**"
+    if value.startswith("not offered"):
+        return "n/a"
+    if value.startswith("layout file"):
+        return "layout file"
+    return "–"
+
+
+def counts(doc: dict, mapping: str | None = None) -> dict[str, int]:
+    rows = [r for r in doc["rows"] if mapping is None or r["task"] == mapping]
+    return {status: sum(r["status"] == status for r in rows) for status in STATUSES}
+
+
+def render_markdown(doc: dict) -> str:
+    """The table docs/coverage.md shows, from the JSON `run` writes (a test re-renders it)."""
+    lines = [
+        "# Coverage: which transformers model types headprune prunes exactly",
+        "",
+        f"Generated by `python -m headprune.deploy.coverage` from transformers {doc['transformers_version']} "
+        f"(torch {doc['torch_version']}); raw results in `docs/coverage.json`. Each model type of transformers' "
+        "auto mappings is built tiny from its config class (no download) and checked: physical removal equals "
+        f"head masking to {doc['atol']:g} (a layer left without heads, an uneven KV group, a whole KV group; eager "
+        "and sdpa attention), greedy `generate()` with the KV cache equals the masked model's (causal LMs), "
+        "`save_pruned` / `load_pruned` reload equal, and a uniform whole-group layout reloads with plain "
+        "`from_pretrained` where the config can say it (`layout file`: `load_pruned` is needed). A model type is "
+        "listed once, under the first of its mappings in the order below (`task`).",
+        "",
+        "| task | passes | refused | fails | not built |",
+        "|---|---|---|---|---|",
+    ]
+    for mapping in doc["mappings"]:
+        c = counts(doc, mapping)
+        lines.append(f"| {mapping} | {c['passes']} | {c['refused']} | {c['fails']} | {c['not built']} |")
+    c = counts(doc)
+    lines += [f"| all | {c['passes']} | {c['refused']} | {c['fails']} | {c['not built']} |", "",
+              "`n/a`: transformers offers no such attention for the family; `–`: does not apply.", ""]
+    for status in STATUSES:
+        rows = [r for r in doc["rows"] if r["status"] == status]
+        if not rows:
+            continue
+        lines += [f"## {status} ({len(rows)})", ""]
+        if status == "passes":
+            lines += ["| model type | task | adapter | " + " | ".join(CHECK_COLUMNS) + " |",
+                      "|---|---|---|" + "---|" * len(CHECK_COLUMNS)]
+            for r in rows:
+                cells = [_cell(r["checks"].get(name)) for name in CHECK_COLUMNS]
+                lines.append(f"| {r['model_type']} | {r['task']} | {r['adapter']} | " + " | ".join(cells) + " |")
+        else:
+            lines += ["| model type | task | reason |", "|---|---|---|"]
+            for r in rows:
+                reason = r["reason"].replace("|", "\\|").replace("\n", " ")
+                lines.append(f"| {r['model_type']} | {r['task']} | {reason} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m headprune.deploy.coverage", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write the JSON here")
+    parser.add_argument("--markdown", type=Path, help="write the Markdown table here")
+    parser.add_argument("--only", nargs="+", help="check only these model types")
+    parser.add_argument("--probe", action="store_true", help="also try the Llama layout on unregistered look-alikes")
+    parser.add_argument("--timeout", type=int, default=120, help="seconds per model type")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    doc = run(args.only, probe=args.probe, timeout=args.timeout, log=lambda line: print(line, flush=True))
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(render_markdown(doc) + "\n")
+    print(json.dumps(counts(doc)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The families added for issue 39 (tests/helpers.py MORE_FAMILIES): for each, one build per attention
+implementation runs every check the parametrized tests of test_surgery / test_hf make for the
+first families (headprune.deploy.coverage.check_model): removal equals masking to 1e-5 under eager
+and sdpa with a layer left without heads, a partly kept KV group and a whole one; greedy generate()
+with the KV cache equals the masked model's; save_pruned / load_pruned reload equal; a uniform
+whole-group layout reloads with plain from_pretrained where the config can say it. Then what sets
+each family apart: the head rows of fused and whole-norm layouts, the cache that shrinks, Phi-3's
+per-layer config view, OLMo 2's exact norm and what it costs."""
+import copy
+
+import pytest
+import torch
+import transformers as tf
+
+from headprune import HeadMask, count_params, load_pruned, prune_heads, save_pruned
+from headprune.deploy.coverage import check_model
+from headprune.heads.adapters import get_adapter
+from tests.helpers import D, HEADS, HIDDEN, MORE_FAMILIES, PRUNE, inputs, tiny
+
+TASKS = {"lm": "causal_lm", "image": "image_classification"}
+# transformers offers no sdpa kernel for Gemma 2 (soft-capping): eager only
+NO_SDPA = {"gemma2"}
+# the families whose uniform whole-group layout is a plain checkpoint (their config says head_dim)
+PLAIN = {"qwen3", "qwen3_moe", "gemma2", "gemma3_text", "mixtral", "smollm3", "granite", "phi3"}
+
+
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_family_prunes_exactly(family, tmp_path):
+    task = TASKS[MORE_FAMILIES[family][1]]
+    result = check_model(lambda attn: tiny(family, attn), task, tmp=tmp_path)
+    assert result["status"] == "passes", result
+    checks = result["checks"]
+    assert checks["eager"] == "passes"
+    assert checks["sdpa"] == ("passes" if family not in NO_SDPA else checks["sdpa"])
+    if family in NO_SDPA:
+        assert checks["sdpa"].startswith("not offered")
+    if task == "causal_lm":
+        assert checks["generate (eager)"] == "passes"
+        assert family in NO_SDPA or checks["generate (sdpa)"] == "passes"
+    assert checks["reload"] == "passes"
+    if family in PLAIN:
+        assert checks["plain"] == "passes"
+    else:
+        assert checks["plain"].startswith(("layout file", "one KV group")), checks["plain"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "phi3", "olmo2", "gpt_neox"])
+def test_the_kv_cache_keeps_only_the_kept_kv_heads(family):
+    model = prune_heads(tiny(family, "eager"), PRUNE)
+    with torch.no_grad():
+        cache = model(**inputs(batch=2, tokens=5), use_cache=True).cache
+    kv = get_adapter(model).num_kv_heads(model.config)
+    # layer 0: none; layer 1: one head of four gone (GQA: both groups stay); layer 2: one group (or 2 heads) gone
+    assert [layer.keys.shape[1] for layer in cache.layers] == [0, kv if kv < HEADS else 3, kv // 2 if kv < HEADS else 2]
+    assert cache.get_seq_length() == 5
+
+
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_head_rows_cover_each_projection_once(family):
+    """The rows the adapter gives each kept head partition every projection (OLMo 2: Q and K keep
+    every head's rows, and the removed heads' rows belong to no head)."""
+    model = prune_heads(tiny(family, "eager"), {1: [1], 2: [2, 3]})
+    adapter = get_adapter(model)
+    for layer in range(3):
+        covered: dict = {}
+        for parts in adapter.head_rows(model, layer).values():
+            for part, r in parts.items():
+                covered.setdefault((id(r.module), r.outputs), [r.module, r.outputs, set(), set()])
+                covered[(id(r.module), r.outputs)][2].update(r.index)
+                covered[(id(r.module), r.outputs)][3].add(part)
+        for module, outputs, index, parts in covered.values():
+            width = module.weight.shape[0 if outputs else 1]
+            if adapter.projection_norms and outputs and parts in ({"q"}, {"k"}):  # whole: every head's rows
+                assert width == {"q": HEADS, "k": 2}[parts.pop()] * D and index <= set(range(width))
+            else:
+                assert sorted(index) == list(range(width)), (layer, parts, width)
+
+
+def test_gpt_neox_rows_are_per_head_interleaved():
+    model = tiny("gpt_neox", "eager")
+    attn = model.gpt_neox.layers[0].attention
+    rows = get_adapter(model).head_rows(model, 0)
+    d = HIDDEN // HEADS
+    x = torch.randn(1, 2, HIDDEN)
+    fused = attn.query_key_value(x).view(1, 2, HEADS, 3 * d)  # how the forward reads it
+    for head in range(HEADS):
+        for i, part in enumerate(("q", "k", "v")):
+            r = rows[head][part]
+            torch.testing.assert_close(attn.query_key_value(x)[..., r.start:r.stop], fused[..., head, i * d:(i + 1) * d])
+
+
+def test_phi3_layers_see_their_own_head_counts():
+    """Phi-3 splits qkv_proj at config.num_attention_heads * head_dim: each pruned layer reads its
+    own count through a view of the config that follows the model's (attention implementation)."""
+    from headprune.heads.surgery import LayerConfig
+
+    model = prune_heads(tiny("phi3", "eager"), {1: [2, 3], 2: [1]})
+    layers = model.model.layers
+    assert isinstance(layers[1].self_attn.config, LayerConfig) and layers[0].self_attn.config is model.config
+    assert layers[1].self_attn.config.num_attention_heads == 2 and layers[1].self_attn.num_key_value_heads == 1
+    assert layers[2].self_attn.config.num_attention_heads == 4  # 3 kept, padded to 2 groups x 2
+    assert model.config.num_attention_heads == HEADS  # the model's config still describes the original
+    model.set_attn_implementation("sdpa")
+    assert layers[1].self_attn.config._attn_implementation == "sdpa"
+    twin = copy.deepcopy(model)
+    assert twin.model.layers[1].self_attn.config.base is twin.config
+    torch.testing.assert_close(twin(**inputs()).logits, model(**inputs()).logits)
+
+
+def test_olmo2_norm_reads_every_head_and_costs_only_v_and_o():
+    """OLMo 2's q_norm / k_norm divide by the RMS over the whole projection: a kept head's queries
+    depend on the removed heads' rows, so Q and K keep them (exact: equal to masking; slicing them
+    away would change the kept heads). What removal saves is V rows, O columns, attention and cache."""
+    dense = tiny("olmo2", "eager")
+    model = prune_heads(copy.deepcopy(dense), {1: [2, 3]})
+    attn = model.model.layers[1].self_attn
+    assert attn.q_proj.weight.shape == (HEADS * D, HIDDEN) and attn.k_proj.weight.shape == (2 * D, HIDDEN)
+    assert attn.v_proj.weight.shape == (D, HIDDEN) and attn.o_proj.weight.shape == (HIDDEN, 2 * D)
+    saved = count_params(dense)["attention"] - count_params(model)["attention"]
+    assert saved == 2 * D * HIDDEN + D * HIDDEN  # two heads' O columns and one KV head's V rows only
+    masked = copy.deepcopy(dense)
+    HeadMask.for_model(masked).prune([(1, 2), (1, 3)])
+    batch = inputs()
+    torch.testing.assert_close(model(**batch).logits, masked(**batch).logits, atol=1e-5, rtol=0)
+    with torch.no_grad():  # the norm's statistic matters: a norm over the kept heads alone is another model
+        q = attn.q_proj(torch.randn(1, 3, HIDDEN))
+        kept = attn.q_norm.weight[: 2 * D] * q[..., : 2 * D] * torch.rsqrt(q[..., : 2 * D].pow(2).mean(-1, keepdim=True) + 1e-6)
+        assert not torch.allclose(attn.q_norm(q), kept, atol=1e-3)
+
+
+def test_uniform_qwen3_loads_with_plain_transformers(tmp_path):
+    model = prune_heads(tiny("qwen3", "eager"), {layer: [2, 3] for layer in range(3)})
+    saved = save_pruned(model, tmp_path)
+    assert saved.plain_hf, saved.why
+    plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    assert (plain.config.num_attention_heads, plain.config.num_key_value_heads, plain.config.head_dim) == (2, 1, 16)
+    batch = inputs()
+    torch.testing.assert_close(plain(**batch).logits, model(**batch).logits, atol=0, rtol=0)
+    assert load_pruned(tmp_path).config.num_attention_heads == 2
+
+
+def test_a_vision_tower_is_pruned_where_its_model_keeps_it():
+    """CLIP's classifier keeps its vision tower at vision_model.encoder.layers and reads head counts
+    from vision_config; its vision model at encoder.layers."""
+    model = tiny("clip", "eager")
+    adapter = get_adapter(model)
+    assert adapter.blocks(model) == list(model.vision_model.encoder.layers)
+    assert adapter.num_heads(model.config) == HEADS
+    vision = tf.CLIPVisionModel(tf.CLIPVisionConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=2,
+                                                    intermediate_size=64, image_size=32, patch_size=8)).eval()
+    assert get_adapter(vision).blocks(vision) == list(vision.encoder.layers)
+    pixels = torch.randn(1, 3, 32, 32)
+    masked = copy.deepcopy(vision)
+    HeadMask.for_model(masked).prune([(0, 1), (1, 0), (1, 1), (1, 2), (1, 3)])
+    prune_heads(vision, {0: [1], 1: [0, 1, 2, 3]})
+    with torch.no_grad():
+        torch.testing.assert_close(vision(pixel_values=pixels).pooler_output, masked(pixel_values=pixels).pooler_output,
+                                   atol=1e-5, rtol=0)
+
