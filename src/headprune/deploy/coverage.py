@@ -65,6 +65,11 @@ SIZES = {
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
     "sliding_window": 4, "num_mel_bins": 16, "max_source_positions": 16, "max_target_positions": 32,
+    "rotary_dim": 8,
+}
+# What one config class needs besides SIZES to be built with three layers.
+OVERRIDES = {
+    "gpt_neo": {"attention_types": [[["global", "local"], 1], [["global"], 1]]},
 }
 
 
@@ -75,7 +80,7 @@ def tiny_config(model_type: str):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    return cls(**_tiny_kwargs(cls))
+    return cls(**{**_tiny_kwargs(cls), **OVERRIDES.get(model_type, {})})
 
 
 def _tiny_kwargs(cls) -> dict:

@@ -273,7 +273,9 @@ def register_adapter(adapter: ArchAdapter) -> ArchAdapter:
     return adapter
 
 
-_BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie", "xlm_roberta")
+_BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie", "xlm_roberta",
+               "data2vec-text", "roberta-prelayernorm", "megatron-bert", "xlm-roberta-xl", "bert-generation", "roc_bert",
+               "rembert", "roformer")
 register_adapter(ArchAdapter(
     name="bert", model_types=_BERT_TYPES, layers_path="encoder.layer", attn_path="attention",
     q="self.query", k="self.key", v="self.value", o="output.dense",
@@ -340,6 +342,29 @@ register_adapter(ArchAdapter(
 ))
 
 
+# Older decoders whose forward reads the head count from the attention module (`num_heads`).
+register_adapter(ArchAdapter(
+    name="phi", model_types=("phi",), layers_path="layers", attn_path="self_attn", q="q_proj", k="k_proj",
+    v="v_proj", o="dense", kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),),
+))
+register_adapter(ArchAdapter(
+    name="opt", model_types=("opt", "xglm", "biogpt"), layers_path=("decoder.layers", "layers"), attn_path="self_attn",
+    q="q_proj", k="k_proj", v="v_proj", o="out_proj", size_attrs=(("num_heads", "heads"), ("embed_dim", "width")),
+))
+register_adapter(ArchAdapter(
+    name="gptj", model_types=("gptj",), layers_path="h", attn_path="attn", q="q_proj", k="k_proj", v="v_proj",
+    o="out_proj", heads_attr="n_head", size_attrs=(("num_attention_heads", "heads"),),
+))
+register_adapter(ArchAdapter(
+    name="gpt_neo", model_types=("gpt_neo",), layers_path="h", attn_path="attn.attention", q="q_proj", k="k_proj",
+    v="v_proj", o="out_proj", heads_attr="num_heads", size_attrs=(("num_heads", "heads"),),
+))
+# Persimmon: GPT-NeoX's per-head fused query_key_value, viewed (B, T, H, 3, D).
+register_adapter(ArchAdapter(
+    name="persimmon", model_types=("persimmon",), layers_path="layers", attn_path="self_attn",
+    q="query_key_value", k="query_key_value", v="query_key_value", o="dense", qkv_layout="per_head",
+    size_attrs=(("num_heads", "heads"),),
+))
 # Vision encoders (transformers 5 gives ViT, DeiT and DINOv2 the q_proj..o_proj layout too).
 register_adapter(ArchAdapter(
     name="vit", model_types=("vit", "deit", "dinov2"), layers_path=("layers", "encoder.layers", "encoder.layer"),
@@ -356,7 +381,46 @@ register_adapter(ArchAdapter(
 
 
 # Model types checked and refused, with what stands in the way (the coverage table lists them too).
-REFUSED: dict[str, str] = {}
+_HYBRID = ("a hybrid: some layers are linear-attention or state-space mixers with no softmax heads, and headprune's "
+           "head layouts name every layer of one block list (prunable softmax layers only: not done)")
+_MLA = ("multi-head latent attention: the query heads share a compressed KV (kv_a_proj / kv_b_proj), so a head's "
+        "slices are q_b_proj rows, its part of kv_b_proj and o_proj columns, while the cached latent does not shrink "
+        "(not done)")
+_STACKS = ("several attention stacks (encoder self-attention, decoder self- and cross-attention): headprune's masks "
+           "and layouts name the heads of one stack (not done)")
+_SINKS = ("per-head attention sinks (`sinks`, one logit per query head, read inside the attention kernel) are not "
+          "sliced with the heads (not done)")
+_GATES = ("a per-head output gate (gate_proj / g_proj rows per query head, multiplying each head's context) is not "
+          "sliced with the heads (not done)")
+REFUSED: dict[str, str] = {
+    **dict.fromkeys(("bamba", "falcon_h1", "granitemoehybrid", "jamba", "kimi_linear", "bailing_hybrid", "lfm2",
+                     "lfm2_moe", "lfm3", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_next", "qwen3_5_text",
+                     "qwen3_5_moe_text", "zamba", "zamba2", "recurrent_gemma"), _HYBRID),
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"),
+                    "a state-space / recurrent model: no attention heads"),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "deepseek_v4", "glm4_moe_lite", "glm_moe_dsa",
+                     "longcat_flash", "minicpm3", "sarvam_mla", "youtu", "axk1", "axk2", "hy_v4"), _MLA),
+    **dict.fromkeys(("bart", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus", "plbart",
+                     "prophetnet", "bigbird_pegasus", "whisper", "t5", "mt5", "umt5", "longt5", "switch_transformers",
+                     "trocr", "moshi", "musicgen", "musicgen_melody"), _STACKS),
+    **dict.fromkeys(("gpt_oss", "mimo_v2_flash", "granite_swa", "granitemoe_swa", "flint", "inkling2_text",
+                     "inkling2_loop_text"), _SINKS),
+    **dict.fromkeys(("afmoe", "beam", "laguna", "dory"), _GATES),
+    "bloom": "ALiBi: each head's position bias slope is computed from the head count, so removing heads would change "
+             "the kept heads' biases (not done)",
+    "mpt": "ALiBi: each head's position bias slope is computed from the head count, so removing heads would change "
+           "the kept heads' biases (not done)",
+    "bitnet": "an RMSNorm over the concatenated heads' contexts (attn_sub_norm) before o_proj: removing a head changes "
+              "the statistic the kept heads are divided by (not done)",
+    "diffllama": "differential attention: heads are used in pairs whose softmax maps are subtracted (not done)",
+    "doge": "dynamic mask attention: per-head dt_proj / A computed from the value states (not done)",
+    "stablelm": "per-head LayerNorms as a list (q_layernorm / k_layernorm with qk_layernorm) applied by position: "
+                "not sliced with the heads (not done)",
+    "inkling_text": "per-head relative-position projections (r_proj) and separate sliding-window head counts "
+                    "(not done)",
+    "gemma4_unified_text": "head_dim and head counts vary per layer (per-layer config attributes; not done)",
+    "big_bird": "block-sparse attention reshapes with the config's head count (not done)",
+}
 
 
 def get_adapter(model: nn.Module) -> ArchAdapter:
