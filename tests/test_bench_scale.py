@@ -77,3 +77,28 @@ def test_scale_is_off_by_default_and_measures_the_three_shapes(tmp_path):
     assert dict(scale.skip) == {"llama_1b": ["kl"]}
     assert llama_bytes(dict(scale.shapes.smollm2_135m), 1) == 134_515_008  # SmolLM2-135M's parameters
     assert llama_bytes(dict(scale.shapes.smollm2_360m), 1) == 361_821_120  # SmolLM2-360M's
+
+
+def _collect():
+    """experiments/scale/collect.py, loaded by path (experiments are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / "scale" / "collect.py"
+    spec = importlib.util.spec_from_file_location("scale_collect", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scale_readme_blocks_regenerate_from_the_committed_bench_json():
+    """experiments/scale/README.md's measured table, conditions and projection are exactly what
+    collect.py renders from the committed bench.json (the raw file every number traces to)."""
+    collect = _collect()
+    bench = json.loads((collect.HERE / "bench.json").read_text())
+    text = (collect.HERE / "README.md").read_text()
+    assert collect.render(text, bench) == text
+    assert [r["stage"] for r in bench["scale"] if r["model"] == "smollm2_135m"] == list(STAGES)
+    # the projection's parameter counts are the target models' published ones
+    assert collect.llama_params(collect.TARGETS["Llama-3.1-8B"]) == 8_030_261_248
+    assert collect.llama_params(collect.TARGETS["Llama-3.1-70B"]) == 70_553_706_496
