@@ -63,10 +63,12 @@ def measured(bench: dict) -> str:
                                                                           else "missed"))
         if r["stage"] == "kl":
             target += f" ({r['teacher']} teacher)"
-        setup = max(0.0, r["setup_peak_rss_mib"] - r["base_rss_mib"]) * MIB / r["model_bytes"]  # ru_maxrss vs statm: KiB
+        # the set-up's net peak (never below 0: ru_maxrss and statm differ by a few KiB)
+        setup = max(0.0, r["setup_peak_rss_mib"] - r["base_rss_mib"]) * MIB / r["model_bytes"]
         lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['model_bytes'] / MIB:,.0f} | {r['stage']} "
                      f"| {r['seconds']:.1f} | {r['peak_rss_mib']:,.0f} | {r['net_peak_mib']:,.0f} "
-                     f"| {setup:.2f}x | {r['peak_ratio']:.2f}x | {target} | {'set-up' if r['peak_in_setup'] else 'stage'} |")
+                     f"| {setup:.2f}x | {r['peak_ratio']:.2f}x | {target} "
+                     f"| {'set-up' if r['peak_in_setup'] else 'stage'} |")
     skipped = [f"{m}: {', '.join(s)}" for m, s in bench["meta"]["config"]["scale"]["skip"].items()
                if s and m in bench["meta"]["config"]["scale"]["models"]]
     if skipped:

@@ -68,7 +68,7 @@ from headprune.bench.sections import Section, SectionInputs, one_of, register
 from headprune.deploy.fold import fold
 from headprune.deploy.hf import load_pruned, save_pruned
 from headprune.heads.mask import HeadMask
-from headprune.heads.surgery import kv_group_heads, prune_heads
+from headprune.heads.surgery import prune_heads
 from headprune.models.build import build_model
 from headprune.recovery.base import RecoveryContext
 from headprune.recovery.distill import Distill
@@ -218,7 +218,7 @@ class Allocation(Scoring):
                                 candidates=job["candidates"])
         costs, _ = budget.measure(model)
         goal = budget.goal(OneShot(target_sparsity=0.5), 0, mask.alive(), costs)
-        scores = state["scores"]
+        scores = state["scores"]  # the scoring stage's, handed to prune_round as its metric's result
         result = prune_round(model, mask, lambda *args, **kwargs: scores, policy, goal.n_prune,
                              blocks(job, seed=0), cost_budget=(goal.costs, goal.share))
         state["heads"] = result.pruned
@@ -472,7 +472,8 @@ def table(rows: list[dict]) -> list[str]:
     return render.table(heading, rows, [
         ("model", lambda r: r["model"], False), ("parameters", lambda r: f"{r['params'] / 1e6:.1f}M", True),
         ("model MiB", lambda r: f"{r['model_bytes'] / MIB:,.0f}", True), ("stage", lambda r: r["stage"], False),
-        ("seconds", lambda r: f"{r['seconds']:.1f}", True), ("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:,.0f}", True),
+        ("seconds", lambda r: f"{r['seconds']:.1f}", True),
+        ("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:,.0f}", True),
         ("peak - base MiB", lambda r: f"{r['net_peak_mib']:,.0f}", True),
         ("peak / model", lambda r: f"{r['peak_ratio']:.2f}x", True),
         ("target", lambda r: "" if r["target"] is None else f"<= {r['target']}x", True),
