@@ -95,20 +95,45 @@ class StepBatches(Sampler):
         return int(self._orders[passes][offset])
 
 
-def step_loader(loader: Iterable, steps: int, runtime: Runtime, start: int, seed: int) -> DataLoader:
-    """The fit's loader over `loader`'s examples: a torch DataLoader's dataset, batch size and collate
-    function, re-sampled by step; any other iterable of batches is taken as a list of pre-made
-    micro-batches, cycled in order."""
-    common = dict(steps=steps, accumulate=runtime.accumulate_grad_batches, rank=runtime.rank,
-                  world=runtime.world_size, start=start, seed=seed)
+EXAMPLE_INDEX = "example_index"  # a batch's (B,) positions of its examples in the training data
+
+
+def training_examples(loader: Iterable) -> tuple[Any, Callable[[list], dict], int, bool]:
+    """(examples, collate, batch size, shuffled) of a training loader: a torch DataLoader's dataset,
+    collate function and batch size, re-sampled by step; any other iterable of batches is taken as
+    a list of pre-made micro-batches, cycled in order (an "example" is then a whole batch)."""
     if isinstance(loader, DataLoader) and loader.batch_size is not None:
-        sampler = StepBatches(len(loader.dataset), loader.batch_size, **common)
-        return DataLoader(loader.dataset, batch_sampler=sampler, collate_fn=loader.collate_fn)
+        return loader.dataset, loader.collate_fn, loader.batch_size, True
     batches = list(loader)
     if not batches:
         raise ValueError("the training loader yields no batches")
-    return DataLoader(batches, batch_sampler=StepBatches(len(batches), 1, shuffle=False, **common),
-                      collate_fn=lambda items: items[0])
+    return batches, lambda items: items[0], 1, False
+
+
+def step_loader(loader: Iterable, steps: int, runtime: Runtime, start: int, seed: int) -> DataLoader:
+    """The fit's loader over `loader`'s examples (`training_examples`), in the step order of
+    `StepBatches`; each batch also carries EXAMPLE_INDEX (where a cached teacher looks it up)."""
+    examples, collate, batch_size, shuffle = training_examples(loader)
+    sampler = StepBatches(len(examples), batch_size, steps, accumulate=runtime.accumulate_grad_batches,
+                          rank=runtime.rank, world=runtime.world_size, start=start, seed=seed, shuffle=shuffle)
+
+    def indexed(positions: list[int]) -> dict:
+        return {**collate([examples[i] for i in positions]), EXAMPLE_INDEX: torch.tensor(positions)}
+
+    return DataLoader(_Positions(len(examples)), batch_sampler=sampler, collate_fn=indexed)
+
+
+class _Positions(torch.utils.data.Dataset):
+    """0..n-1: the sampler's indices reach the collate function, which reads the examples."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
 
 
 class StepModule(L.LightningModule):

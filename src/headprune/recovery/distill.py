@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from headprune.deploy.hf import load_pruned, save_pruned
-from headprune.engine.step_fit import FitPlan, fit_steps
+from headprune.engine.step_fit import EXAMPLE_INDEX, FitPlan, fit_steps
 from headprune.heads.adapters import model_shape
 from headprune.recovery.base import AFTER_RECOVERY, Recovery, RecoveryContext, trains_after_pruning
+from headprune.recovery.teacher_cache import TopKTeacher, build_teacher_cache, cached_kd_loss
 from headprune.recovery.trainable import trainable
 from headprune.tasks import CLASSIFICATION, MODEL_INPUTS, Task, real_tokens, task_of
 
@@ -51,6 +52,7 @@ class TeacherState:
 
     model: nn.Module | None = None
     seconds: float = 0.0
+    cache: TopKTeacher | None = None  # teacher_logits=cached: its distributions over the training data
 
 
 @dataclass
@@ -63,7 +65,10 @@ class Distilling(Recovery):
     `steps > 0`: train that many optimizer steps on the training text right after each round
     (a Lightning fit, `engine.step_fit`), with a checkpoint every `checkpoint_every` steps (0: only
     after the last) in `<run dir>/recovery/last.ckpt`; `steps = 0`: train in the schedule's epochs
-    (`in_epochs`)."""
+    (`in_epochs`). `teacher_logits=cached`: the steps read the teacher's top-`teacher_topk`
+    distributions, computed once over the training text before the first step
+    (`teacher_cache.py`), instead of running the teacher at every step; the run still keeps its
+    frozen unpruned copy while a repair stage or the budget needs it."""
 
     alpha: float = 0.9
     temperature: float = 2.0
@@ -73,6 +78,8 @@ class Distilling(Recovery):
     lr: float = 5e-5  # peak learning rate of the steps
     max_grad_norm: float = 1.0
     checkpoint_every: int = 20  # about 3-10 minutes of SmolLM2-135M KL steps on 2 CPU cores
+    teacher_logits: str = "live"  # live: the teacher runs at every step; cached: its top-k once (teacher_cache.py)
+    teacher_topk: int = 64
 
     TEACHER_DIR: ClassVar[str] = "teacher"
     record_key: ClassVar[str] = "distill"  # results.json round entry of the steps' report
@@ -90,6 +97,15 @@ class Distilling(Recovery):
             raise ValueError(f"recovery.lr={self.lr!r} must be > 0")
         if not self.max_grad_norm > 0:
             raise ValueError(f"recovery.max_grad_norm={self.max_grad_norm!r} must be > 0")
+        if self.teacher_logits not in ("live", "cached"):
+            raise ValueError(f"recovery.teacher_logits={self.teacher_logits!r} is not allowed; allowed: live (the "
+                             "teacher runs at every step), cached (its top-k distributions computed once)")
+        if isinstance(self.teacher_topk, bool) or not isinstance(self.teacher_topk, int) or self.teacher_topk < 1:
+            raise ValueError(f"recovery.teacher_topk={self.teacher_topk!r} must be an integer >= 1")
+        if self.teacher_logits == "cached" and self.hidden_weight > 0:
+            raise ValueError(f"recovery.teacher_logits=cached keeps the teacher's output distributions only, not its "
+                             f"hidden states; recovery.hidden_weight={self.hidden_weight} needs them: allowed: "
+                             "teacher_logits=live, or hidden_weight=0")
         every = self.checkpoint_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(f"recovery.checkpoint_every={every!r} must be an integer >= 0 (optimizer steps between "
@@ -178,6 +194,13 @@ class Distilling(Recovery):
         `record[record_key]`, the validation metrics after it to `AFTER_RECOVERY`."""
         train = training_loader(ctx.loaders, self.record_key)
         start = time.perf_counter()
+        extra = dict(extra)
+        if self.teacher_logits == "cached" and self.uses_teacher and self.state.cache is None:
+            self.state.cache = build_teacher_cache(self.state.model, train, task_of(ctx.model), self.temperature,
+                                                   self.teacher_topk)
+            extra["teacher_cache_seconds"] = self.state.cache.seconds
+        if self.teacher_logits == "cached" and self.uses_teacher:
+            extra["teacher"] = f"cached top-{self.teacher_topk}"
         plan = ctx.fit if ctx.fit is not None else FitPlan(seed=record["round"])
         plan.checkpoint_every = self.checkpoint_every
         report = fit_steps(ctx.model, train, lambda model, batch: self.training_loss(model, batch)[1].mean(),
@@ -192,6 +215,11 @@ class Distilling(Recovery):
 
     def training_loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The task loss until a teacher is in; then the mix of the module docstring."""
+        task = task_of(model)
+        if self.state.cache is not None and EXAMPLE_INDEX in batch:  # no teacher forward: its cached top-k
+            logits, _ = forward_outputs(model, batch)
+            kd = cached_kd_loss(logits, self.state.cache, batch, self.temperature, task)
+            return logits, self.alpha * kd + (1 - self.alpha) * task.loss(logits, batch)
         teacher = self.state.model
         if teacher is None:
             return super().training_loss(model, batch)
@@ -204,7 +232,6 @@ class Distilling(Recovery):
         with torch.no_grad():
             teacher_logits, teacher_hidden = forward_outputs(teacher, batch, hidden)
         self.state.seconds += time.perf_counter() - start
-        task = task_of(model)
         return logits, distill_loss(self, task.loss(logits, batch), logits, teacher_logits, batch, student_hidden,
                                     teacher_hidden, task)
 
