@@ -162,7 +162,7 @@ def _build(job: dict) -> dict:
             "heads": model.config.num_attention_heads, "kv_heads": model.config.num_key_value_heads}
 
 
-class Stage:
+class _Stage:
     """One stage in a child: `setup(job)` loads its inputs (not timed), `run(state)` is the stage
     (timed, its peak reported), `save(state)` writes what the next stage reads (after the peak
     was read)."""
@@ -177,7 +177,7 @@ class Stage:
         pass
 
 
-class Load(Stage):
+class _Load(_Stage):
     def setup(self, job):
         return {"job": job}
 
@@ -186,12 +186,12 @@ class Load(Stage):
         return {}
 
 
-class DenseEval(Stage):
+class _DenseEval(_Stage):
     def run(self, state):
         return evaluate(state["model"], blocks(state["job"], seed=0), "cpu")
 
 
-class Scoring(Stage):
+class _Scoring(_Stage):
     def setup(self, job):
         state = super().setup(job)
         state["mask"] = HeadMask.for_model(state["model"])
@@ -205,7 +205,7 @@ class Scoring(Stage):
         torch.save(state["scores"], state["job"]["work"] / "scores.pt")
 
 
-class Allocation(Scoring):
+class _Allocation(_Scoring):
     def setup(self, job):
         state = super().setup(job)
         state["scores"] = torch.load(job["work"] / "scores.pt")
@@ -231,7 +231,7 @@ class Allocation(Scoring):
         (state["job"]["work"] / "heads.json").write_text(json.dumps(state["heads"]))
 
 
-class RefitStage(Stage):
+class _Refit(_Stage):
     def setup(self, job):
         model = _dense(job)
         mask = HeadMask.for_model(model)
@@ -255,7 +255,7 @@ class RefitStage(Stage):
         save_pruned(state["model"], state["job"]["work"] / "refit", overwrite=True)
 
 
-class KL(Stage):
+class _KL(_Stage):
     def setup(self, job):
         student = load_pruned(job["work"] / "refit")
         mask = _pruned_mask(job, student)
@@ -282,7 +282,7 @@ class KL(Stage):
         save_pruned(state["model"], state["job"]["work"] / "kl", overwrite=True)
 
 
-class Export(Stage):
+class _Export(_Stage):
     def setup(self, job):
         source = job["work"] / ("kl" if (job["work"] / "kl").is_dir() else "refit")
         model = load_pruned(source)
@@ -296,8 +296,8 @@ class Export(Stage):
         return {"from": state["source"], "export_bytes": _folder_bytes(folder), "params_after": params}
 
 
-STAGE_CLASSES = {"load": Load, "dense_eval": DenseEval, "scoring": Scoring, "allocation": Allocation,
-                 "refit": RefitStage, "kl": KL, "export": Export}
+STAGE_CLASSES = {"load": _Load, "dense_eval": _DenseEval, "scoring": _Scoring, "allocation": _Allocation,
+                 "refit": _Refit, "kl": _KL, "export": _Export}
 
 
 def _child(stage: str, job: dict, out: str) -> None:
