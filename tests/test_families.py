@@ -157,3 +157,32 @@ def test_a_vision_tower_is_pruned_where_its_model_keeps_it():
         torch.testing.assert_close(vision(pixel_values=pixels).pooler_output, masked(pixel_values=pixels).pooler_output,
                                    atol=1e-5, rtol=0)
 
+
+
+@pytest.mark.parametrize("family", ["phi3", "olmo2", "gpt_neox", "gemma2", "qwen3"])
+def test_every_metric_scores_the_new_decoders(family):
+    """Each metric runs on a pruned layout (layer 1 keeps a partly kept KV group: zero queries padded
+    in under GQA) and scores the removed head 0."""
+    from headprune.scoring import METRICS, score_heads
+
+    model = prune_heads(tiny(family, "eager"), {1: [1]})
+    batch = dict(inputs(), labels=inputs()["input_ids"])
+    for metric in sorted(set(METRICS) - {"random", "l0_gates", "confidence"}):  # confidence needs an EOS id: below
+        scores = score_heads(model, [batch], metric=metric)
+        assert scores.shape == (3, HEADS) and torch.isfinite(scores).all() and scores[1, 1] == 0, metric
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_attention_maps_of_a_padded_layer_are_the_kept_heads(family):
+    """Layer 1 keeps heads 0, 2, 3 of 4 (2 KV groups): its kernel computes 4 query slots, one of them
+    padded. Entropy and confidence read each kept head's own map: the dense model's for that head
+    (layer 0 is untouched, so layer 1 sees the same input)."""
+    from headprune.scoring import score_heads
+
+    dense = tiny(family, "eager")
+    pruned = prune_heads(copy.deepcopy(dense), {1: [1]})
+    batch = inputs()
+    for metric in ("entropy", "confidence"):
+        want, got = score_heads(dense, [batch], metric=metric), score_heads(pruned, [batch], metric=metric)
+        torch.testing.assert_close(got[:2, [0, 2, 3]], want[:2, [0, 2, 3]], atol=1e-5, rtol=0)
+        assert got[1, 1] == 0

@@ -220,6 +220,16 @@ class ArchAdapter:
             out.setdefault(self.kv_head(config, h), []).append(h)
         return dict(sorted(out.items()))
 
+    def query_slots(self, config, kept) -> tuple[list[int], int]:
+        """(position of each of `kept` among the query heads the attention kernel computes, how many
+        it computes). The same unless a KV group is partly kept: every kept group then gets as
+        many query slots as the fullest one, zero queries padded in (surgery.py), so the kernel's
+        attention maps and contexts have a head per slot."""
+        groups = self.kv_groups(config, kept)
+        per_group = max((len(heads) for heads in groups.values()), default=0)
+        return [i * per_group + t for i, heads in enumerate(groups.values()) for t in range(len(heads))], \
+            len(groups) * per_group
+
     def head_rows(self, model: nn.Module, layer: int) -> dict[int, dict[str, Rows]]:
         """{original head id: {"q"|"k"|"v"|"o": Rows}} for the heads `layer` physically holds.
 
@@ -250,8 +260,10 @@ class ArchAdapter:
         return rows
 
     def qk_output_features(self, model: nn.Module, layer: int) -> dict[nn.Module, torch.Tensor]:
-        """{projection: bool (out_features,)} True where an output feature is a query or key
-        (a separate Q or K projection is all True; a fused one is True on its q and k thirds)."""
+        """{projection: bool (features its forward returns,)} True where an output feature is a
+        query or key (a separate Q or K projection is all True; a fused one is True on its q and k
+        parts). A fused projection of a layer whose partly kept KV groups get zero queries padded in
+        (surgery's hook on its output) returns those padded queries too: flagged as queries."""
         attn = self.attention(self.blocks(model)[layer])
         flags: dict[nn.Module, torch.Tensor] = {}
         for path in dict.fromkeys((self.q, self.k, self.v)):
@@ -261,6 +273,11 @@ class ArchAdapter:
             for part in ("q", "k"):
                 r = parts[part]
                 flags[r.module][r.start:r.stop] = True
+        kept = layer_heads(model, layer)
+        padded = self.query_slots(model.config, kept)[1] - len(kept)
+        if padded and self.fused_qkv:
+            q = attn.get_submodule(self.q)
+            flags[q] = torch.cat([torch.ones(padded * self.head_dim(model.config), dtype=torch.bool), flags[q]])
         return flags
 
 

@@ -212,9 +212,8 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
             _keep(module, torch.tensor(sorted(index), dtype=torch.long), outputs, sliced)
 
     groups = adapter.kv_groups(model.config, after)
-    kv_after, counts = list(groups), [len(heads) for heads in groups.values()]
-    per_group = max(counts, default=0)
-    slots = len(kv_after) * per_group  # query heads the kernel computes (zeros padded into partial groups)
+    kv_after, per_group = list(groups), max((len(heads) for heads in groups.values()), default=0)
+    at, slots = adapter.query_slots(model.config, after)  # slots: query heads the kernel computes
     sizes = {"heads": slots, "width": slots * d, "groups": per_group, "kv_heads": len(kv_after)}
     for name, quantity in adapter.size_attrs:
         setattr(core, name, sizes[quantity])
@@ -235,7 +234,6 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
     if not after:
         _make_headless(adapter, block, core, d, getattr(core, "layer_idx", layer))
     elif len(after) != slots:
-        at = [i * per_group + t for i, c in enumerate(counts) for t in range(c)]
         core._headprune_hooks += _pad_queries(queries, o, at, slots, d)
 
 

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from headprune.heads.adapters import head_layout
+from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.mask import HeadMask
 from headprune.tasks import MODEL_INPUTS, real_tokens, to_device
 from headprune.scoring.reduce import finish_scores, mean_over_ranks
@@ -54,6 +54,8 @@ def attention_maps(model: nn.Module, dataloader, device: torch.device,
     """
     layout = head_layout(model)
     with_heads = [layer for layer, kept in enumerate(layout) if kept]
+    # a partly kept KV group has zero queries padded in: the kernel's maps have a head per slot
+    slots = [get_adapter(model).query_slots(model.config, kept)[0] for kept in layout]
     was_training = model.training
     model.eval()
     try:
@@ -72,7 +74,7 @@ def attention_maps(model: nn.Module, dataloader, device: torch.device,
                 keys = real_tokens(batch)[:, None, None, :]  # (B, 1, 1, T)
                 maps: list[torch.Tensor | None] = [None] * len(layout)
                 for layer, a in zip(with_heads, attentions):
-                    maps[layer] = a.float() * keys
+                    maps[layer] = a.float()[:, slots[layer]] * keys  # (B, h_l, T, T)
                 yield batch, maps
     finally:
         model.train(was_training)
