@@ -50,7 +50,10 @@ from headprune.heads.adapters import get_adapter, head_layout
 log = logging.getLogger(__name__)
 
 WEIGHT_TYPES = ("f32", "f16", "q8_0")
-FAMILIES = ("llama", "mistral", "qwen2")  # model_types with Llama's rotary layout and block
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # model_types with Llama's rotary layout and block
+# Written as llama.cpp's architecture of the same name (its own tensors, rotary as transformers'
+# rotate_half: Q/K rows not permuted), for uniform layouts only: `deci` has no per-head q_norm / k_norm.
+OWN_ARCH = ("qwen3",)
 KV_CACHE_BYTES = 2  # llama.cpp's default cache type: F16
 _BLOCK = 32  # values per Q8_0 block
 
@@ -138,6 +141,14 @@ def _layout_or_reason(model: nn.Module) -> GGUFLayout | str:
         padded += heads[-1] - len(kept)
     ffn = [int(adapter.blocks(model)[i].mlp.up_proj.weight.shape[0]) for i in range(len(layout))]
     uniform = len(set(zip(heads, kv_heads, ffn))) == 1 and heads[0] > 0
+    if config.model_type in OWN_ARCH:
+        if getattr(config, "attention_bias", False):
+            return f"attention_bias=True: llama.cpp's {config.model_type} has no Q/K/V biases; allowed: attention_bias=False"
+        if not uniform:
+            return (f"layers keep different heads ({sorted(set(zip(heads, kv_heads)))} query / KV heads) or none: "
+                    f"only llama.cpp's deci architecture holds per-layer shapes, and it has no {config.model_type} "
+                    "q_norm / k_norm; allowed: the same whole KV groups kept in every layer")
+        return GGUFLayout(config.model_type, heads, kv_heads, ffn, d, padded)
     if not uniform and heads[0] == 0:
         return ("layer 0 keeps no heads: llama.cpp takes the head size from layer 0's head count, so every layer's "
                 "KV cache would be 0 wide; allowed: layouts whose layer 0 keeps at least one KV group")
@@ -258,6 +269,9 @@ def _layer_tensors(model: nn.Module, layer: int, layout: GGUFLayout) -> dict[str
         out["attn_norm.weight"] = block.input_layernorm.weight
         out["attn_q.weight"] = permute_rotary(_padded(q.weight, slots, n_q, d, 0), n_q)
         out["attn_k.weight"] = permute_rotary(k.weight, n_kv)
+        if layout.arch in OWN_ARCH:  # rotate_half rotary as transformers': rows unpermuted, per-head norms
+            out["attn_q.weight"], out["attn_k.weight"] = _padded(q.weight, slots, n_q, d, 0), k.weight
+            out["attn_q_norm.weight"], out["attn_k_norm.weight"] = attn.q_norm.weight, attn.k_norm.weight
         out["attn_v.weight"] = v.weight
         out["attn_output.weight"] = _padded(o.weight, slots, n_q, d, 1)
         if q.bias is not None:
