@@ -59,7 +59,7 @@ DECODERS = [name for name, (_, task) in FAMILIES.items() if task == "lm"]
 # parametrized tests above make runs once per family in tests/test_families.py (one build per
 # attention implementation: headprune.deploy.coverage.check_model), to keep the suite quick.
 HD = dict(GQA, head_dim=16)  # head_dim apart from hidden / heads (64-wide attention, hidden 32)
-MORE_FAMILIES = {  # name -> (config, task); task "image": an image classifier of 32 x 32 pixels
+MORE_FAMILIES = {  # name -> (config, task); "mlm": masked LM, "image": an image classifier of 32 x 32 pixels
     "qwen3": (lambda: tf.Qwen3Config(**HD), "lm"),  # per-head q_norm / k_norm
     "qwen3_moe": (lambda: tf.Qwen3MoeConfig(**HD, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), "lm"),
     "gemma2": (lambda: tf.Gemma2Config(**HD, query_pre_attn_scalar=12, sliding_window=4, attn_logit_softcapping=5.0,
@@ -73,6 +73,9 @@ MORE_FAMILIES = {  # name -> (config, task); task "image": an image classifier o
     "phi3": (lambda: tf.Phi3Config(**GQA, pad_token_id=0, bos_token_id=1, eos_token_id=2), "lm"),  # fused qkv_proj
     "olmo2": (lambda: tf.Olmo2Config(**GQA, pad_token_id=0, bos_token_id=1, eos_token_id=2), "lm"),  # whole-projection norms
     "gpt_neox": (lambda: tf.GPTNeoXConfig(**SMALL, bos_token_id=1, eos_token_id=2), "lm"),  # per-head fused, partial rotary
+    "modernbert": (lambda: tf.ModernBertConfig(vocab_size=V, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                               num_hidden_layers=3, intermediate_size=64, global_attn_every_n_layers=2,
+                                               local_attention=4, pad_token_id=0), "mlm"),  # fused Wqkv, local layers
     "vit": (lambda: tf.ViTConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3, intermediate_size=64,
                                  image_size=32, patch_size=8, num_labels=2), "image"),
     "deit": (lambda: tf.DeiTConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3,
@@ -95,7 +98,7 @@ PRUNE = {0: [0, 1, 2, 3], 1: [1], 2: [2, 3]}
 def tiny(family: str, attn: str = "sdpa", seed: int = 0):
     make_config, task = FAMILIES[family] if family in FAMILIES else MORE_FAMILIES[family]
     auto = {"cls": tf.AutoModelForSequenceClassification, "lm": tf.AutoModelForCausalLM,
-            "image": tf.AutoModelForImageClassification}[task]
+            "mlm": tf.AutoModelForMaskedLM, "image": tf.AutoModelForImageClassification}[task]
     torch.manual_seed(seed)
     return auto.from_config(make_config(), attn_implementation=attn).eval()
 

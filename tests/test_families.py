@@ -17,7 +17,7 @@ from headprune.deploy.coverage import check_model
 from headprune.heads.adapters import get_adapter
 from tests.helpers import D, HEADS, HIDDEN, MORE_FAMILIES, PRUNE, inputs, tiny
 
-TASKS = {"lm": "causal_lm", "image": "image_classification"}
+TASKS = {"lm": "causal_lm", "mlm": "masked_lm", "image": "image_classification"}
 # transformers offers no sdpa kernel for Gemma 2 (soft-capping): eager only
 NO_SDPA = {"gemma2"}
 # the families whose uniform whole-group layout is a plain checkpoint (their config says head_dim)

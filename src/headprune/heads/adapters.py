@@ -382,6 +382,16 @@ register_adapter(ArchAdapter(
     q="query_key_value", k="query_key_value", v="query_key_value", o="dense", qkv_layout="per_head",
     size_attrs=(("num_heads", "heads"),),
 ))
+# ModernBERT: fused Wqkv viewed (..., 3, H, D), i.e. [all q | all k | all v]; alternating local
+# (sliding-window) and global layers; its decoder variant has separate q/k/v projections.
+register_adapter(ArchAdapter(
+    name="modernbert", model_types=("modernbert",), layers_path="layers", attn_path="attn",
+    q="Wqkv", k="Wqkv", v="Wqkv", o="Wo",
+))
+register_adapter(ArchAdapter(
+    name="modernbert_decoder", model_types=("modernbert-decoder",), layers_path="layers", attn_path="attn",
+    q="q_proj", k="k_proj", v="v_proj", o="Wo",
+))
 # Vision encoders (transformers 5 gives ViT, DeiT and DINOv2 the q_proj..o_proj layout too).
 register_adapter(ArchAdapter(
     name="vit", model_types=("vit", "deit", "dinov2"), layers_path=("layers", "encoder.layers", "encoder.layer"),
@@ -437,6 +447,10 @@ REFUSED: dict[str, str] = {
                     "(not done)",
     "gemma4_unified_text": "head_dim and head counts vary per layer (per-layer config attributes; not done)",
     "big_bird": "block-sparse attention reshapes with the config's head count (not done)",
+    "deberta-v2": "disentangled attention: the relative-position projections (pos_key_proj / pos_query_proj, or "
+                  "query_proj / key_proj applied to the position embeddings) and the c2p / p2c scores are per head, "
+                  "read with the config's head count (not done)",
+    "deberta": "disentangled attention: fused in_proj and per-head relative-position terms (not done)",
 }
 
 
