@@ -239,6 +239,19 @@ def files(folder) -> dict:
     return {p: p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
 
 
+def unwritable_folder(tmp_path) -> Path:
+    """A folder this process cannot create files in (root ignores permission bits: /sys, whose
+    subfolders even root cannot create)."""
+    import os
+
+    if os.geteuid() == 0:
+        return Path("/sys")
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    return folder
+
+
 # -- callbacks that provoke faults (named in overrides as `+callbacks.x._target_=tests.helpers.X`) ---
 class Crash(RuntimeError):
     pass

@@ -155,3 +155,18 @@ def test_a_folder_of_symlinked_run_dirs_is_collected(tmp_path, capsys):
     assert "collected 2 runs" in capsys.readouterr().out
     results = (tmp_path / "out" / "results.md").read_text()
     assert "metric=taylor" in results and "metric=random" in results
+
+
+@pytest.mark.parametrize("where", ["a_file", "under_a_file"])
+def test_an_out_that_is_a_file_is_refused_before_collecting(where, tmp_path, capsys):
+    """--out names the folder the tables go to: an existing file there (or on its path) exits 2
+    saying so, instead of a FileExistsError traceback; the file is left as it was."""
+    _run(tmp_path / "sweep" / "0", ["metric=taylor"], 0.9, [0.88])
+    (tmp_path / "notes.md").write_text("mine")
+    out = tmp_path / "notes.md" if where == "a_file" else tmp_path / "notes.md" / "out"
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "sweep"), "--out", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}" in err and f"{tmp_path / 'notes.md'} is a file" in err and "allowed: a folder" in err
+    assert (tmp_path / "notes.md").read_text() == "mine"

@@ -178,3 +178,153 @@ def test_a_bfloat16_model_is_exported_and_checked_in_float32(tmp_path, monkeypat
     check = json.loads((tmp_path / "x.check.json").read_text())
     assert (check["dtype"], check["source_dtype"], check["checked_dtype"]) == ("float32", "bfloat16", "torch.float32")
     assert "holds a bfloat16 model; exporting and checking it in float32" in capsys.readouterr().err
+
+
+# -- export targets checked before any work (issue 42) --------------------------------------------------
+OPTIONS = {"--gguf": "m.gguf", "--onnx": "m.onnx", "--onnx-decode": "d.onnx", "--vllm-deci": "deci"}
+
+
+@pytest.fixture
+def bpe():
+    from tests.helpers import bpe_tokenizer
+
+    return bpe_tokenizer()
+
+
+def _run_dir(tmp_path, tok):
+    """A finished run dir as a run without training leaves it: results.json and export/, no
+    checkpoint (export/ is the only copy of the pruned model)."""
+    import json
+
+    from tests.helpers import tiny_llama
+
+    run = tmp_path / "run"
+    save_pruned(tiny_llama(tok, {1: list(range(8)), 3: list(range(8))}, intermediate_size=256), run / "export",
+                tokenizer=tok)
+    (run / "results.json").write_text(json.dumps({"config": {"export": True}, "baseline": {}, "rounds": [],
+                                                  "final": {"export_dir": str(run / "export")}}))
+    return run
+
+
+def _no_work(monkeypatch):
+    """Any export work (loading the model) fails the test: a refusal must come before it."""
+    import headprune.deploy.hf
+
+    monkeypatch.setattr(headprune.deploy.hf, "load_pruned", lambda *a, **k: pytest.fail("exported anyway"))
+
+
+def _refused(args, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(a) for a in args])
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_a_target_inside_the_model_folder_is_refused_before_any_work(option, tmp_path, bpe, monkeypatch, capsys):
+    """`--gguf <run>/export/model.safetensors` replaced the run's only copy of the pruned model with
+    a GGUF and exited 0. A target inside the folder the model is read from is refused, for every
+    kind of output; nothing in the run dir changes."""
+    from tests.helpers import files
+
+    run = _run_dir(tmp_path, bpe)
+    before = files(run)
+    _no_work(monkeypatch)
+    target = run / "export" / ("model.safetensors" if option != "--vllm-deci" else "deci")
+    err = _refused([run, option, target], capsys)
+    assert f"{option} {target}: inside {run / 'export'}" in err and "the model being exported" in err
+    assert files(run) == before and not (run / "export" / "deci").exists()
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_an_existing_file_of_another_format_is_refused_before_any_work(option, tmp_path, bpe, monkeypatch, capsys):
+    """The run's results.json (or any file that is not what the option writes) given as the target:
+    refused before the export, not replaced (and for ONNX not read as an old graph after a 34 s
+    export, failing with a protobuf DecodeError)."""
+    run = _run_dir(tmp_path, bpe)
+    results = (run / "results.json").read_bytes()
+    _no_work(monkeypatch)
+    err = _refused([run, option, run / "results.json"], capsys)
+    kind = {"--gguf": "a GGUF file", "--onnx": "an ONNX graph", "--onnx-decode": "an ONNX graph",
+            "--vllm-deci": "a folder"}[option]
+    assert f"{option} {run / 'results.json'}: exists and is not {kind}" in err
+    assert (run / "results.json").read_bytes() == results
+    if option == "--vllm-deci":  # a folder of something else is not replaced either
+        (tmp_path / "notes").mkdir()
+        (tmp_path / "notes" / "a.txt").write_text("mine")
+        err = _refused([run, option, tmp_path / "notes"], capsys)
+        assert "exists and is not a DeciLM checkpoint" in err and (tmp_path / "notes" / "a.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_unwritable_target_folder_is_refused_before_any_work(option, nested, tmp_path, bpe, monkeypatch, capsys):
+    """A target in a folder that cannot be written: exit 2 naming the folder before the export, not
+    a PermissionError traceback from tempfile after 10-22 s of export."""
+    from tests.helpers import unwritable_folder
+
+    run = _run_dir(tmp_path, bpe)
+    _no_work(monkeypatch)
+    folder = unwritable_folder(tmp_path)
+    target = folder / "sub" / OPTIONS[option] if nested else folder / OPTIONS[option]
+    err = _refused([run, option, target], capsys)
+    assert f"{option} {target}: {folder} cannot be written" in err
+
+
+@pytest.mark.parametrize("other", ["--onnx", "--onnx-decode", "--vllm-deci"])
+def test_the_same_path_for_two_outputs_is_refused_before_any_work(other, tmp_path, bpe, monkeypatch, capsys):
+    """--gguf and --onnx-decode with one path: the GGUF was written, then the ONNX publish read it as
+    the old graph and failed (DecodeError), losing the new ONNX. Refused before any work."""
+    run = _run_dir(tmp_path, bpe)
+    _no_work(monkeypatch)
+    target = tmp_path / "same"
+    err = _refused([run, "--gguf", target, other, target], capsys)
+    assert f"--gguf and {other} are the same path ({target}); allowed: different paths" in err
+    assert not target.exists()
+
+
+def test_a_folder_given_as_the_gguf_path_suggests_a_gguf_file(tmp_path, bpe, monkeypatch, capsys):
+    run = _run_dir(tmp_path, bpe)
+    _no_work(monkeypatch)
+    (tmp_path / "g").mkdir()
+    err = _refused([run, "--gguf", tmp_path / "g"], capsys)
+    assert f"(e.g. {tmp_path / 'g' / 'model.gguf'})" in err and "model.onnx" not in err
+
+
+def test_a_killed_exports_leftovers_are_removed_by_the_next_export_to_that_path(tmp_path, bpe, monkeypatch):
+    """kill -9 leaves the hidden staging file of a GGUF (`.<name>.<random>.tmp`, hundreds of MB with a
+    real model) or the staging folder of an ONNX graph or vLLM checkpoint; the next export to the
+    same path removes them. Another path's, and one a running export still holds (locked), stay."""
+    import fcntl
+    import os
+    import time
+
+    import headprune.deploy.onnx_decode as decode
+
+    run = _run_dir(tmp_path, bpe)
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = [out / ".m.gguf.k1ll3d00.tmp", out / ".d.onnx.k1ll3d00.tmp", out / ".deci.k1ll3d00.tmp"]
+    stale[0].write_bytes(b"half a gguf")
+    for folder, name in ((stale[1], "d.onnx"), (stale[2], "config.json")):
+        folder.mkdir()
+        (folder / name).write_bytes(b"half")
+    other, live = out / ".notes.gguf.k1ll3d00.tmp", out / ".m.gguf.l1ve0000.tmp"
+    other.write_bytes(b"another path's")
+    live.write_bytes(b"being written")
+    hour_ago = time.time() - 3600
+    for path in (*stale, other, live):
+        os.utime(path, (hour_ago, hour_ago))
+    held = os.open(live, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as the export writing it holds it
+    try:
+        monkeypatch.setattr(decode, "export_onnx_decode", lambda model, path: _fake_graph(path, 1.0))
+        monkeypatch.setattr(decode, "check_onnx_decode", lambda model, path, steps=4: {})
+        monkeypatch.setattr(decode, "judge_decode", lambda report, **bounds: [])
+        assert export_main([str(run), "--gguf", str(out / "m.gguf"), "--gguf-weights", "f32",
+                            "--onnx-decode", str(out / "d.onnx"), "--vllm-deci", str(out / "deci")]) == 0
+    finally:
+        os.close(held)
+    assert [p for p in stale if p.exists()] == []
+    assert other.exists() and live.exists()
+    assert (out / "m.gguf").is_file() and (out / "d.onnx").is_file() and (out / "deci" / "config.json").is_file()

@@ -16,6 +16,7 @@ import transformers as tf
 
 from headprune.models import build_model, load_tokenizer
 from headprune.models import gguf as gguf_models
+from tests.helpers import unwritable_folder
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w")]
@@ -33,9 +34,12 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return split.swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_tiny_gguf(folder: Path, seed: int = 0, name: str = "tiny.gguf"):
+def write_tiny_gguf(folder: Path, seed: int = 0, name: str = "tiny.gguf", arch: str = "llama",
+                    out_bias: bool = False):
     """A random tied-embedding GQA Llama (2 layers x 4 query / 2 KV heads, hidden 32) with a byte-level
-    BPE tokenizer and a chat template, written as an F32 GGUF file; returns (file, the torch model)."""
+    BPE tokenizer and a chat template, written as an F32 GGUF file; returns (file, the torch model).
+    `arch="qwen2"`: the same tensors under Qwen2's architecture name, with zero Q/K/V biases;
+    `out_bias`: every layer also holds an `attn_output.bias` (0.5)."""
     from gguf import GGUFWriter
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -49,7 +53,7 @@ def write_tiny_gguf(folder: Path, seed: int = 0, name: str = "tiny.gguf"):
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
-    w = GGUFWriter(str(path), "llama")
+    w = GGUFWriter(str(path), arch)
     w.add_name("tiny llama")
     w.add_block_count(2), w.add_context_length(64), w.add_embedding_length(32), w.add_feed_forward_length(64)
     w.add_head_count(4), w.add_head_count_kv(2), w.add_rope_freq_base(10000.0), w.add_rope_dimension_count(8)
@@ -67,6 +71,11 @@ def write_tiny_gguf(folder: Path, seed: int = 0, name: str = "tiny.gguf"):
             if short in ("attn_q", "attn_k"):
                 tensor = _permute(tensor, 4 if short == "attn_q" else 2)
             w.add_tensor(f"blk.{i}.{short}.weight", np.ascontiguousarray(tensor))
+        if arch == "qwen2":
+            for short, rows in (("attn_q", 32), ("attn_k", 16), ("attn_v", 16)):
+                w.add_tensor(f"blk.{i}.{short}.bias", np.zeros(rows, dtype=np.float32))
+        if out_bias:
+            w.add_tensor(f"blk.{i}.attn_output.bias", np.full(32, 0.5, dtype=np.float32))
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return path, model
 
@@ -332,19 +341,6 @@ def test_a_truncated_gguf_file_is_named_as_truncated(cut, tmp_path, cache):
     assert not cache.exists() or [p for p in cache.iterdir() if p.is_dir()] == []
 
 
-def _unwritable_folder(tmp_path) -> Path:
-    """A folder this process cannot create files in (root ignores permission bits: /sys, whose
-    subfolders even root cannot create)."""
-    import os
-
-    if os.geteuid() == 0:
-        return Path("/sys")
-    folder = tmp_path / "read_only"
-    folder.mkdir()
-    folder.chmod(0o555)
-    return folder
-
-
 @pytest.mark.parametrize("kind", ["read_only", "a_file"])
 def test_a_cache_that_cannot_be_written_names_headprune_cache(kind, tmp_path, monkeypatch):
     path, _ = write_tiny_gguf(tmp_path / "gguf")
@@ -352,7 +348,7 @@ def test_a_cache_that_cannot_be_written_names_headprune_cache(kind, tmp_path, mo
         root = tmp_path / "cache_file"
         root.write_text("x")
     else:
-        root = _unwritable_folder(tmp_path)
+        root = unwritable_folder(tmp_path)
     monkeypatch.setenv("HEADPRUNE_CACHE", str(root))
     error = NotADirectoryError if kind == "a_file" else PermissionError
     with pytest.raises(error, match=f"HEADPRUNE_CACHE={root}: {root / 'models'} cannot be written .* tiny.gguf is "
@@ -360,20 +356,144 @@ def test_a_cache_that_cannot_be_written_names_headprune_cache(kind, tmp_path, mo
         build_model(str(path), task="causal_lm")
 
 
-@pytest.mark.parametrize("damage", ["truncated_weights", "no_config"])
+@pytest.mark.parametrize("damage", ["truncated_weights", "no_config", "corrupted_tokenizer", "no_tokenizer",
+                                    "corrupted_tokenizer_config"])
 def test_a_damaged_cache_folder_is_converted_again(damage, tmp_path, cache, caplog):
-    """A cached folder is not trusted blindly: a truncated model.safetensors or a missing
-    config.json (a disk filled up, a hand edit) is converted again, with a warning naming it."""
+    """A cached folder is not trusted blindly: a truncated model.safetensors, a missing config.json,
+    or a tokenizer file that is missing or no longer JSON (a disk filled up, a hand edit: every
+    later run failed with a bare JSONDecodeError naming no file) is converted again, with a warning
+    naming it."""
     path, original = write_tiny_gguf(tmp_path / "gguf")
     folder = gguf_models.converted(path)
     weights = folder / "model.safetensors"
     if damage == "truncated_weights":
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    else:
+    elif damage == "no_config":
         (folder / "config.json").unlink()
+    elif damage == "no_tokenizer":
+        (folder / "tokenizer.json").unlink()
+    else:
+        damaged = folder / ("tokenizer.json" if damage == "corrupted_tokenizer" else "tokenizer_config.json")
+        damaged.write_text(damaged.read_text()[:100])
     with caplog.at_level("WARNING", logger=gguf_models.__name__):
+        tokenizer = load_tokenizer(str(path))
         model = build_model(str(path), task="causal_lm").eval()
     assert f"the cached conversion {folder} is damaged" in caplog.text
+    assert tokenizer("hello world").input_ids == \
+        tf.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)("hello world").input_ids
     ids = torch.arange(10)[None]
     assert torch.allclose(_logits(model, ids), _logits(original, ids), atol=1e-6)
     assert [p.name for p in cache.iterdir() if p.is_dir()] == [folder.name]  # replaced, nothing left aside
+
+
+# -- GGUF files headprune wrote, loaded back as model.pretrained (deploy/gguf_import.py) ------------------
+def _fitted(model, seed: int = 0):
+    """Non-zero attention biases everywhere (Q, K, V and O: `attention_bias=true`), as a recovery's
+    fitted output bias (least_squares, refit, bias_compensation) leaves them, Q/K ones included so
+    their rotary row order is checked too."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_proj.bias") and "self_attn" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def _without_headprune_keys(monkeypatch):
+    """save_gguf writes no `headprune.*` metadata (as a file from before these keys, or from a
+    writer other than headprune's)."""
+    import gguf
+
+    real = gguf.GGUFWriter.add_key_value
+
+    def add_key_value(self, key, *args, **kwargs):
+        if not key.startswith("headprune."):
+            real(self, key, *args, **kwargs)
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", add_key_value)
+
+
+@pytest.mark.parametrize("layout", ["llama", "deci", "deci_without_headprune_keys", "llama_q8_0"])
+def test_a_gguf_headprune_wrote_loads_back_equal_with_its_biases(layout, tmp_path, cache, monkeypatch):
+    """Issue 42: transformers' GGUF loader drops `blk.N.attn_output.bias` (attention_bias=False: the
+    logits differed by 0.94 with no warning) and does not read `deci` at all. Every layout headprune
+    writes loads back as model.pretrained computing what was exported: a uniform `llama` file and an
+    uneven `deci` one (an attention-free layer whose fitted bias the writer folded into the FFN before
+    it, a layer with a padded query head), with or without headprune's own metadata."""
+    from headprune import prune_heads, save_gguf
+    from tests.helpers import UNEVEN, bpe_tokenizer, tiny_llama
+
+    tok = bpe_tokenizer()
+    model = _fitted(tiny_llama(tok, attention_bias=True))
+    prune_heads(model, {i: [6, 7] for i in range(4)} if layout.startswith("llama") else UNEVEN)
+    weights = "q8_0" if layout == "llama_q8_0" else "f32"
+    with monkeypatch.context() as patch:
+        if layout == "deci_without_headprune_keys":
+            _without_headprune_keys(patch)
+        out = save_gguf(model, tmp_path / "gguf" / "m.gguf", tokenizer=tok, weights=weights)
+    assert out.arch == layout.split("_")[0]
+
+    loaded = build_model(str(out.path), task="causal_lm").eval()
+    ids = torch.randint(0, len(tok), (2, 12), generator=torch.Generator().manual_seed(1))
+    atol = 5e-3 if weights == "q8_0" else 1e-5
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), atol=atol, rtol=0)
+    assert not torch.allclose(_logits(_unbiased(model), ids), _logits(model, ids), atol=1e-2)  # the biases matter
+    from headprune.heads.adapters import head_layout
+
+    if layout != "deci_without_headprune_keys":  # the same heads, by their original ids
+        assert head_layout(loaded) == head_layout(model)
+    assert [getattr(loaded.config, f"{t}_token_id") for t in ("bos", "eos", "pad")] == \
+        [getattr(model.config, f"{t}_token_id") for t in ("bos", "eos", "pad")]
+    tokenizer = load_tokenizer(str(out.path))
+    assert tokenizer("the hello").input_ids == tok("the hello").input_ids
+    assert tokenizer.chat_template == tok.chat_template
+
+
+def _unbiased(model):
+    import copy
+
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.zero_()
+    return plain
+
+
+def test_a_gguf_whose_tensors_transformers_would_drop_is_refused_by_name(tmp_path, cache):
+    """A file transformers reads but whose bias tensors it would silently drop (here a qwen2 file
+    with an output-projection bias, which Qwen2 has no parameter for) is refused naming them."""
+    path, _ = write_tiny_gguf(tmp_path / "gguf", arch="qwen2", out_bias=True)
+    with pytest.raises(ValueError, match=r"transformers. qwen2 loader would drop blk\.0\.attn_output\.bias, "
+                                         r"blk\.1\.attn_output\.bias"):
+        build_model(str(path), task="causal_lm")
+    assert not cache.exists() or [p for p in cache.iterdir() if p.is_dir()] == []
+
+
+@pytest.mark.parametrize("kept", [[0, 1, 6, 7], [0, 6, 7]], ids=["whole-groups", "padded"])
+def test_a_qwen3_gguf_headprune_wrote_loads_back_equal(kept, tmp_path, cache):
+    """The `qwen3` files headprune-export writes (uniform Qwen3 layouts, per-head q/k norms, a padded
+    query head where a group is partly kept) load back as the pruned Qwen3: transformers' qwen3
+    loader derives the head size from the pruned head count and re-initialised the mismatched
+    weights."""
+    from headprune import prune_heads, save_gguf
+    from headprune.heads.adapters import head_layout
+    from tests.helpers import bpe_tokenizer
+
+    tok = bpe_tokenizer()
+    torch.manual_seed(0)
+    config = tf.Qwen3Config(vocab_size=len(tok), hidden_size=64, num_attention_heads=8, num_key_value_heads=4,
+                            head_dim=16, num_hidden_layers=2, intermediate_size=128, max_position_embeddings=512,
+                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = tf.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.2)  # so the q/k norms matter
+    prune_heads(model, {i: kept for i in range(2)})
+    out = save_gguf(model, tmp_path / "gguf" / "q.gguf", tokenizer=tok, weights="f32")
+    assert out.arch == "qwen3"
+    loaded = build_model(str(out.path), task="causal_lm").eval()
+    assert type(loaded).__name__ == "Qwen3ForCausalLM"  # whole groups: a plain checkpoint, heads renumbered
+    assert [len(h) for h in head_layout(loaded)] == [len(h) for h in head_layout(model)]
+    ids = torch.randint(0, len(tok), (2, 12), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), atol=1e-5, rtol=0)

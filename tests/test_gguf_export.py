@@ -1,5 +1,7 @@
 """GGUF export (deploy/gguf_export.py) and the vLLM DeciLM config (deploy/vllm_deci.py), read back
 with the `gguf` package's reader; llama.cpp running the files: test_llamacpp.py."""
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -205,6 +207,44 @@ def test_block_configs_refuse_what_deci_cannot_express(tok):
     assert "layer 1 keeps no heads but its output projection has a non-zero bias" in deci_refusal(biased)
     assert deci_refusal(tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=10, hidden_size=64, num_attention_heads=4,
                                                            num_hidden_layers=1, intermediate_size=256))) is None
+
+
+def test_save_deci_keeps_the_models_dtype(tmp_path, tok):
+    """save_deci wrote float32 weights whatever the model held (a bfloat16 model doubled in size);
+    it writes the model's own dtype and says it in config.json."""
+    from safetensors import safe_open
+
+    model = tiny_llama(tok, {1: list(range(8))}, intermediate_size=256).to(torch.bfloat16)
+    folder = save_deci(model, tmp_path / "deci")
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"BF16"}
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_export_cli_writes_a_vllm_deci_checkpoint_beside_the_gguf(tmp_path, tok, capsys):
+    """`headprune-export <folder> --vllm-deci <dir>`: the DeciLM checkpoint (with the folder's
+    tokenizer, which vLLM reads from the model folder) beside a GGUF of the same model; a second
+    export replaces it; a layout DeciLM cannot express exits 2 with the reason, writing nothing."""
+    from headprune import save_pruned
+    from headprune.apps.export import main as export_main
+
+    save_pruned(tiny_llama(tok, {1: list(range(8)), 3: list(range(8))}, intermediate_size=256), tmp_path / "model",
+                tokenizer=tok)
+    args = [str(tmp_path / "model"), "--vllm-deci", str(tmp_path / "deci"), "--gguf", str(tmp_path / "m.gguf")]
+    assert export_main(args) == 0
+    config = json.loads((tmp_path / "deci" / "config.json").read_text())
+    assert read_block_configs(config) == [(8, 4, 256), (0, 0, 256), (8, 4, 256), (0, 0, 256)]
+    assert (tmp_path / "deci" / "tokenizer.json").is_file() and (tmp_path / "m.gguf").is_file()
+    report = capsys.readouterr().out
+    assert f'"vllm_deci": "{tmp_path / "deci"}"' in report and '"attention_free_layers": [\n    1,\n    3\n  ]' in report
+    assert export_main(args) == 0  # its own earlier checkpoint is replaced
+
+    save_pruned(tiny_llama(tok, {2: [0, 1]}, intermediate_size=256), tmp_path / "uneven", tokenizer=tok)
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(tmp_path / "uneven"), "--vllm-deci", str(tmp_path / "deci2")])
+    assert exit_.value.code == 2 and "--vllm-deci" in (err := capsys.readouterr().err)
+    assert "layer 2 keeps 6 of 8 query heads" in err and not (tmp_path / "deci2").exists()
 
 
 # -- headprune-export --gguf --------------------------------------------------------------------------

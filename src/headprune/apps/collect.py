@@ -328,6 +328,16 @@ def collect(roots: list[Path], out: Path, keys: list[str] | None = None, before_
     return runs
 
 
+def out_problem(out: Path) -> str | None:
+    """Why --out cannot be the folder the tables go to (a file, or a path under one), or None."""
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                return f"--out {out}: {path} is a file; allowed: a folder (new or earlier headprune-collect output)"
+            return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """0 when at least one run was collected (unreadable ones are listed on stderr); exits with a
     message naming them when none could be."""
@@ -340,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mean-over", nargs="*", default=[], metavar="KEY",
                         help="override keys (e.g. metric.seed) whose runs are averaged into one curve")
     args = parser.parse_args(argv)
+    problem = out_problem(args.out)
+    if problem:
+        parser.error(problem)  # exit 2, before reading any run
     skipped: list[str] = []
     try:
         runs = collect(args.roots, args.out, args.label, args.before_finetune, args.mean_over, skipped)

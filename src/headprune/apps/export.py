@@ -5,12 +5,22 @@
     headprune-export <folder> --onnx-decode decode.onnx         # causal LMs: the KV-cache decode graph
     headprune-export <folder> --onnx model.onnx --onnx-decode decode.onnx
     headprune-export <run dir or folder> --gguf model.gguf [--gguf-weights f16|f32|q8_0]
+    headprune-export <run dir or folder> --vllm-deci deci/      # vLLM DeciLMForCausalLM checkpoint
 
 --gguf (Llama-family causal LMs) writes a GGUF file llama.cpp serves (deploy/gguf_export.py):
 architecture `llama` when every layer keeps the same heads, `deci` when layers differ (0 heads:
 an attention-free layer); the vocabulary and chat template are copied from the GGUF the dense
-model came from (model=smollm2) or written from the folder's tokenizer. A layout or model the
-format cannot express exits 2 with the reason before anything is written.
+model came from (model=smollm2) or written from the folder's tokenizer. --vllm-deci writes vLLM's
+DeciLMForCausalLM checkpoint (deploy/vllm_deci.py: layers keeping all their KV groups or none) in
+the model's dtype, with the folder's tokenizer. A layout or model a format cannot express exits 2
+with the reason before anything is written.
+
+Every target is checked before any work, exit 2 with the reason: a path inside the model folder
+being exported (a run without training keeps no other copy of the pruned model), an existing file
+or folder that is not what the option writes (an earlier GGUF, ONNX graph or --vllm-deci
+checkpoint is replaced; results.json is not), a folder that cannot be written, the same path for
+two outputs. A staging file or folder a killed export left beside a target (`.<name>.*.tmp`) is
+removed by the next export to that target (atomic.py).
 
 --onnx writes the full-sequence graph (input_ids, attention_mask -> logits) and compares ONNX
 Runtime's logits with PyTorch's on a batch of another shape than the export's. --onnx-decode
@@ -33,7 +43,7 @@ json's `dtype`, the saved model's `source_dtype`): ONNX Runtime's CPU kernels do
 bfloat16 graph. Arguments that cannot work (a missing source, a run dir without an export, a
 negative or non-finite tolerance, a --min-argmax-agreement outside [0, 1], an output path that
 is a folder or lies under a file, the same path twice, --onnx-decode for an encoder or a
-sliding-window decoder, neither --onnx nor --onnx-decode) exit 2 before the export.
+sliding-window decoder, no output at all) exit 2 before the export.
 """
 from __future__ import annotations
 
@@ -80,6 +90,11 @@ def _no_export(run: Path) -> str:
             "and export it once it has finished")
 
 
+# option -> (what it writes, an example file name): the outputs, in the order they are written
+OUTPUTS = {"--gguf": ("a GGUF file", "model.gguf"), "--vllm-deci": ("a DeciLM checkpoint folder", "deci"),
+           "--onnx": ("an ONNX graph", "model.onnx"), "--onnx-decode": ("an ONNX graph", "decode.onnx")}
+
+
 def main(argv: list[str] | None = None) -> int:
     from headprune.deploy.onnx import ABS_TOLERANCE, MIN_ARGMAX_AGREEMENT, REL_TOLERANCE
 
@@ -100,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", type=Path, help="Llama-family causal LMs: the .gguf file to write (llama.cpp)")
     parser.add_argument("--gguf-weights", default="f16", choices=["f32", "f16", "q8_0"],
                         help="weight type of --gguf (default f16; norms and biases stay f32)")
+    parser.add_argument("--vllm-deci", type=Path,
+                        help="Llama causal LMs whose layers keep all KV groups or none: the vLLM DeciLMForCausalLM "
+                             "checkpoint folder to write (config.json, model.safetensors, tokenizer)")
     args = parser.parse_args(argv)
     problem = argument_problem(args)
     if problem:
@@ -108,10 +126,16 @@ def main(argv: list[str] | None = None) -> int:
         folder = model_folder(args.source)
     except FileNotFoundError as err:
         parser.error(str(err))
-    if args.gguf is not None:
-        write_gguf(parser, folder, args.gguf, args.gguf_weights)
-        if args.onnx is None and args.onnx_decode is None:
-            return 0
+    for option in OUTPUTS:
+        problem = target_problem(option, _target(args, option), folder)
+        if problem:
+            parser.error(problem)
+    if args.onnx is not None or args.onnx_decode is not None:
+        try:
+            from headprune.deploy.onnx import check_onnx, export_onnx, judge
+            from headprune.deploy.onnx_decode import check_onnx_decode, export_onnx_decode, judge_decode
+        except ImportError as err:  # pragma: no cover - the message is the point
+            raise SystemExit(f"headprune-export needs the onnx extra: pip install \"headprune[onnx]\" ({err})") from None
     if args.onnx_decode is not None:
         from transformers import AutoConfig
 
@@ -120,15 +144,20 @@ def main(argv: list[str] | None = None) -> int:
         problem = decode_problem(AutoConfig.from_pretrained(folder))
         if problem:
             parser.error(f"--onnx-decode: {problem}")
-    try:
-        from headprune.deploy.onnx import check_onnx, export_onnx, judge
-        from headprune.deploy.onnx_decode import check_onnx_decode, export_onnx_decode, judge_decode
-    except ImportError as err:  # pragma: no cover - the message is the point
-        raise SystemExit(f"headprune-export needs the onnx extra: pip install \"headprune[onnx]\" ({err})") from None
     from headprune.deploy.hf import load_pruned
-    from headprune.deploy.onnx_files import publish, staged_onnx
 
     model = load_pruned(folder).eval()
+    refusals = model_refusals(args, model)
+    if refusals:
+        parser.error("; ".join(refusals))  # exit 2, nothing written
+    if args.gguf is not None:
+        write_gguf(folder, model, args.gguf, args.gguf_weights)
+    if args.vllm_deci is not None:
+        write_vllm_deci(folder, model, args.vllm_deci)
+    if args.onnx is None and args.onnx_decode is None:
+        return 0
+    from headprune.deploy.onnx_files import publish, staged_onnx
+
     source_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if source_dtype != "float32":
         print(f"headprune-export: {folder} holds a {source_dtype} model; exporting and checking it in float32 "
@@ -165,11 +194,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
+def _target(args: argparse.Namespace, option: str) -> Path | None:
+    return getattr(args, option.removeprefix("--").replace("-", "_"))
+
+
 def argument_problem(args: argparse.Namespace) -> str | None:
     """Why the arguments cannot work, checked before the export; None when they can."""
-    if args.onnx is None and args.onnx_decode is None and args.gguf is None:
+    given = [option for option in OUTPUTS if _target(args, option) is not None]
+    if not given:
         return ("nothing to write: give --onnx PATH (full-sequence graph), --onnx-decode PATH (causal LMs' decode "
-                "graph), --gguf PATH (llama.cpp) or several")
+                "graph), --gguf PATH (llama.cpp), --vllm-deci FOLDER (vLLM) or several")
     for name, value in (("--tolerance", args.tolerance), ("--rel-tolerance", args.rel_tolerance)):
         if not math.isfinite(value) or value < 0:
             return f"{name} {value}: allowed: a finite number >= 0"
@@ -177,39 +211,132 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         return f"--min-argmax-agreement {args.min_argmax_agreement}: allowed: a fraction in [0, 1]"
     if args.decode_steps < 1:
         return f"--decode-steps {args.decode_steps}: allowed: an integer >= 1"
-    if args.onnx is not None and args.onnx_decode is not None and args.onnx.resolve() == args.onnx_decode.resolve():
-        return f"--onnx and --onnx-decode are the same path ({args.onnx}); allowed: two different files"
-    for name, onnx in (("--onnx", args.onnx), ("--onnx-decode", args.onnx_decode), ("--gguf", args.gguf)):
-        if onnx is None:
-            continue
-        if onnx.is_dir():
-            return f"{name} {onnx}: is a folder; allowed: a file path (e.g. {onnx / 'model.onnx'})"
-        for parent in onnx.parents:
-            if parent.exists():
-                if not parent.is_dir():
-                    return f"{name} {onnx}: {parent} is a file, not a folder; allowed: a path in a folder"
-                break
+    for i, first in enumerate(given):
+        for second in given[i + 1:]:
+            path = _target(args, first)
+            if path.resolve() == _target(args, second).resolve():
+                return f"{first} and {second} are the same path ({path}); allowed: different paths"
     return None
 
 
-def write_gguf(parser: argparse.ArgumentParser, folder: Path, path: Path, weights: str) -> None:
-    """The --gguf export of `folder`: refused (exit 2, the reason) before writing when the format cannot
-    express it; the vocabulary from the dense model's GGUF when it came from one, else the folder's tokenizer."""
-    from headprune.deploy.gguf_export import gguf_refusal, save_gguf
-    from headprune.deploy.hf import load_pruned, read_origin
+def target_problem(option: str, path: Path | None, folder: Path) -> str | None:
+    """Why `option` cannot write `path`, checked before any work (None: it can): a folder where a
+    file goes, a path under a file, a path inside the model folder being exported (the run's only
+    copy of the pruned model when it kept no checkpoint), an existing file or folder of something
+    other than what the option writes (replaced only when it is an earlier output of that kind),
+    or a folder that cannot be written."""
+    if path is None:
+        return None
+    what, example = OUTPUTS[option]
+    where = f"{option} {path}"
+    folder_is_output = option == "--vllm-deci"
+    if path.is_dir() and not folder_is_output:
+        return f"{where}: is a folder; allowed: a file path (e.g. {path / example})"
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{where}: {parent} is a file, not a folder; allowed: a path in a folder"
+            break
+    model, target = folder.resolve(), path.resolve()
+    if target == model or model in target.parents:
+        return (f"{where}: inside {folder}, the model being exported (a run without training keeps no other copy); "
+                "allowed: a path outside it")
+    if folder_is_output and target in model.parents:
+        return f"{where}: holds {folder}, the model being exported; allowed: a folder outside it"
+    existing = _not_of_kind(option, path)
+    if existing:
+        return f"{where}: exists and is not {existing}"
+    return _unwritable(where, path)
+
+
+def _not_of_kind(option: str, path: Path) -> str | None:
+    """What an existing `path` would have to be for `option` to replace it, with what to do, when it
+    is something else (None: nothing there, an empty file or folder, or an earlier output of the kind)."""
+    if option == "--vllm-deci":
+        if path.exists() and not path.is_dir():
+            return "a folder; allowed: a new or empty folder, or an earlier --vllm-deci checkpoint to replace"
+        if path.is_dir() and any(path.iterdir()) and not _is_deci_checkpoint(path):
+            return ("a DeciLM checkpoint (no config.json with architectures DeciLMForCausalLM); allowed: a new or "
+                    "empty folder, or an earlier --vllm-deci checkpoint to replace")
+        return None
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    if option == "--gguf":
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            return f"a GGUF file (it starts with {magic!r}); allowed: a new path, or an earlier GGUF file to replace"
+        return None
+    try:
+        import onnx
+
+        onnx.load(str(path), load_external_data=False)
+    except ImportError:
+        return None  # the export itself names the missing extra
+    except Exception as err:  # noqa: BLE001 - protobuf's DecodeError and kin: not a graph
+        return (f"an ONNX graph (ONNX cannot read it: {type(err).__name__}); allowed: a new path, or an earlier "
+                ".onnx graph to replace")
+    return None
+
+
+def _is_deci_checkpoint(path: Path) -> bool:
+    try:
+        return "DeciLMForCausalLM" in (json.loads((path / "config.json").read_text()).get("architectures") or [])
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _unwritable(where: str, path: Path) -> str | None:
+    """Why nothing can be created beside `path` (in its folder, or the nearest existing folder above
+    it, where the missing ones would be made), or None."""
+    import tempfile
+
+    folder = next(p for p in path.absolute().parents if p.exists())
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        return f"{where}: {folder} cannot be written ({err.strerror or err}); allowed: a path in a folder you can write"
+    return None
+
+
+def model_refusals(args: argparse.Namespace, model) -> list[str]:
+    """The outputs the model cannot become, with the reasons, before anything is written."""
+    out = []
+    if args.gguf is not None:
+        from headprune.deploy.gguf_export import gguf_refusal
+
+        reason = gguf_refusal(model)
+        if reason:
+            out.append(f"--gguf {args.gguf}: {reason}")
+    if args.vllm_deci is not None:
+        from headprune.deploy.vllm_deci import deci_refusal
+
+        reason = deci_refusal(model)
+        if reason:
+            out.append(f"--vllm-deci {args.vllm_deci}: {reason}")
+    return out
+
+
+def _tokenizer(folder: Path):
+    """The folder's tokenizer, or None when it holds none."""
+    from transformers import AutoTokenizer
+
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def write_gguf(folder: Path, model, path: Path, weights: str) -> None:
+    """The --gguf export of `folder`'s model (checked by `model_refusals`): the vocabulary from the
+    dense model's GGUF when it came from one, else the folder's tokenizer."""
+    from headprune.deploy.gguf_export import save_gguf
+    from headprune.deploy.hf import read_origin
     from headprune.models.gguf import gguf_source
 
-    model = load_pruned(folder).eval()
-    reason = gguf_refusal(model)
-    if reason:
-        parser.error(f"--gguf {path}: {reason}")
     origin = read_origin(folder)
     source = gguf_source(origin) if origin else None
-    tokenizer = None
-    if source is None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = _tokenizer(folder) if source is None else None
     start = time.perf_counter()
     out = save_gguf(model, path, tokenizer=tokenizer, source_gguf=source, weights=weights, overwrite=True)
     print(json.dumps({"source": str(folder), "gguf": str(path), "arch": out.arch, "weights": weights,
@@ -217,6 +344,21 @@ def write_gguf(parser: argparse.ArgumentParser, folder: Path, path: Path, weight
                       "vocabulary_from": str(source) if source else "tokenizer", "heads": out.layout.heads,
                       "kv_heads": out.layout.kv_heads, "padded_heads": out.layout.padded_heads,
                       "f16_fallback": out.f16_fallback}, indent=2))
+
+
+def write_vllm_deci(folder: Path, model, path: Path) -> None:
+    """The --vllm-deci export of `folder`'s model (checked by `model_refusals`), with its tokenizer."""
+    from headprune.deploy.vllm_deci import read_block_configs, save_deci
+
+    start = time.perf_counter()
+    save_deci(model, path, overwrite=True, tokenizer=_tokenizer(folder))
+    config = json.loads((path / "config.json").read_text())
+    blocks = read_block_configs(config)
+    print(json.dumps({"source": str(folder), "vllm_deci": str(path), "dtype": config.get("dtype"),
+                      "export_s": round(time.perf_counter() - start, 1),
+                      "attention_free_layers": [i for i, (heads, _, _) in enumerate(blocks) if not heads],
+                      "kv_heads": [kv for _, kv, _ in blocks],
+                      "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file())}, indent=2))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ def check_settings(cfg: DictConfig, schedule, layer_policy, recovery, budget) ->
                          "(or schedule.target_sparsity=0 to train without pruning)")
     recovery.check(schedule)
     if recovery.needs_train_data and schedule.num_rounds and cfg.data.get("max_train_samples", None) == 0:
-        raise ValueError(f"recovery={type(recovery).__name__.lower()} trains "
-                         f"recovery.steps={cfg.recovery.get('steps')} steps on the training blocks, but "
+        steps = getattr(recovery, "steps_setting", None) or f"recovery.steps={cfg.recovery.get('steps')}"
+        raise ValueError(f"recovery={type(recovery).__name__.lower()} trains {steps} steps on the training blocks, but "
                          "data.max_train_samples=0 leaves none; allowed: data.max_train_samples > 0 or null")
     budget.check(schedule, layer_policy)
     names = list(cfg.get("objectives") or ["headline"])

@@ -30,14 +30,15 @@ vocabulary whose size differs from the embedding's. A layer without heads whose 
 keeps a bias (a recovery's fit; an attention-free `deci` layer adds nothing) has that bias folded
 into the FFN down-projection bias of the layer before it, which llama.cpp's `deci` FFN adds.
 
-The file is written under a temporary name beside `path` and renamed when complete.
+The file is written under a temporary name beside `path` and renamed when complete (atomic.py;
+the staging a killed export left is removed by the next export to that path). Besides llama.cpp's
+keys it records `headprune.kept_heads` and the dense head counts, from which headprune's reader
+(gguf_import.py) loads the file back as the pruned model it was written from.
 """
 from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from headprune.atomic import staged_file
 from headprune.heads.adapters import get_adapter, head_layout
 
 log = logging.getLogger(__name__)
@@ -175,33 +177,32 @@ def save_gguf(model: nn.Module, path: str | Path, tokenizer=None, source_gguf: s
     layout = gguf_layout(model)
     vocab = _vocabulary(model, tokenizer, source_gguf)
     tensors, fallback = _tensors(model, layout, weights)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, layout.arch)
+    with staged_file(path) as tmp:  # published over `path` once complete (atomic.py)
+        writer = gguf.GGUFWriter(str(tmp), layout.arch)
         _hparams(writer, model, layout, weights, name)
         for key, value, vtype, sub in vocab:
             writer.add_key_value(key, value, vtype, sub)
-        writer.add_string("headprune.kept_heads", json.dumps(head_layout(model)))
+        _headprune_keys(writer, model)
         for tensor_name, data, raw_dtype in tensors:
             writer.add_tensor(tensor_name, data, raw_dtype=raw_dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     result = GGUFExport(path, layout.arch, weights, path.stat().st_size, layout, fallback)
     log.info("save_gguf: %s (%s, %s, %.1f MB)%s", path, layout.arch, weights, result.bytes / 1e6,
              f"; {len(fallback)} tensors kept as F16" if fallback else "")
     return result
+
+
+def _headprune_keys(writer, model: nn.Module) -> None:
+    """What headprune's reader (gguf_import.py) needs to rebuild the pruned model exactly: the
+    original ids of the heads each layer keeps and the dense model's head counts (padded query
+    heads are then told from kept ones)."""
+    adapter = get_adapter(model)
+    writer.add_string("headprune.kept_heads", json.dumps(head_layout(model)))
+    writer.add_uint32("headprune.num_attention_heads", int(adapter.num_heads(model.config)))
+    writer.add_uint32("headprune.num_key_value_heads", int(adapter.num_kv_heads(model.config)))
 
 
 def _hparams(writer, model: nn.Module, layout: GGUFLayout, weights: str, name: str | None) -> None:

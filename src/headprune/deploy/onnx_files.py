@@ -18,20 +18,21 @@ there; then it is published in an order where every moment on disk is a consiste
 4. the new check report is written (atomically) and the old graph's weights file is removed.
 
 A kill before step 3 leaves the old graph with its own weights (and its report, or none after
-step 2), and at most an unreferenced weights file, removed by the next export to that path.
+step 2), and at most an unreferenced weights file and the staging folder (`.<name>.<random>.tmp`),
+both removed by the next export to that path. The staging folder, its lock and the permissions
+(0666 less the umask) are atomic.py's, as for every other file headprune publishes.
 """
 from __future__ import annotations
 
 import os
 import re
 import secrets
-import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from headprune.atomic import current_umask, write_json_atomic
+from headprune.atomic import publish as publish_file
+from headprune.atomic import share, staging, write_json_atomic
 
 
 def check_path(path: Path) -> Path:
@@ -67,12 +68,8 @@ def staged_onnx(path: Path) -> Iterator[Path]:
     """A path in an empty temporary folder beside `path`, with `path`'s name, to export and check
     the graph at; the block must end by calling `publish(staged, path, report)`. The folder is
     removed however the block ends, and `path`'s set is untouched unless `publish` ran."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        yield staging / path.name
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with staging(path, folder=True) as folder:  # atomic.py: locked; a killed export's is removed first
+        yield folder / path.name
 
 
 def publish(staged: Path, path: Path, report: dict) -> None:
@@ -82,7 +79,6 @@ def publish(staged: Path, path: Path, report: dict) -> None:
 
     if not staged.is_file():
         raise FileNotFoundError(f"the ONNX export of {path} wrote no graph (nothing at {staged}); {path} is unchanged")
-    umask = current_umask()
     old_data = set(data_files(path))
     new_data = data_files(staged)
     token = secrets.token_hex(4)
@@ -96,13 +92,12 @@ def publish(staged: Path, path: Path, report: dict) -> None:
                     entry.value = renamed[entry.value]
         onnx.save(graph, str(staged))
     for f in new_data:  # 1. beside the path, under names no earlier graph uses
-        os.chmod(f, 0o666 & ~umask)
+        share(f)
         os.replace(f, path.parent / renamed[f.name])
     check = check_path(path)
     if check.exists():  # 2.
         check.unlink()
-    os.chmod(staged, 0o666 & ~umask)
-    os.replace(staged, path)  # 3. the commit point
+    publish_file(staged, path)  # 3. the commit point
     report["onnx_bytes"] = onnx_bytes(path)
     write_json_atomic(check, report)  # 4.
     keep = {path.parent / name for name in renamed.values()}

