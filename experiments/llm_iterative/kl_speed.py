@@ -97,7 +97,9 @@ def measure(rounds: int, steps: int, data_dir: str) -> dict:
             runs[name]()
             seconds[name].append(round((time.perf_counter() - t0) / steps, 3))
             print(f"round {r + 1} {name}: {seconds[name][-1]} s/step", flush=True)
-    return {"steps_per_run": steps, "rounds": rounds, "tokens_per_step": int(batches[0]["attention_mask"].sum()),
+    first = batches[0]
+    tokens = int(first["attention_mask"].sum()) if "attention_mask" in first else first["input_ids"].numel()
+    return {"steps_per_run": steps, "rounds": rounds, "tokens_per_step": tokens,
             "seconds_per_step": seconds, "cache_build_seconds": round(cache_seconds, 3), "cache_blocks": len(batches),
             "threads": torch.get_num_threads(), "load_average_end": list(os.getloadavg()),
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
