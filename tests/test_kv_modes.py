@@ -1,0 +1,140 @@
+"""Per-unit KV modes (heads/windows.py): windowed KV groups see only their sinks and recent window,
+under eager and sdpa attention, equal to attention computed by hand."""
+import pytest
+import torch
+import transformers as tf
+
+from headprune.heads.surgery import prune_heads
+from headprune.heads.windows import KVLayout, KVWindows, window_allowed
+from tests.helpers import GQA
+
+SEQ = 12
+
+
+def llama(attn: str, layers: int = 2, seed: int = 0):
+    """A tiny GQA Llama (4 query heads, 2 KV groups, head_dim 8), `layers` layers."""
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(**dict(GQA, num_hidden_layers=layers))
+    return tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+
+
+def ids(batch: int = 2, tokens: int = SEQ, seed: int = 1):
+    return torch.randint(3, 100, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def capture(model, layer: int):
+    """Hooks recording layer `layer`'s attention input, q/k/v outputs and output-projection input."""
+    attn = model.model.layers[layer].self_attn
+    seen = {}
+    handles = [attn.register_forward_pre_hook(lambda m, a, k: seen.__setitem__("hidden", k["hidden_states"]),
+                                              with_kwargs=True),
+               attn.o_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("context", a[0]))]
+    for name in ("q_proj", "k_proj", "v_proj"):
+        handles.append(getattr(attn, name).register_forward_hook(
+            lambda m, a, out, name=name: seen.__setitem__(name, out)))
+    return seen, handles
+
+
+def by_hand(model, seen, modes, sink, window, kept_groups=(0, 1)):
+    """Layer contexts (B, T, H*D) computed with explicit loops: each query of a windowed group
+    softmaxes over the keys {j <= i: j < sink or j > i - window}, a full group over {j <= i}."""
+    d = 8
+    hidden = seen["hidden"]
+    b, t, _ = hidden.shape
+    q = seen["q_proj"].view(b, t, -1, d).transpose(1, 2)  # (B, H, T, D)
+    k = seen["k_proj"].view(b, t, -1, d).transpose(1, 2)  # (B, G, T, D)
+    v = seen["v_proj"].view(b, t, -1, d).transpose(1, 2)
+    cos, sin = model.model.rotary_emb(hidden, torch.arange(t)[None].expand(b, t))
+    q, k = tf.models.llama.modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    per_group = q.shape[1] // k.shape[1]
+    out = torch.zeros(b, t, q.shape[1], d)
+    for h in range(q.shape[1]):
+        g = h // per_group
+        windowed = modes[kept_groups[g]] == "window"
+        for i in range(t):
+            keys = [j for j in range(i + 1) if not windowed or j < sink or j > i - window]
+            scores = (q[:, h, i:i + 1] @ k[:, g, keys].transpose(-1, -2)) / d ** 0.5  # (B, 1, n)
+            out[:, i, h] = (scores.softmax(-1) @ v[:, g, keys])[:, 0]
+    return out.reshape(b, t, -1)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_windowed_group_equals_attention_by_hand(attn):
+    """Layer 1: group 0 windowed (2 sinks + 3 recent tokens of 12), group 1 full; both match the
+    explicit loops, and the windowed group's context differs from the full model's."""
+    model = llama(attn)
+    layout = KVLayout(((("full", "full")), ("window", "full")), sink=2, window=3)
+    seen, handles = capture(model, 1)
+    with torch.no_grad():
+        dense_context = (model(ids()), seen["context"].clone())[1]
+        KVWindows(layout).attach(model)
+        model(ids())
+    for handle in handles:
+        handle.remove()
+    expected = by_hand(model, seen, layout.modes[1], 2, 3)
+    assert torch.allclose(seen["context"], expected, atol=1e-5)
+    assert not torch.allclose(seen["context"][..., :16], dense_context[..., :16], atol=1e-3)  # group 0 changed
+    assert torch.equal(seen["context"][..., 16:], dense_context[..., 16:])  # group 1: full
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_all_full_layers_unchanged_bit_for_bit(attn):
+    """A layer whose groups are all full keeps its exact output next to a windowed layer; a
+    layout with no window changes no logit."""
+    model = llama(attn)
+    seen, handles = capture(model, 0)
+    with torch.no_grad():
+        dense = model(ids()).logits
+        dense_context = seen["context"].clone()
+        windows = KVWindows(KVLayout((("full", "full"), ("window", "window")), sink=1, window=2)).attach(model)
+        model(ids())
+        assert torch.equal(seen["context"], dense_context)
+        windows.detach()
+        KVWindows(KVLayout.uniform(model, "full", sink=1, window=2)).attach(model)
+        assert torch.equal(model(ids()).logits, dense)
+    for handle in handles:
+        handle.remove()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_window_covering_the_sequence_equals_full(attn):
+    model = llama(attn)
+    with torch.no_grad():
+        dense = model(ids()).logits
+        KVWindows(KVLayout.uniform(model, "window", sink=4, window=SEQ - 4)).attach(model)
+        covered = model(ids()).logits
+    assert torch.allclose(covered, dense, atol=1e-6)
+
+
+def test_window_after_physical_removal_follows_the_kept_groups():
+    """Layer 1 loses group 0 physically: its one kept group (original id 1) is the windowed one."""
+    model = llama("eager")
+    prune_heads(model, {1: [0, 1]})
+    layout = KVLayout((("full", "full"), ("removed", "window")), sink=1, window=4)
+    seen, handles = capture(model, 1)
+    with torch.no_grad():
+        KVWindows(layout).attach(model)
+        model(ids())
+    for handle in handles:
+        handle.remove()
+    expected = by_hand(model, seen, layout.modes[1], 1, 4, kept_groups=(1,))
+    assert torch.allclose(seen["context"], expected, atol=1e-5)
+
+
+def test_window_allowed_keys():
+    allowed = window_allowed(torch.arange(6), torch.arange(6), sink=1, window=2)
+    assert allowed[5].tolist() == [True, False, False, False, True, True]
+    assert allowed[2].tolist() == [True, True, True, False, False, False]
+
+
+def test_bad_layouts_refused_by_name():
+    model = llama("sdpa")
+    with pytest.raises(ValueError, match="mode 'streaming' is not allowed; allowed: full, window, removed"):
+        KVLayout((("full", "streaming"),), sink=1, window=2)
+    with pytest.raises(ValueError, match="kv_modes.window=0 must be an integer >= 1"):
+        KVLayout((("full",),), sink=1, window=0)
+    with pytest.raises(ValueError, match="the model has 2 layers of 2 units"):
+        KVWindows(KVLayout((("full", "window"),), sink=1, window=2)).attach(model)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="allowed: eager, sdpa"):
+        KVWindows(KVLayout.uniform(model, "window", sink=1, window=2)).attach(model)
