@@ -70,6 +70,8 @@ MORE_FAMILIES = {  # name -> (config, task); "mlm": masked LM, "image": an image
     "smollm3": (lambda: tf.SmolLM3Config(**GQA, no_rope_layer_interval=2, pad_token_id=0), "lm"),  # layers without rotary
     "granite": (lambda: tf.GraniteConfig(**GQA, attention_multiplier=0.3, embedding_multiplier=2.0,
                                          residual_multiplier=0.5, logits_scaling=2.0), "lm"),
+    "gpt_oss": (lambda: tf.GptOssConfig(**HD, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2), "lm"),  # attention sinks
     "phi3": (lambda: tf.Phi3Config(**GQA, pad_token_id=0, bos_token_id=1, eos_token_id=2), "lm"),  # fused qkv_proj
     "olmo2": (lambda: tf.Olmo2Config(**GQA, pad_token_id=0, bos_token_id=1, eos_token_id=2), "lm"),  # whole-projection norms
     "gpt_neox": (lambda: tf.GPTNeoXConfig(**SMALL, bos_token_id=1, eos_token_id=2), "lm"),  # per-head fused, partial rotary

@@ -18,10 +18,10 @@ from headprune.heads.adapters import get_adapter
 from tests.helpers import D, HEADS, HIDDEN, MORE_FAMILIES, PRUNE, inputs, tiny
 
 TASKS = {"lm": "causal_lm", "mlm": "masked_lm", "image": "image_classification"}
-# transformers offers no sdpa kernel for Gemma 2 (soft-capping): eager only
-NO_SDPA = {"gemma2"}
+# transformers offers no sdpa kernel for Gemma 2 (soft-capping) and gpt-oss (sinks): eager only
+NO_SDPA = {"gemma2", "gpt_oss"}
 # the families whose uniform whole-group layout is a plain checkpoint (their config says head_dim)
-PLAIN = {"qwen3", "qwen3_moe", "gemma2", "gemma3_text", "mixtral", "smollm3", "granite", "phi3"}
+PLAIN = {"qwen3", "qwen3_moe", "gemma2", "gemma3_text", "mixtral", "smollm3", "granite", "phi3", "gpt_oss"}
 
 
 @pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
@@ -186,3 +186,21 @@ def test_attention_maps_of_a_padded_layer_are_the_kept_heads(family):
         want, got = score_heads(dense, [batch], metric=metric), score_heads(pruned, [batch], metric=metric)
         torch.testing.assert_close(got[:2, [0, 2, 3]], want[:2, [0, 2, 3]], atol=1e-5, rtol=0)
         assert got[1, 1] == 0
+
+
+def test_gpt_oss_sinks_follow_their_heads():
+    """gpt-oss adds one learned sink logit per query head inside the kernel: the kept heads keep
+    theirs, and a zero query padded into a partly kept KV group gets a kept head's (its context is
+    dropped); the optimizer-state record says which entries were kept."""
+    from headprune.heads.surgery import Sliced
+
+    model = tiny("gpt_oss", "eager")
+    dense = [layer.self_attn.sinks.detach().clone() for layer in model.model.layers]
+    sliced: list[Sliced] = []
+    prune_heads(model, {1: [1], 2: [2, 3]}, sliced=sliced)
+    attn = [layer.self_attn for layer in model.model.layers]
+    torch.testing.assert_close(attn[1].sinks, dense[1][[0, 0, 2, 3]])  # slots: head 0, padding, heads 2 and 3
+    torch.testing.assert_close(attn[2].sinks, dense[2][[0, 1]])
+    assert [s.index.tolist() for s in sliced if s.new is attn[1].sinks] == [[0, 0, 2, 3]]
+    prune_heads(model, {1: [0]})  # again, from the sliced parameter: group 0 goes whole
+    torch.testing.assert_close(attn[1].sinks, dense[1][[2, 3]])

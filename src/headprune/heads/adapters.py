@@ -127,6 +127,11 @@ class ArchAdapter:
     `config.num_attention_heads * head_dim`): the core then gets its own view of the config
     (`LayerConfig`) answering those for its layer and everything else from the model's config.
 
+    `head_params` names parameters of the core with one entry per query head along dim 0, read by
+    the attention kernel (gpt-oss's `sinks`: one extra logit per head): kept with their heads, one
+    per query slot (a zero query padded into a partly kept KV group gets a kept head's entry; its
+    context is dropped before the output projection).
+
     `projection_norms` names the core's (q norm, k norm) when they are RMSNorms over the WHOLE
     query / key projection (OLMo 2's `q_norm` over heads * head_dim), not over each head: the RMS
     a kept head is divided by reads every head's features, so removing heads keeps the Q and K
@@ -153,6 +158,7 @@ class ArchAdapter:
     config_attrs: tuple[tuple[str, str], ...] = ()  # head counts the core's forward reads from self.config
     projection_norms: tuple[str, str] | None = None  # (q norm, k norm) over the whole projection (OLMo 2)
     sub_config: str = ""  # the sub-config holding the head counts (CLIP's vision_config), "" for the config itself
+    head_params: tuple[str, ...] = ()  # the core's parameters with one entry per query head (attention sinks)
 
     def config_of(self, config):
         """The (sub-)config the head counts are read from: `config.<sub_config>` where it has one."""
@@ -337,6 +343,13 @@ register_adapter(ArchAdapter(
     attn_path="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
     kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),),
 ))
+# The Llama layout plus one attention-sink logit per query head (`sinks`).
+register_adapter(ArchAdapter(
+    name="llama_sinks", model_types=("gpt_oss", "granite_swa", "granitemoe_swa", "flint"),
+    layers_path="layers", attn_path="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
+    kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),), config_head_dim=True,
+    head_params=("sinks",),
+))
 # Phi-3 / Phi-4-mini: one fused qkv_proj [all q | all k | all v]; the forward splits it at
 # config.num_attention_heads * head_dim and reads num_key_value_heads from the module.
 register_adapter(ArchAdapter(
@@ -430,8 +443,7 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("bart", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus", "plbart",
                      "prophetnet", "bigbird_pegasus", "whisper", "t5", "mt5", "umt5", "longt5", "switch_transformers",
                      "trocr", "moshi", "musicgen", "musicgen_melody"), _STACKS),
-    **dict.fromkeys(("gpt_oss", "mimo_v2_flash", "granite_swa", "granitemoe_swa", "flint", "inkling2_text",
-                     "inkling2_loop_text"), _SINKS),
+    **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), _SINKS),
     **dict.fromkeys(("afmoe", "beam", "laguna", "dory"), _GATES),
     "bloom": "ALiBi: each head's position bias slope is computed from the head count, so removing heads would change "
              "the kept heads' biases (not done)",
@@ -445,6 +457,8 @@ REFUSED: dict[str, str] = {
                 "not sliced with the heads (not done)",
     "inkling_text": "per-head relative-position projections (r_proj) and separate sliding-window head counts "
                     "(not done)",
+    "mimo_v2_flash": "values of their own head size (v_head_dim apart from head_dim): V rows and O columns per head "
+                     "are not Q's (not done)",
     "gemma4_unified_text": "head_dim and head counts vary per layer (per-layer config attributes; not done)",
     "big_bird": "block-sparse attention reshapes with the config's head count (not done)",
     "deberta-v2": "disentangled attention: the relative-position projections (pos_key_proj / pos_query_proj, or "

@@ -28,7 +28,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from headprune.heads.adapters import LAYOUT_ATTR, ArchAdapter, feature_dim, get_adapter, head_layout, set_num_features
+from headprune.heads.adapters import (LAYOUT_ATTR, ArchAdapter, feature_dim, get_adapter, head_layout, layer_heads,
+                                      set_num_features)
 from headprune.heads.headless import HeadlessAttention
 
 log = logging.getLogger(__name__)
@@ -210,6 +211,8 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
     with torch.no_grad():
         for module, outputs, index in keep.values():
             _keep(module, torch.tensor(sorted(index), dtype=torch.long), outputs, sliced)
+        if adapter.head_params:
+            _keep_head_params(model, adapter, core, layer_heads(model, layer), after, sliced)
 
     groups = adapter.kv_groups(model.config, after)
     kv_after, per_group = list(groups), max((len(heads) for heads in groups.values()), default=0)
@@ -235,6 +238,28 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
         _make_headless(adapter, block, core, d, getattr(core, "layer_idx", layer))
     elif len(after) != slots:
         core._headprune_hooks += _pad_queries(queries, o, at, slots, d)
+
+
+def _keep_head_params(model: nn.Module, adapter: ArchAdapter, core: nn.Module, before: list[int], after: list[int],
+                      sliced: list[Sliced] | None) -> None:
+    """Keep the entries of the core's per-head parameters (`ArchAdapter.head_params`) that the query
+    slots of `after` read: a kept head's own, and for a padded slot the first kept head of its group."""
+    held, _ = adapter.query_slots(model.config, before)  # where each head of `before` sits now
+    at, n_slots = adapter.query_slots(model.config, after)
+    groups = adapter.kv_groups(model.config, after)
+    per_group = n_slots // max(len(groups), 1)
+    source = [members[0] for members in groups.values() for _ in range(per_group)]  # padded slots
+    for pos, head in enumerate(after):
+        source[at[pos]] = head
+    index = torch.tensor([held[before.index(head)] for head in source], dtype=torch.long)
+    for name in adapter.head_params:
+        old = getattr(core, name, None)
+        if old is None:  # a layer without it (MiMo-V2-Flash's sinks: some layers only)
+            continue
+        new = nn.Parameter(old.detach().index_select(0, index.to(old.device)), requires_grad=old.requires_grad)
+        setattr(core, name, new)
+        if sliced is not None:
+            sliced.append(Sliced(old, new, 0, index))
 
 
 class LayerConfig:
