@@ -138,3 +138,75 @@ def test_bad_layouts_refused_by_name():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="allowed: eager, sdpa"):
         KVWindows(KVLayout.uniform(model, "window", sink=1, window=2)).attach(model)
+
+
+# -- costs at a stated context, and the knapsack over (full, windowed) options ---------------------
+def test_a_windowed_unit_costs_its_kept_tokens_over_the_context():
+    """KV bytes at seq 64 (2 layers x 2 groups x head_dim 8, float32): a windowed group holds
+    4 + 12 = 16 of 64 tokens; a window longer than the context costs what full does; the count
+    table without windows is the (k, 0) column; the table survives its JSON round trip."""
+    from headprune.costs.tables import LayerCosts, kv_costs
+    from headprune.selection.budgets import KVBudget
+
+    model = llama("sdpa")
+    table = KVBudget(target=0.5, batch=2, seq=64).mode_table(model, sink=4, window=12)
+    full_unit = 2 * 8 * 64 * 2 * 4  # K and V x head_dim x seq x batch x bytes
+    assert table.cost[0][(1, 0)] == full_unit and table.cost[1][(0, 1)] == full_unit * 16 / 64
+    assert table.cost[0][(1, 1)] == full_unit * (1 + 16 / 64) and table.dense == 2 * 2 * full_unit
+    assert set(table.cost[0]) == {(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (0, 2)}
+    counts = kv_costs(model, 2, 64)
+    assert all(table.cost[l][(k, 0)] == counts.cost[l][k] for l in range(2) for k in range(3))
+    assert KVBudget(batch=2, seq=10).mode_table(model, sink=4, window=12).cost[0][(0, 2)] == \
+        KVBudget(batch=2, seq=10).mode_table(model, sink=4, window=12).cost[0][(2, 0)]
+    assert LayerCosts.from_json(table.to_json()) == table
+
+
+def test_windowed_flops_scale_the_scores_only():
+    from headprune.costs.flops import attention_flops
+    from headprune.selection.budgets import FlopsBudget
+
+    table = FlopsBudget(batch=1, seq=64).mode_table(llama("sdpa"), sink=4, window=12)
+    projections = attention_flops(1, 64, 0, 2, 1, 8, 32)  # one group: 2 query heads, 1 KV head
+    scores = attention_flops(1, 64, 64, 2, 1, 8, 32) - projections
+    assert table.cost[0][(0, 1)] == pytest.approx(projections + scores * 16 / 64)
+
+
+def test_mode_values_assign_units_by_both_values():
+    """Unit 0 is worth most full, unit 1 loses least when windowed: one full and one windowed
+    puts unit 0 full (10 + 7), not the order of either ranking alone."""
+    from headprune.costs.knapsack import mode_values
+
+    values = mode_values([10.0, 8.0, 1.0], [2.0, 7.0, 0.5])
+    assert values[(1, 1)] == (17.0, ("full", "window", "removed"))
+    assert values[(0, 1)] == (7.0, ("removed", "window", "removed"))
+    assert values[(3, 0)][1] == ("full",) * 3 and values[(0, 0)] == (0.0, ("removed",) * 3)
+
+
+def test_the_knapsack_chooses_among_full_window_and_removed():
+    """Two layers of two groups at seq 64, window 16 tokens (1/4 of a full unit), budget 0.5 of
+    dense (2 full units' worth): the best layout windows cheap-to-window groups, keeps the one
+    that loses most windowed full, and matches brute force over all 3^4 layouts."""
+    import itertools
+
+    from headprune.costs.knapsack import best_modes
+    from headprune.selection.budgets import KVBudget
+
+    model = llama("sdpa")
+    table = KVBudget(target=0.5, batch=1, seq=64).mode_table(model, sink=4, window=12)
+    full = [[5.0, 4.0], [3.0, 6.0]]
+    window = [[1.0, 3.5], [2.5, 5.9]]
+    limit = 0.5 * table.dense
+    modes, value, cost = best_modes(full, window, table.cost, limit)
+
+    def worth(layout):
+        return sum({"full": full[l][u], "window": window[l][u], "removed": 0.0}[m]
+                   for l, layer in enumerate(layout) for u, m in enumerate(layer))
+
+    def price(layout):
+        return sum(table.cost[l][(layer.count("full"), layer.count("window"))] for l, layer in enumerate(layout))
+
+    layouts = [(a, b) for a in itertools.product(("full", "window", "removed"), repeat=2)
+               for b in itertools.product(("full", "window", "removed"), repeat=2)]
+    best = max((x for x in layouts if price(x) <= limit), key=worth)
+    assert value == pytest.approx(worth(best)) and cost == price(modes) <= limit
+    assert [m for layer in modes for m in layer].count("window") >= 2  # windows are what fit

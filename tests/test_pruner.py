@@ -178,3 +178,18 @@ def test_a_teacher_folder_is_loaded_as_saved(tmp_path, tokenizer):
 def test_least_squares_refuses_a_resume():
     with pytest.raises(ValueError, match="recovery=least_squares tunes each round against the unpruned"):
         LeastSquares().resume(None)
+
+
+def test_final_cost_share_is_the_kept_layouts_share(tokenizer):
+    """results.json final.cost_share under a cost budget: the kept units' cost over dense, from the
+    budget's table at its batch and seq (recomputed here from the kept heads); none under heads."""
+    budget = FlopsBudget(target=0.6, batch=2, seq=8)
+    pruner = Pruner(tiny_bert(), get_metric("magnitude"), OneShot(target_sparsity=0.4, baseline_epochs=0,
+                                                                   epochs_per_round=0), GlobalPolicy(), budget)
+    final = pruner.run(_loaders(tokenizer))["final"]
+    kept = pruner.mask.heads_per_layer()
+    assert final["cost_share"] == pytest.approx(pruner.costs.total(kept) / pruner.costs.dense)
+    assert 0 < final["cost_share"] <= 0.6 and final["cost_share"] < 1
+    heads = Pruner(tiny_bert(), get_metric("magnitude"), OneShot(target_sparsity=0.5, baseline_epochs=0,
+                                                                  epochs_per_round=0), GlobalPolicy())
+    assert "cost_share" not in heads.run(_loaders(tokenizer))["final"]

@@ -1,4 +1,5 @@
-"""How many heads each layer keeps under a cost budget: a multiple-choice knapsack, solved exactly.
+"""How many heads each layer keeps under a cost budget: a multiple-choice knapsack, solved exactly
+(and, for per-unit KV modes, how many of its units stay full and how many windowed: `best_modes`).
 
 Every layer l picks one option k in `choices[l]` (how many units it keeps), worth `value[l][k]`
 (the retained importance: the sum of its k most important units) and costing `cost[l][k]` (its
@@ -46,3 +47,38 @@ def _pareto(points: list[tuple[float, float, tuple[int, ...]]], limit: float) ->
             out.append(point)
             best_value = point[1]
     return out
+
+
+def mode_values(full: Sequence[float], window: Sequence[float]) -> dict[tuple[int, int], tuple[float, tuple[str, ...]]]:
+    """{(units full, units windowed): (value, modes)} of one layer: the most valuable assignment of
+    that many of its units to `full` and `window` (the rest `removed`, worth 0), unit u worth
+    `full[u]` kept full and `window[u]` windowed. A dynamic programme over the units (an
+    assignment problem; sorting by one value alone is wrong when the two rankings differ)."""
+    if len(full) != len(window):
+        raise ValueError(f"{len(full)} full values but {len(window)} window values: one of each per unit")
+    best: dict[tuple[int, int], tuple[float, tuple[str, ...]]] = {(0, 0): (0.0, ())}
+    for f_u, w_u in zip(full, window):
+        grown: dict[tuple[int, int], tuple[float, tuple[str, ...]]] = {}
+        for (nf, nw), (v, modes) in best.items():
+            for key, value, mode in (((nf + 1, nw), v + f_u, "full"), ((nf, nw + 1), v + w_u, "window"),
+                                     ((nf, nw), v, "removed")):
+                if key not in grown or value > grown[key][0]:
+                    grown[key] = (value, modes + (mode,))
+        best = grown
+    return best
+
+
+def best_modes(full: Sequence[Sequence[float]], window: Sequence[Sequence[float]], cost: Sequence[dict],
+               limit: float, choices: Sequence[Sequence[tuple[int, int]]] | None = None
+               ) -> tuple[list[tuple[str, ...]], float, float]:
+    """(modes per layer, total value, total cost) of the most valuable per-unit KV modes costing
+    <= `limit`: each layer picks an option (units full, units windowed) among `choices[l]` (every
+    option of `cost[l]` by default) at `cost[l][option]`, worth its best assignment
+    (`mode_values`), by the multiple-choice knapsack above. Raises ValueError when nothing fits."""
+    values = [mode_values(f, w) for f, w in zip(full, window, strict=True)]
+    if len(cost) != len(values):
+        raise ValueError(f"{len(values)} layers of unit values but {len(cost)} layers of costs")
+    choices = choices if choices is not None else [sorted(c) for c in cost]
+    value = [{option: values[l][option][0] for option in choices[l]} for l in range(len(values))]
+    picks, total_value, total_cost = best_allocation(choices, value, cost, limit)
+    return [values[l][option][1] for l, option in enumerate(picks)], total_value, total_cost

@@ -4,6 +4,10 @@ attention a whole KV group), for the cost budgets of `selection.budgets`.
 - FLOPs: the layer's attention FLOPs (`costs.flops.attention_flops`: Q/K/V/O products, scores,
   weighted sum) at batch x seq;
 - KV bytes: 2 (K and V) x kept KV heads x head_dim x seq x batch x bytes per value;
+- per-unit KV modes (`heads.windows`): the same two costs with options (units kept full, units
+  windowed): a windowed unit holds min(sink + window, seq) tokens where a full one holds seq,
+  so it costs (sink + window) / seq of a full one in KV bytes and in score / weighted-sum FLOPs
+  (its projections cost what a full unit's do);
 - latency: the measured time of one attention layer with k units (`costs.latency`); the dense
   forward minus every layer's dense attention is the part no head choice changes (`fixed`).
 """
@@ -19,27 +23,37 @@ from headprune.heads.adapters import get_adapter, model_shape
 
 @dataclass
 class LayerCosts:
-    """cost[l][k]: layer l keeping k units; `dense`: the dense model's total (a budget's 100%);
-    `fixed`: what no head choice changes (the rest of the forward for latency; 0 otherwise)."""
+    """cost[l][k]: layer l keeping k units (or, for per-unit KV modes, k = (units full, units
+    windowed)); `dense`: the dense model's total (a budget's 100%); `fixed`: what no head choice
+    changes (the rest of the forward for latency; 0 otherwise)."""
 
-    cost: list[dict[int, float]]
+    cost: list[dict[int | tuple[int, int], float]]
     dense: float
     fixed: float = 0.0
     unit: str = "ms"
 
-    def total(self, kept: list[int]) -> float:
+    def total(self, kept: list) -> float:
         return self.fixed + sum(self.cost[l][k] for l, k in enumerate(kept))
 
     def to_json(self) -> dict:
-        """A JSON-able form (unit counts become string keys); `from_json` reads it back."""
+        """A JSON-able form (unit counts become string keys, a (full, windowed) pair "full,windowed");
+        `from_json` reads it back."""
         out = asdict(self)
-        out["cost"] = [{str(k): v for k, v in layer.items()} for layer in self.cost]
+        out["cost"] = [{_key(k): v for k, v in layer.items()} for layer in self.cost]
         return out
 
     @classmethod
     def from_json(cls, data: dict) -> "LayerCosts":
-        return cls([{int(k): float(v) for k, v in layer.items()} for layer in data["cost"]], float(data["dense"]),
+        return cls([{_option(k): float(v) for k, v in layer.items()} for layer in data["cost"]], float(data["dense"]),
                    float(data.get("fixed", 0.0)), data.get("unit", "ms"))
+
+
+def _key(option: int | tuple[int, int]) -> str:
+    return ",".join(map(str, option)) if isinstance(option, tuple) else str(option)
+
+
+def _option(key: str) -> int | tuple[int, int]:
+    return tuple(int(part) for part in key.split(",")) if "," in key else int(key)
 
 
 def _dims(model: nn.Module) -> tuple[int, int, int, int, int]:
@@ -61,6 +75,31 @@ def kv_costs(model: nn.Module, batch: int, seq: int) -> LayerCosts:
     width = next(model.parameters()).element_size()
     per = {k: 2 * k * d * seq * batch * width for k in range(n_units + 1)}
     return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[n_units], unit="bytes")
+
+
+def mode_options(n_units: int) -> list[tuple[int, int]]:
+    """Every (units full, units windowed) a layer of `n_units` units may keep (the rest removed)."""
+    return [(full, windowed) for full in range(n_units + 1) for windowed in range(n_units + 1 - full)]
+
+
+def kv_mode_costs(model: nn.Module, batch: int, seq: int, sink: int, window: int) -> LayerCosts:
+    """KV bytes at `seq` tokens per (full, windowed) option: a windowed unit holds min(sink +
+    window, seq) tokens (`kv_costs` is the table without windows)."""
+    n_layers, n_units, _, d, _ = _dims(model)
+    width = next(model.parameters()).element_size()
+    held = min(sink + window, seq)
+    per = {(f, w): 2 * d * batch * width * (f * seq + w * held) for f, w in mode_options(n_units)}
+    return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[(n_units, 0)], unit="bytes")
+
+
+def flops_mode_costs(model: nn.Module, batch: int, seq: int, sink: int, window: int) -> LayerCosts:
+    """Attention FLOPs at batch x seq per (full, windowed) option: a windowed unit's queries
+    score min(sink + window, seq) keys (`flops_costs` is the table without windows)."""
+    n_layers, n_units, group, d, hidden = _dims(model)
+    held = min(sink + window, seq)
+    per = {(f, w): attention_flops(batch, seq, seq, f * group, f, d, hidden)
+           + attention_flops(batch, seq, held, w * group, w, d, hidden) for f, w in mode_options(n_units)}
+    return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[(n_units, 0)], unit="FLOPs")
 
 
 def latency_costs(model: nn.Module, layer_ms: dict[int, float], forward_ms: float) -> LayerCosts:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from headprune.costs.knapsack import best_allocation
-from headprune.costs.tables import LayerCosts, flops_costs, kv_costs, latency_costs
+from headprune.costs.tables import LayerCosts, flops_costs, flops_mode_costs, kv_costs, kv_mode_costs, latency_costs
 from headprune.heads.adapters import model_shape
 from headprune.tasks import is_causal_lm, max_positions
 
@@ -125,6 +125,12 @@ class CostBudget(Budget):
     def measure(self, dense: nn.Module) -> tuple[LayerCosts, dict]:
         return self.table(dense), {}
 
+    def cost_share(self, costs: LayerCosts, alive: torch.Tensor, model_units: list[list[int]]) -> float:
+        """The kept layout's cost as a share of the dense model's, at this budget's batch and seq
+        (results.json `final.cost_share`): a layer keeps every unit with a head alive."""
+        kept = [sum(bool(alive[l, heads].any()) for heads in model_units) for l in range(alive.shape[0])]
+        return costs.total(kept) / costs.dense
+
     def goal(self, schedule, k: int, alive: torch.Tensor, costs: LayerCosts | None) -> Goal:
         """Round k keeps at most 1 - (1 - target) x s_k / s_last of the dense cost, s the
         schedule's sparsities (the last round: `target` exactly)."""
@@ -142,10 +148,15 @@ class FlopsBudget(CostBudget):
     def table(self, dense):
         return flops_costs(dense, self.batch, self.seq)
 
+    def mode_table(self, dense: nn.Module, sink: int, window: int) -> LayerCosts:
+        """The table with per-unit KV modes: options (units full, units windowed) of each layer."""
+        return flops_mode_costs(dense, self.batch, self.seq, sink, window)
+
 
 @dataclass
 class KVBudget(CostBudget):
-    """`budget=kv`: KV-cache bytes, for decoders (batch x seq only scale the bytes reported)."""
+    """`budget=kv`: KV-cache bytes, for decoders, counted at a context of `seq` tokens (batch x seq
+    only scale the bytes of full units; a windowed unit's share depends on seq: `mode_table`)."""
 
     batch: int = 1
     seq: int = 1024
@@ -159,6 +170,11 @@ class KVBudget(CostBudget):
 
     def table(self, dense):
         return kv_costs(dense, self.batch, self.seq)
+
+    def mode_table(self, dense: nn.Module, sink: int, window: int) -> LayerCosts:
+        """The table with per-unit KV modes: options (units full, units windowed) of each layer, a
+        windowed unit costing min(sink + window, seq) / seq of a full one."""
+        return kv_mode_costs(dense, self.batch, self.seq, sink, window)
 
 
 @dataclass

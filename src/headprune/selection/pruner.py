@@ -38,6 +38,7 @@ from headprune.costs.tables import LayerCosts
 from headprune.engine.step_fit import FitPlan
 from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.mask import HeadMask
+from headprune.heads.surgery import kv_group_heads
 from headprune.recovery import Recovery, make_recovery
 from headprune.recovery.base import AFTER_RECOVERY, RecoveryContext
 from headprune.results import RunResults
@@ -353,6 +354,8 @@ class Pruner:
                          "pruned": mask.pruned(), "rounds_completed": len(self.rounds),
                          "rounds_planned": self.num_rounds, "stop_reason": self.final_reason(),
                          "val": self.evaluate(loaders.val) if fresh else self.rounds[-1]["val"]}
+        if self.costs is not None:  # every cost budget: the kept layout's share of the dense cost
+            data["final"]["cost_share"] = self.budget.cost_share(self.costs, mask.alive(), kv_group_heads(self.model))
         self.results.save()
         if self.results.output_dir is not None and self.results.writer:
             from headprune.plots import close, head_heatmap
