@@ -126,3 +126,50 @@ def test_a_killed_ddp_recovery_resumes_to_the_uninterrupted_weights(ddp_recovery
     _same_weights(ddp_recovery, killed)
     assert _recovery(killed)["distill"]["resumed_at_step"] == step
     assert _recovery(killed)["distill"]["loss_last"] == _recovery(ddp_recovery)["distill"]["loss_last"]
+
+
+class _Killed(RuntimeError):
+    pass
+
+
+def _untimed(value):
+    """`value` without its wall-clock figures (keys naming seconds), which no two runs share."""
+    if isinstance(value, dict):
+        return {k: _untimed(v) for k, v in value.items() if "seconds" not in k}
+    if isinstance(value, list):
+        return [_untimed(v) for v in value]
+    return value
+
+
+def test_an_iterative_run_resumes_in_its_second_rounds_chain(tmp_path, data_dir, monkeypatch):
+    """Two rounds, each a refit then KL steps (recovery=chain): a run stopped in round 2's KL steps
+    (after a checkpoint) resumes there: round 1 is not redone, round 2's refit is not run again, the
+    KL steps continue at the checkpoint's step, and the weights and rounds equal the uninterrupted run's."""
+    from headprune.engine import step_fit
+
+    base = [o for o in KL if not o.startswith(("recovery", "logger", "schedule.target_sparsity"))]
+    settings = [*base, "logger=none", "schedule=iterative", "schedule.target_sparsity=0.5", "schedule.step=0.25",
+                "recovery=chain", "recovery.options.distill.steps=8", "+recovery.options.distill.checkpoint_every=3",
+                "recovery.options.distill.alpha=1.0", "+recovery.options.distill.lr=1e-3"]
+    whole = run(compose_train(tmp_path / "whole", data_dir, *settings))
+    original = step_fit.StepModule.training_step
+
+    def stop_in_round_two(self, batch, batch_idx):
+        if self.label.startswith("round 2") and self.trainer.global_step == 5:
+            raise _Killed
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(step_fit.StepModule, "training_step", stop_in_round_two)
+    with pytest.raises(_Killed):
+        run(compose_train(tmp_path / "broken", data_dir, *settings))
+    monkeypatch.setattr(step_fit.StepModule, "training_step", original)
+    assert checkpoint_step(tmp_path / "broken" / "recovery" / "last.ckpt") == 3
+    resumed = run(compose_train(tmp_path / "broken", data_dir, *settings,
+                                f"ckpt_path={tmp_path / 'broken' / 'recovery' / 'last.ckpt'}"))
+    _same_weights(tmp_path / "whole", tmp_path / "broken")
+    assert [r["pruned"] for r in resumed["rounds"]] == [r["pruned"] for r in whole["rounds"]]
+    assert _untimed(resumed["rounds"][0]) == _untimed(whole["rounds"][0])  # round 1 came back from the checkpoint
+    assert _untimed(resumed["rounds"][1]["refit"]) == _untimed(whole["rounds"][1]["refit"])
+    assert resumed["rounds"][1]["distill"]["resumed_at_step"] == 3
+    assert resumed["rounds"][1]["distill"]["loss_last"] == whole["rounds"][1]["distill"]["loss_last"]
+    assert resumed["final"]["val"] == whole["final"]["val"]
