@@ -6,14 +6,15 @@ the runs' results.json (with the run's wall.json under `wall`), and kl_speed.jso
 
 writes results.md (one row per arm: KV kept per round, KL steps and tokens, perplexity at seq 2048 and
 128 on held-out Tiny Shakespeare and SST-2's sentences against the dense model evaluated in the same
-runs, seconds), answers.md (each arm's greedy chat answers beside the dense model's) and, when
-kl_speed.json exists, kl_speed.md. tests/test_experiment_tables.py checks the committed Markdown
+runs, seconds), answers.md (each arm's greedy chat answers beside the dense model's) and kl_speed.md
+(from kl_speed.json, or from the log kl_speed.py printed, kl_speed.log). tests/test_experiment_tables.py checks the committed Markdown
 against these functions.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -113,6 +114,19 @@ def kl_speed(raw: dict) -> list[str]:
     return lines
 
 
+def kl_speed_from_log(text: str) -> dict:
+    """The per-round figures kl_speed.py prints ("round R <variant>: S s/step"), for a run whose
+    JSON was not written (the first measurement, whose last line failed: see the README)."""
+    seconds: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"round (\d+) (\w+): ([\d.]+) s/step", line.strip())
+        if match:
+            seconds.setdefault(match.group(2), []).append(float(match.group(3)))
+    if "loop_fp32_live" not in seconds:
+        raise ValueError("the log holds no round of the old loop (loop_fp32_live)")
+    return {"seconds_per_step": seconds}
+
+
 def render(folder: Path = HERE) -> dict[str, str]:
     """{file name: Markdown} of every table the raw files in `folder` give."""
     out = {}
@@ -120,9 +134,11 @@ def render(folder: Path = HERE) -> dict[str, str]:
     if runs:
         out["results.md"] = "\n".join(table(runs)) + "\n"
         out["answers.md"] = "\n".join(answers(runs)) + "\n"
-    speed = folder / "kl_speed.json"
+    speed, log = folder / "kl_speed.json", folder / "kl_speed.log"
     if speed.is_file():
         out["kl_speed.md"] = "\n".join(kl_speed(json.loads(speed.read_text()))) + "\n"
+    elif log.is_file():
+        out["kl_speed.md"] = "\n".join(kl_speed(kl_speed_from_log(log.read_text()))) + "\n"
     return out
 
 
