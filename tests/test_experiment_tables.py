@@ -58,3 +58,34 @@ def test_iterative_vs_one_shot_rows_and_table(tmp_path):
     assert "| 50% | iterative | 5 | 12 (6 6) | 80.00 | 70.00 | **82.00** | +2.00 |" in text
     assert "| 50% | one_shot | 5 | 12 (6 6) | 80.00 | 60.00 | **78.00** | -2.00 |" in text
     assert "| 0% | dense control | 7 | 72 | – | – | **85.00** | – |" in text
+
+
+def _llm_run(ppl: dict, kept: list[float], steps: list[int], dense: dict | None = None) -> dict:
+    def block(values):
+        return {"perplexity": {s: {"ppl": values[("ts", s)]} for s in ("seq128", "seq2048")},
+                "perplexity_other": {"sst2": {s: {"ppl": values[("sst2", s)]} for s in ("seq128", "seq2048")}},
+                "generation": [{"prompt": "p?", "answer": f"a{len(kept)}"}]}
+    evaluation = {"pruned": block(ppl)}
+    if dense:
+        evaluation["dense"] = block(dense)
+    return {"rounds": [{"budget": {"predicted_share": k}, "distill": {"steps": n, "tokens": 1024 * n}}
+                       for k, n in zip(kept, steps)],
+            "evaluation": evaluation, "stages": {"train_and_prune": 100.0}, "wall": {"wall_seconds": 120.5}}
+
+
+def test_llm_iterative_rows_compare_each_arm_with_the_dense_model_of_the_same_runs():
+    collect = _script(EXP / "llm_iterative" / "collect.py")
+    dense = {("ts", "seq2048"): 20.0, ("sst2", "seq2048"): 50.0, ("ts", "seq128"): 40.0, ("sst2", "seq128"): 100.0}
+    pruned = {key: value * 1.5 for key, value in dense.items()}
+    runs = {"attention_drop_one_shot": _llm_run(pruned, [0.33], [150], dense),
+            "attention_drop_iterative": _llm_run(dense, [0.67, 0.33], [75, 75])}
+    text = "\n".join(collect.table(runs))
+    assert "| dense | 1.00 | – | 20.00 | 50.00 | 40.00 | 100.00 | – | – |" in text
+    assert "| attention_drop_one_shot | 0.33 | 150 (153,600) | 30.00 (+50.0%) | 75.00 (+50.0%) |" in text
+    assert "| attention_drop_iterative | 0.67, 0.33 | 150 (153,600) | 20.00 (+0.0%) |" in text
+    assert collect.answers(runs)[-1] == "| p? | a1 | a1 | a2 |"
+    speed = collect.kl_speed(collect.kl_speed_from_log("round 1 loop_fp32_live: 4.0 s/step\n"
+                                                       "round 1 fit_bf16_live: 2.0 s/step\n"
+                                                       "round 2 loop_fp32_live: 6.0 s/step\n"
+                                                       "round 2 fit_bf16_live: 2.0 s/step\nnoise"))
+    assert speed[2:] == ["| loop_fp32_live | 5.00 | 1.00x |", "| fit_bf16_live | 2.00 | 2.50x |"]

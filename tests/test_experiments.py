@@ -337,3 +337,12 @@ def test_llm_uneven_gguf_rows():
            "| 40.00 |" in lines
     assert "| attention drop (He et al. 2024) | bias compensation | refused: layer 4 keeps no heads but ... |" in "\n".join(lines)
     assert collect.gguf_table({"models": {}}, group) == []
+
+
+def test_llm_iterative_tables_match_results():
+    """experiments/llm_iterative's committed Markdown is what collect.py renders of its raw files."""
+    collect = _script(EXP / "llm_iterative" / "collect.py")
+    rendered = collect.render(EXP / "llm_iterative")
+    assert "kl_speed.md" in rendered
+    for name, text in rendered.items():
+        assert (EXP / "llm_iterative" / name).read_text() == text, name
