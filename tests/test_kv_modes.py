@@ -210,3 +210,85 @@ def test_the_knapsack_chooses_among_full_window_and_removed():
     best = max((x for x in layouts if price(x) <= limit), key=worth)
     assert value == pytest.approx(worth(best)) and cost == price(modes) <= limit
     assert [m for layer in modes for m in layer].count("window") >= 2  # windows are what fit
+
+
+# -- generation with a cache that keeps only sinks + window -----------------------------------------
+def greedy_by_full_forwards(model, prompt, steps: int):
+    """Greedy tokens from the masked model re-run on the whole sequence at each step (no cache)."""
+    seq = prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+            seq = torch.cat([seq, nxt], dim=1)
+    return seq
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_generate_with_the_windowed_cache_equals_full_forwards(attn):
+    """Layer 0: group 0 windowed, group 1 full; layer 1: both windowed (sink 2, window 3) over a
+    6-token prompt and 10 new tokens: generate()'s tokens equal the masked full-sequence model's,
+    windowed heads hold 2 + 3 - 1 tokens, full heads all 15, and the logits differ from the
+    unwindowed model's (the windows dropped tokens that mattered)."""
+    from transformers.cache_utils import DynamicCache
+
+    from headprune.heads.windows import WindowedCacheLayer
+
+    model = llama(attn)
+    prompt = ids(batch=2, tokens=6)
+    with torch.no_grad():
+        dense = model(ids(batch=2, tokens=16)).logits
+    KVWindows(KVLayout((("window", "full"), ("window", "window")), sink=2, window=3)).attach(model)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        out = model.generate(prompt, max_new_tokens=10, do_sample=False, cache=cache, pad_token_id=0)
+        masked = model(ids(batch=2, tokens=16)).logits
+    assert torch.equal(out, greedy_by_full_forwards(model, prompt, 10))
+    with torch.no_grad():  # generate()'s own cache gets the windowed layers too
+        assert torch.equal(model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0), out)
+    assert all(isinstance(layer, WindowedCacheLayer) for layer in cache.layers)
+    assert cache.layers[0].held_tokens() == (15, 4) and cache.layers[1].held_tokens() == (0, 4)
+    assert cache.layers[0].window_slots.tolist() == [0, 1, 13, 14]
+    assert cache.get_seq_length() == 15
+    assert not torch.allclose(masked[:, 5:], dense[:, 5:], atol=1e-4)
+
+
+def test_the_windowed_cache_holds_less_and_refuses_cropping():
+    from transformers.cache_utils import DynamicCache
+
+    model = llama("sdpa")
+    KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=2)).attach(model)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids(batch=1, tokens=12), cache=cache, use_cache=True)
+    per_token = 2 * 8 * 4  # K and V x head_dim x float32, one head
+    assert cache.layers[0].held_bytes() == per_token * (12 + 2)  # full: 12 tokens; windowed: sink + window - 1
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(-1)
+    filled = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model.model.layers[0].self_attn._forward_pre_hooks.clear()
+        model(ids(batch=1, tokens=4), cache=filled, use_cache=True)
+    KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=2)).attach(model)
+    with pytest.raises(ValueError, match="cache layer is DynamicLayer holding tokens"):
+        model(ids(batch=1, tokens=1), cache=filled, use_cache=True)
+
+
+def test_save_and_load_pruned_keep_the_modes(tmp_path):
+    """Layer 1's group 0 removed (physically), its group 1 and layer 0's group 0 windowed: the
+    folder is not a plain checkpoint, and load_pruned's model computes the same logits and
+    generate() tokens, its windows attached (a windowed cache at generation)."""
+    from headprune.deploy.hf import load_pruned, save_pruned
+
+    model = llama("sdpa")
+    layout = KVLayout((("window", "full"), ("removed", "window")), sink=1, window=3)
+    prune_heads(model, layout.removed_heads(model))
+    KVWindows(layout).attach(model)
+    saved = save_pruned(model, tmp_path / "export")
+    assert not saved.plain_hf and "windowed KV units" in saved.why
+    loaded = load_pruned(tmp_path / "export").eval()
+    prompt = ids(batch=1, tokens=5)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids()).logits, model(ids()).logits)
+        want = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), want)
+    assert loaded.headprune_kv_layout == layout

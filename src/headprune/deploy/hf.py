@@ -6,6 +6,9 @@ Mistral, Qwen2), otherwise the original config plus `headprune_layout.json`, fro
 `load_pruned` rebuilds the uneven shapes before the weights load. Either file can record the
 dense model the export was pruned from (`dense_model`, read back by `read_origin`), so a benchmark
 compares the export with its real origin rather than with a model of its own (pruned) config.
+A model with windowed KV units (`heads.windows`) also gets `headprune_kv_modes.json`, and only
+`load_pruned` loads it: it attaches the windows again (plain `from_pretrained` would attend to
+every token).
 """
 from __future__ import annotations
 
@@ -23,11 +26,13 @@ from transformers import AutoConfig
 from headprune.atomic import staged_folder, write_json_atomic
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.surgery import apply_layout, integer_id
+from headprune.heads.windows import KV_LAYOUT_ATTR, WINDOW, KVLayout, KVWindows
 
 log = logging.getLogger(__name__)
 
 LAYOUT_FILE = "headprune_layout.json"
 EXPORT_FILE = "headprune_export.json"
+MODES_FILE = "headprune_kv_modes.json"
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,10 @@ def _write(model: nn.Module, directory: Path, tokenizer, origin: str | None) -> 
     """Write the model (and tokenizer) into the empty folder `directory`: (plain_hf, why)."""
     adapter, layout = get_adapter(model), head_layout(model)
     counts, why = plain_counts(model)
+    modes = getattr(model, KV_LAYOUT_ATTR, None)
+    if modes is not None and any(WINDOW in layer for layer in modes.modes):
+        counts, why = None, "windowed KV units: load_pruned attaches their masks and cache"
+        write_json_atomic(directory / MODES_FILE, modes.to_json())
     recorded = {"dense_model": origin} if origin is not None else {}
     if counts is None:
         model.save_pretrained(directory)
@@ -172,7 +181,7 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
                 raise
             raise ValueError(f"load_pruned: {directory} holds weights of a pruned model but no {LAYOUT_FILE} saying "
                              "which heads each layer kept; save it with headprune.save_pruned") from err
-        return model.to(device) if device is not None else model
+        return _windowed(model.to(device) if device is not None else model, directory)
     layout = read_layout(directory)
 
     class Pruned(cls):
@@ -187,7 +196,19 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
     Pruned.__module__ = cls.__module__
     model = Pruned.from_pretrained(directory, **from_pretrained_kwargs)
     model.__class__ = cls
-    return model.to(device) if device is not None else model
+    return _windowed(model.to(device) if device is not None else model, directory)
+
+
+def _windowed(model: nn.Module, directory: Path) -> nn.Module:
+    """`model` with the windowed KV units of the folder's headprune_kv_modes.json attached, if any."""
+    path = directory / MODES_FILE
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"load_pruned: {path} is not valid JSON ({err})") from err
+        KVWindows(KVLayout.from_json(saved, where=str(path))).attach(model)
+    return model
 
 
 def read_layout(directory: str | Path) -> list[list[int]]:

@@ -15,6 +15,15 @@ stay the family's. A layer with no windowed unit is left alone (its hook returns
 computes bit for bit what it computes without the hooks. Flash-attention kernels take no
 per-head mask and are refused.
 
+At generation the same hook gives each windowed layer a cache layer of its own
+(`WindowedCacheLayer`, swapped into a transformers DynamicCache the first time the layer
+writes to it): full KV heads keep every token, windowed ones at most sink + window - 1 between
+steps (the current token makes the window), so the cache holds what the layout keeps. What a
+forward's keys look like to the kernel does not change: the layer hands the kernel one (B, KV
+heads, T, D) tensor per step (a transient, one layer's worth) with a windowed head's dropped
+slots zero, which its mask bars anyway, so `generate()` computes what the masked
+full-sequence forward computes.
+
 Positions are cache slots: query i of a forward that finds `past` tokens in the cache sits at
 slot past + i, key j at slot j; a windowed head at slot p sees keys j <= p with j < sink or
 j > p - window (the window includes the token itself). Left-padded batches therefore count
@@ -26,12 +35,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
 
 FULL, WINDOW, REMOVED = "full", "window", "removed"
 MODES = (FULL, WINDOW, REMOVED)
-LAYOUT_ATTR = "headprune_kv_layout"  # the KVLayout a model's window hooks apply (save_pruned records it)
+KV_LAYOUT_ATTR = "headprune_kv_layout"  # the KVLayout a model's window hooks apply (save_pruned records it)
 KERNELS = ("eager", "sdpa")  # attention implementations that take a per-head mask
 
 
@@ -113,7 +123,7 @@ def window_allowed(queries: torch.Tensor, keys: torch.Tensor, sink: int, window:
 
 class KVWindows:
     """The window restriction of a `KVLayout` on a model, by pre-hooks on its attention modules
-    (module docstring). `attach` records the layout on the model (`LAYOUT_ATTR`)."""
+    (module docstring). `attach` records the layout on the model (`KV_LAYOUT_ATTR`)."""
 
     def __init__(self, layout: KVLayout):
         self.layout = layout
@@ -132,7 +142,7 @@ class KVWindows:
                 attention = adapter.attention(block)
                 hook = attention.register_forward_pre_hook(self._make_hook(model, layer), with_kwargs=True)
                 self._handles.append(hook)
-        setattr(model, LAYOUT_ATTR, self.layout)
+        setattr(model, KV_LAYOUT_ATTR, self.layout)
         self._model = model
         return self
 
@@ -141,8 +151,8 @@ class KVWindows:
             handle.remove()
         self._handles = []
         model = getattr(self, "_model", None)
-        if model is not None and getattr(model, LAYOUT_ATTR, None) is self.layout:
-            delattr(model, LAYOUT_ATTR)
+        if model is not None and getattr(model, KV_LAYOUT_ATTR, None) is self.layout:
+            delattr(model, KV_LAYOUT_ATTR)
         self._model = None
 
     def slot_windowed(self, model: nn.Module, layer: int) -> torch.Tensor:
@@ -153,6 +163,11 @@ class KVWindows:
         per_group = adapter.query_slots(model.config, layer_heads(model, layer))[1] // max(len(groups), 1)
         return torch.tensor([self.layout.modes[layer][g] == WINDOW for g in groups for _ in range(per_group)],
                             dtype=torch.bool)
+
+    def kv_windowed(self, model: nn.Module, layer: int) -> list[bool]:
+        """Per KV head the layer computes (kept groups, in order): whether its unit is windowed."""
+        adapter = get_adapter(model)
+        return [self.layout.modes[layer][g] == WINDOW for g in adapter.kv_groups(model.config, layer_heads(model, layer))]
 
     def _make_hook(self, model: nn.Module, layer: int):
         sink, window = self.layout.sink, self.layout.window
@@ -169,6 +184,8 @@ class KVWindows:
             mask = kwargs["attention_mask"]  # None, or (B, 1, Q, K) additive float or boolean
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
             index = getattr(module, "layer_idx", layer)
+            if cache is not None:
+                install_cache_layer(cache, index, self.kv_windowed(model, layer), sink, window)
             past = cache.get_seq_length(index) if cache is not None else 0
             n_q = hidden.shape[1]
             n_k = mask.shape[-1] if mask is not None else past + n_q
@@ -187,3 +204,124 @@ class KVWindows:
             return args, {**kwargs, "attention_mask": new}
 
         return hook
+
+
+class WindowedCacheLayer(DynamicLayer):
+    """One layer's KV cache when some of its KV heads are windowed: `keys` / `values` (B, full
+    heads, T, D) hold every token of the full heads, `window_keys` / `window_values` (B, windowed
+    heads, <= sink + window - 1, D) only the slots a windowed head's next query may see (its
+    sinks and the window - 1 latest tokens; `window_slots` says which). `length` counts every
+    token seen, so masks and positions go on as for a full cache. `update` returns the whole
+    layer's keys for this forward's queries (module docstring): windowed heads' other slots zero."""
+
+    def __init__(self, windowed: list[bool], sink: int, window: int):
+        super().__init__()
+        self.windowed, self.sink, self.window = list(windowed), sink, window
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[1] != len(self.windowed):
+            raise ValueError(f"the cache layer was made for {len(self.windowed)} KV heads, the attention gave "
+                             f"{key_states.shape[1]}")
+        self.device = key_states.device
+        flags = torch.tensor(self.windowed, device=self.device)
+        self.full_heads, self.window_heads = (~flags).nonzero().flatten(), flags.nonzero().flatten()
+        b, _, _, d = key_states.shape
+        self.keys = key_states.new_zeros(b, len(self.full_heads), 0, d)  # (B, F, 0, D)
+        self.values = value_states.new_zeros(b, len(self.full_heads), 0, value_states.shape[-1])
+        self.window_keys = key_states.new_zeros(b, len(self.window_heads), 0, d)  # (B, W, 0, D)
+        self.window_values = value_states.new_zeros(b, len(self.window_heads), 0, value_states.shape[-1])
+        self.window_slots = torch.zeros(0, dtype=torch.long, device=self.device)  # (n,)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = torch.arange(self.length, self.length + key_states.shape[-2], device=self.device)
+        self.length += key_states.shape[-2]
+        self.keys = torch.cat([self.keys, key_states[:, self.full_heads]], dim=-2)
+        self.values = torch.cat([self.values, value_states[:, self.full_heads]], dim=-2)
+        window_keys = torch.cat([self.window_keys, key_states[:, self.window_heads]], dim=-2)  # (B, W, n, D)
+        window_values = torch.cat([self.window_values, value_states[:, self.window_heads]], dim=-2)
+        slots = torch.cat([self.window_slots, new])  # (n,)
+        keys = self._spread(key_states, self.keys, window_keys, slots)  # (B, H, T, D)
+        values = self._spread(value_states, self.values, window_values, slots)
+        keep = (slots < self.sink) | (slots > self.length - self.window)  # what the next query may see
+        self.window_keys, self.window_values = window_keys[:, :, keep], window_values[:, :, keep]
+        self.window_slots = slots[keep]
+        return keys, values
+
+    def _spread(self, like: torch.Tensor, full: torch.Tensor, window: torch.Tensor, slots: torch.Tensor):
+        """(B, H, T, D): the full heads' tokens and the windowed heads' held slots, zeros elsewhere."""
+        out = like.new_zeros(like.shape[0], like.shape[1], self.length, like.shape[-1])
+        out[:, self.full_heads] = full
+        out[:, self.window_heads[:, None], slots[None, :]] = window
+        return out
+
+    def held_tokens(self) -> tuple[int, int]:
+        """(tokens each full head holds, tokens each windowed head holds); 0 where it has none."""
+        if not self.is_initialized:
+            return 0, 0
+        return tuple(t.shape[-2] if t.shape[1] else 0 for t in (self.keys, self.window_keys))
+
+    def held_bytes(self) -> int:
+        """The bytes this layer's cache holds between steps."""
+        if not self.is_initialized:
+            return 0
+        tensors = (self.keys, self.values, self.window_keys, self.window_values)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a windowed KV cache cannot be cropped: the tokens its windows dropped are gone (assisted and "
+                         "prompt-lookup decoding crop the cache; use plain greedy or sampled generation)")
+
+    def reset(self) -> None:
+        self.keys = self.values = self.window_keys = self.window_values = None
+        self.length = 0
+        self.is_initialized = False
+
+    def _rows(self, pick) -> None:
+        if self.is_initialized:
+            self.keys, self.values = pick(self.keys), pick(self.values)
+            self.window_keys, self.window_values = pick(self.window_keys), pick(self.window_values)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rows(lambda t: t[indices, ...])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def offload(self) -> None:
+        raise ValueError("a windowed KV cache is not offloaded: it is already what the layout keeps")
+
+
+def install_cache_layer(cache, index: int, windowed: list[bool], sink: int, window: int) -> None:
+    """Give layer `index` of a transformers cache a `WindowedCacheLayer` before its first write
+    (a DynamicCache's own layer, still empty, is replaced; one already windowed is kept). A
+    cache of another kind, or a layer that already holds tokens, is refused: it would keep
+    every token of the windowed heads."""
+    cache = getattr(cache, "self_attention_cache", cache)
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise ValueError(f"windowed KV units need a transformers Cache with per-layer storage, got {type(cache).__name__}")
+    if len(layers) <= index and getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
+        while len(layers) <= index:
+            layers.append(DynamicLayer())
+    layer = layers[index] if index < len(layers) else None
+    if isinstance(layer, WindowedCacheLayer):
+        return
+    if type(layer) is not DynamicLayer or layer.is_initialized:
+        raise ValueError(f"layer {index} has windowed KV units but its cache layer is "
+                         f"{type(layer).__name__ if layer is not None else 'missing'}"
+                         f"{' holding tokens' if layer is not None and layer.is_initialized else ''}; windowed units "
+                         "need an empty DynamicCache (generate()'s default) so that it keeps only sinks + window")
+    layers[index] = WindowedCacheLayer(windowed, sink, window)
