@@ -204,3 +204,15 @@ def test_gpt_oss_sinks_follow_their_heads():
     assert [s.index.tolist() for s in sliced if s.new is attn[1].sinks] == [[0, 0, 2, 3]]
     prune_heads(model, {1: [0]})  # again, from the sliced parameter: group 0 goes whole
     torch.testing.assert_close(attn[1].sinks, dense[1][[2, 3]])
+
+
+@pytest.mark.parametrize("model_type", ["afmoe", "beam"])
+def test_output_gated_attention_prunes_exactly(model_type):
+    """AFMoE and Beam multiply each head's context by a sigmoid gate (gate_proj rows per head; Beam
+    adds a per-head gate bias): the gate rows go with their heads and are zero-padded like the
+    queries in a partly kept KV group. Their tiny models come from coverage.tiny_config."""
+    from headprune.deploy.coverage import check_model_type
+
+    row = check_model_type(model_type, ["causal_lm"])
+    assert row["status"] == "passes", row
+    assert row["checks"]["eager"] == row["checks"]["reload"] == row["checks"]["generate (eager)"] == "passes"

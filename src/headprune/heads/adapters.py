@@ -132,6 +132,11 @@ class ArchAdapter:
     per query slot (a zero query padded into a partly kept KV group gets a kept head's entry; its
     context is dropped before the output projection).
 
+    `gates` names projections (from the attention module) whose outputs hold head_dim features per
+    query head, in the query heads' order, that multiply each head's context before the output
+    projection (AFMoE's and Beam's `gate_proj`, a sigmoid output gate): their rows go with the
+    heads as Q's do (head_rows part named by the path), zeros padded in where queries are.
+
     `projection_norms` names the core's (q norm, k norm) when they are RMSNorms over the WHOLE
     query / key projection (OLMo 2's `q_norm` over heads * head_dim), not over each head: the RMS
     a kept head is divided by reads every head's features, so removing heads keeps the Q and K
@@ -159,6 +164,7 @@ class ArchAdapter:
     projection_norms: tuple[str, str] | None = None  # (q norm, k norm) over the whole projection (OLMo 2)
     sub_config: str = ""  # the sub-config holding the head counts (CLIP's vision_config), "" for the config itself
     head_params: tuple[str, ...] = ()  # the core's parameters with one entry per query head (attention sinks)
+    gates: tuple[str, ...] = ()  # projections with head_dim outputs per query head gating its context (AFMoE)
 
     def config_of(self, config):
         """The (sub-)config the head counts are read from: `config.<sub_config>` where it has one."""
@@ -262,7 +268,8 @@ class ArchAdapter:
             rows[head] = {"q": Rows(q, True, q_at * d, (q_at + 1) * d),
                           "k": Rows(k, True, k_offset + k_at * d, k_offset + (k_at + 1) * d),
                           "v": Rows(v, True, v_offset + kv * d, v_offset + (kv + 1) * d),
-                          "o": Rows(o, False, pos * d, (pos + 1) * d)}
+                          "o": Rows(o, False, pos * d, (pos + 1) * d),
+                          **{g: Rows(attn.get_submodule(g), True, pos * d, (pos + 1) * d) for g in self.gates}}
         return rows
 
     def qk_output_features(self, model: nn.Module, layer: int) -> dict[nn.Module, torch.Tensor]:
@@ -350,6 +357,13 @@ register_adapter(ArchAdapter(
     kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),), config_head_dim=True,
     head_params=("sinks",),
 ))
+# The Llama layout with a sigmoid output gate per query head (gate_proj; Beam's with a per-head bias).
+register_adapter(ArchAdapter(
+    name="llama_gated", model_types=("afmoe", "beam"), layers_path="layers", attn_path="self_attn",
+    q="q_proj", k="k_proj", v="v_proj", o="o_proj", kv_heads_attr="num_key_value_heads",
+    size_attrs=(("num_key_value_groups", "groups"),), config_head_dim=True, gates=("gate_proj",),
+    head_params=("gate_bias",),
+))
 # Phi-3 / Phi-4-mini: one fused qkv_proj [all q | all k | all v]; the forward splits it at
 # config.num_attention_heads * head_dim and reads num_key_value_heads from the module.
 register_adapter(ArchAdapter(
@@ -430,8 +444,6 @@ _STACKS = ("several attention stacks (encoder self-attention, decoder self- and 
            "and layouts name the heads of one stack (not done)")
 _SINKS = ("per-head attention sinks (`sinks`, one logit per query head, read inside the attention kernel) are not "
           "sliced with the heads (not done)")
-_GATES = ("a per-head output gate (gate_proj / g_proj rows per query head, multiplying each head's context) is not "
-          "sliced with the heads (not done)")
 REFUSED: dict[str, str] = {
     **dict.fromkeys(("bamba", "falcon_h1", "granitemoehybrid", "jamba", "kimi_linear", "bailing_hybrid", "lfm2",
                      "lfm2_moe", "lfm3", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_next", "qwen3_5_text",
@@ -444,7 +456,8 @@ REFUSED: dict[str, str] = {
                      "prophetnet", "bigbird_pegasus", "whisper", "t5", "mt5", "umt5", "longt5", "switch_transformers",
                      "trocr", "moshi", "musicgen", "musicgen_melody"), _STACKS),
     **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), _SINKS),
-    **dict.fromkeys(("afmoe", "beam", "laguna", "dory"), _GATES),
+    "laguna": "head counts that vary per layer (num_attention_heads_per_layer) and a per-head output gate (not done)",
+    "dory": "an RMSNorm over the concatenated heads' contexts (attn_sub_norm) before o_proj (not done)",
     "bloom": "ALiBi: each head's position bias slope is computed from the head count, so removing heads would change "
              "the kept heads' biases (not done)",
     "mpt": "ALiBi: each head's position bias slope is computed from the head count, so removing heads would change "

@@ -237,7 +237,8 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
     if not after:
         _make_headless(adapter, block, core, d, getattr(core, "layer_idx", layer))
     elif len(after) != slots:
-        core._headprune_hooks += _pad_queries(queries, o, at, slots, d)
+        gates = [attn.get_submodule(g) for g in adapter.gates]
+        core._headprune_hooks += _pad_queries([queries, *gates], o, at, slots, d)
 
 
 def _keep_head_params(model: nn.Module, adapter: ArchAdapter, core: nn.Module, before: list[int], after: list[int],
@@ -329,10 +330,11 @@ def _keep(module: nn.Module, index: torch.Tensor, outputs: bool, sliced: list[Sl
     set_num_features(module, outputs, len(index))
 
 
-def _pad_queries(q: nn.Module, o: nn.Module, slots: list[int], n_slots: int, head_dim: int) -> list:
+def _pad_queries(queries: list[nn.Module], o: nn.Module, slots: list[int], n_slots: int, head_dim: int) -> list:
     """Hooks giving the kernel `n_slots` query heads (kept heads at `slots`, zeros elsewhere)
-    and handing only the kept heads' contexts to the output projection. `q`'s output starts with
-    the kept heads' queries; whatever follows them (a fused projection's K and V) passes unchanged."""
+    and handing only the kept heads' contexts to the output projection. Each module of `queries`
+    (the query projection, output gates) returns the kept heads' features first; whatever follows
+    them (a fused projection's K and V) passes unchanged."""
     index = torch.tensor(slots, dtype=torch.long, device="cpu")  # not meta, even inside from_pretrained
     width = len(slots) * head_dim
 
@@ -346,4 +348,4 @@ def _pad_queries(q: nn.Module, o: nn.Module, slots: list[int], n_slots: int, hea
         slots_ctx = args[0].unflatten(-1, (n_slots, head_dim))  # (B, T, S, D)
         return (slots_ctx.index_select(-2, index.to(args[0].device)).flatten(-2), *args[1:])  # (B, T, h*D)
 
-    return [q.register_forward_hook(spread), o.register_forward_pre_hook(gather, prepend=True)]
+    return [*(q.register_forward_hook(spread) for q in queries), o.register_forward_pre_hook(gather, prepend=True)]
