@@ -292,3 +292,18 @@ def test_save_and_load_pruned_keep_the_modes(tmp_path):
         want = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), want)
     assert loaded.headprune_kv_layout == layout
+
+
+def test_exports_that_cannot_window_refuse_by_name():
+    """llama.cpp's GGUF and vLLM's DeciLM attend every kept KV head to the whole context: a model
+    with windowed units is refused, with windows all full it is not refused for that."""
+    from headprune.deploy.gguf_export import gguf_refusal
+    from headprune.deploy.vllm_deci import deci_refusal
+
+    model = llama("sdpa")
+    windows = KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=4)).attach(model)
+    assert "windowed KV units" in gguf_refusal(model) and "llama.cpp" in gguf_refusal(model)
+    assert "windowed KV units" in deci_refusal(model) and "DeciLM" in deci_refusal(model)
+    windows.detach()
+    KVWindows(KVLayout.uniform(model, "full", sink=1, window=4)).attach(model)
+    assert gguf_refusal(model) is None and "windowed" not in deci_refusal(model)  # (DeciLM: the tiny FFN width)

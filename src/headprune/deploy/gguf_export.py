@@ -48,6 +48,7 @@ from torch import nn
 
 from headprune.atomic import staged_file
 from headprune.heads.adapters import get_adapter, head_layout
+from headprune.heads.windows import windows_refusal
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,9 @@ def gguf_refusal(model: nn.Module) -> str | None:
     """Why `model` cannot become a GGUF llama.cpp runs as this model (None: it can)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
+    windowed = windows_refusal(model, "llama.cpp's llama/deci/qwen3 architectures")
+    if windowed:
+        return windowed
     if getattr(config, "is_encoder_decoder", False) or model_type not in FAMILIES:
         kind = "an encoder" if model_type in ("bert", "roberta", "xlm-roberta", "distilbert", "electra") else \
             f"model_type={model_type!r}"

@@ -26,6 +26,7 @@ from torch import nn
 
 from headprune.atomic import staged_folder
 from headprune.heads.adapters import get_adapter, head_layout
+from headprune.heads.windows import windows_refusal
 
 _FFN_ROUND = 256  # DeciLM rounds FFN widths up to multiples of this
 
@@ -39,6 +40,9 @@ def ffn_mult_to_width(ffn_mult: float, hidden: int) -> int:
 def deci_refusal(model: nn.Module) -> str | None:
     """Why vLLM's DeciLMForCausalLM cannot express `model`'s layout (None: it can)."""
     config = model.config
+    windowed = windows_refusal(model, "vLLM's DeciLMForCausalLM")
+    if windowed:
+        return windowed
     if config.model_type != "llama":
         return f"model_type={config.model_type!r}: DeciLM is a Llama variant; allowed: llama"
     adapter = get_adapter(model)

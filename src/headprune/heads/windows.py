@@ -109,6 +109,16 @@ class KVLayout:
         return cls(tuple(tuple(layer) for layer in modes), data["sink"], data["window"])
 
 
+def windows_refusal(model: nn.Module, target: str) -> str | None:
+    """Why `target` (an export format) cannot serve `model`'s windowed KV units (None: it has none)."""
+    layout = getattr(model, KV_LAYOUT_ATTR, None)
+    if layout is None or not any(WINDOW in layer for layer in layout.modes):
+        return None
+    return (f"the model has windowed KV units (per-KV-group sinks + window within a layer), which {target} cannot "
+            "express: it attends every kept KV head to the whole context; allowed: layouts of full and removed units "
+            "(save_pruned / load_pruned keep the windows)")
+
+
 def units_of(model: nn.Module) -> tuple[int, int]:
     """(layers, units per layer) of the original model: a unit is a KV head."""
     n_layers, _ = model_shape(model)
