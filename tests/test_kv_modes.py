@@ -227,7 +227,7 @@ def greedy_by_full_forwards(model, prompt, steps: int):
 def test_generate_with_the_windowed_cache_equals_full_forwards(attn):
     """Layer 0: group 0 windowed, group 1 full; layer 1: both windowed (sink 2, window 3) over a
     6-token prompt and 10 new tokens: generate()'s tokens equal the masked full-sequence model's,
-    windowed heads hold 2 + 3 - 1 tokens, full heads all 15, and the logits differ from the
+    windowed heads hold 2 + 3 tokens, full heads all 15, and the logits differ from the
     unwindowed model's (the windows dropped tokens that mattered)."""
     from transformers.cache_utils import DynamicCache
 
@@ -246,13 +246,35 @@ def test_generate_with_the_windowed_cache_equals_full_forwards(attn):
     with torch.no_grad():  # generate()'s own cache gets the windowed layers too
         assert torch.equal(model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0), out)
     assert all(isinstance(layer, WindowedCacheLayer) for layer in cache.layers)
-    assert cache.layers[0].held_tokens() == (15, 4) and cache.layers[1].held_tokens() == (0, 4)
-    assert cache.layers[0].window_slots.tolist() == [0, 1, 13, 14]
+    assert cache.layers[0].held_tokens() == (15, 5) and cache.layers[1].held_tokens() == (0, 5)
+    assert cache.layers[0].window_slots.tolist() == [0, 1, 12, 13, 14]
     assert cache.get_seq_length() == 15
     assert not torch.allclose(masked[:, 5:], dense[:, 5:], atol=1e-4)
 
 
-def test_the_windowed_cache_holds_less_and_refuses_cropping():
+def test_the_windowed_cache_holds_what_the_cost_table_counts():
+    """After a prefill of 12 tokens (batch 2): the cache's bytes are the KV mode table's at batch
+    2 x seq 12 for the layout's (full, windowed) counts; a full layer holds 12 tokens per head,
+    a windowed head sink + window = 3."""
+    from transformers.cache_utils import DynamicCache
+
+    from headprune.heads.windows import held_bytes
+    from headprune.selection.budgets import KVBudget
+
+    model = llama("sdpa")
+    layout = KVLayout((("window", "full"), ("window", "window")), sink=1, window=2)
+    KVWindows(layout).attach(model)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids(batch=2, tokens=12), cache=cache, use_cache=True)
+    table = KVBudget(batch=2, seq=12).mode_table(model, sink=1, window=2)
+    options = [(layout.count(l, "full"), layout.count(l, "window")) for l in range(2)]
+    assert held_bytes(cache) == table.total(options) < table.dense
+    per_token = 2 * 2 * 8 * 4  # batch x K and V x head_dim x float32, one head
+    assert cache.layers[0].held_bytes() == per_token * (12 + 3)
+
+
+def test_the_windowed_cache_refuses_cropping_and_filled_caches():
     from transformers.cache_utils import DynamicCache
 
     model = llama("sdpa")
@@ -260,8 +282,6 @@ def test_the_windowed_cache_holds_less_and_refuses_cropping():
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids(batch=1, tokens=12), cache=cache, use_cache=True)
-    per_token = 2 * 8 * 4  # K and V x head_dim x float32, one head
-    assert cache.layers[0].held_bytes() == per_token * (12 + 2)  # full: 12 tokens; windowed: sink + window - 1
     with pytest.raises(ValueError, match="cannot be cropped"):
         cache.crop(-1)
     filled = DynamicCache(config=model.config)

@@ -17,8 +17,9 @@ per-head mask and are refused.
 
 At generation the same hook gives each windowed layer a cache layer of its own
 (`WindowedCacheLayer`, swapped into a transformers DynamicCache the first time the layer
-writes to it): full KV heads keep every token, windowed ones at most sink + window - 1 between
-steps (the current token makes the window), so the cache holds what the layout keeps. What a
+writes to it): full KV heads keep every token, windowed ones their sinks and last `window` tokens
+(the slots the next query may see, and the oldest of the window, which it may not: sink +
+window in all, what `costs.tables.kv_mode_costs` counts), so the cache holds what the layout keeps. What a
 forward's keys look like to the kernel does not change: the layer hands the kernel one (B, KV
 heads, T, D) tensor per step (a transient, one layer's worth) with a windowed head's dropped
 slots zero, which its mask bars anyway, so `generate()` computes what the masked
@@ -219,8 +220,8 @@ class KVWindows:
 class WindowedCacheLayer(DynamicLayer):
     """One layer's KV cache when some of its KV heads are windowed: `keys` / `values` (B, full
     heads, T, D) hold every token of the full heads, `window_keys` / `window_values` (B, windowed
-    heads, <= sink + window - 1, D) only the slots a windowed head's next query may see (its
-    sinks and the window - 1 latest tokens; `window_slots` says which). `length` counts every
+    heads, <= sink + window, D) a windowed head's sinks and `window` latest tokens
+    (`window_slots` says which). `length` counts every
     token seen, so masks and positions go on as for a full cache. `update` returns the whole
     layer's keys for this forward's queries (module docstring): windowed heads' other slots zero."""
 
@@ -256,7 +257,7 @@ class WindowedCacheLayer(DynamicLayer):
         slots = torch.cat([self.window_slots, new])  # (n,)
         keys = self._spread(key_states, self.keys, window_keys, slots)  # (B, H, T, D)
         values = self._spread(value_states, self.values, window_values, slots)
-        keep = (slots < self.sink) | (slots > self.length - self.window)  # what the next query may see
+        keep = (slots < self.sink) | (slots >= self.length - self.window)  # sinks + the last `window` tokens
         self.window_keys, self.window_values = window_keys[:, :, keep], window_values[:, :, keep]
         self.window_slots = slots[keep]
         return keys, values
@@ -312,6 +313,17 @@ class WindowedCacheLayer(DynamicLayer):
 
     def offload(self) -> None:
         raise ValueError("a windowed KV cache is not offloaded: it is already what the layout keeps")
+
+
+def held_bytes(cache) -> int:
+    """The bytes a transformers cache's layers hold (a windowed layer: what it keeps)."""
+    total = 0
+    for layer in getattr(getattr(cache, "self_attention_cache", cache), "layers", []):
+        if isinstance(layer, WindowedCacheLayer):
+            total += layer.held_bytes()
+        elif getattr(layer, "is_initialized", False):
+            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+    return total
 
 
 def install_cache_layer(cache, index: int, windowed: list[bool], sink: int, window: int) -> None:
