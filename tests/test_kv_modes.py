@@ -121,6 +121,20 @@ def test_window_after_physical_removal_follows_the_kept_groups():
     assert torch.allclose(seen["context"], expected, atol=1e-5)
 
 
+def test_a_deep_copy_does_not_run_the_originals_windows():
+    """Hooks survive copy.deepcopy but still name the original model: the copy refuses to run
+    them rather than follow the original's head layout; a copy made after detach runs dense."""
+    import copy
+
+    model = llama("sdpa")
+    windows = KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=2)).attach(model)
+    with pytest.raises(ValueError, match="attached to another model"):
+        copy.deepcopy(model)(ids())
+    windows.detach()
+    with torch.no_grad():
+        assert torch.equal(copy.deepcopy(model)(ids()).logits, llama("sdpa")(ids()).logits)
+
+
 def test_window_allowed_keys():
     allowed = window_allowed(torch.arange(6), torch.arange(6), sink=1, window=2)
     assert allowed[5].tolist() == [True, False, False, False, True, True]

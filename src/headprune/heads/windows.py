@@ -184,6 +184,10 @@ class KVWindows:
         sink, window = self.layout.sink, self.layout.window
 
         def hook(module, args, kwargs):
+            adapter = get_adapter(model)
+            if adapter.attention(adapter.blocks(model)[layer]) is not module:
+                raise ValueError(f"the KV windows of layer {layer} were attached to another model (this one is a deep "
+                                 "copy of it?): attach KVWindows to the copy itself, or detach before copying")
             if "attention_mask" not in kwargs:
                 raise ValueError(f"{type(module).__name__} is called without an attention_mask keyword, so windowed "
                                  "KV units cannot restrict it; windows are supported where the decoder layer passes "
