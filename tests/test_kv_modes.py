@@ -341,3 +341,25 @@ def test_exports_that_cannot_window_refuse_by_name():
     windows.detach()
     KVWindows(KVLayout.uniform(model, "full", sink=1, window=4)).attach(model)
     assert gguf_refusal(model) is None and "windowed" not in deci_refusal(model)  # (DeciLM: the tiny FFN width)
+
+
+def test_allocate_modes_gives_a_layout_within_the_share():
+    """Two layers of two groups, windows 1/4 of a full unit at seq 64: within 0.6 of the dense
+    bytes the layout keeps the group that loses most when windowed full and windows the rest;
+    it attaches to the model and its options price at the predicted share. Too small a share,
+    or a count table, is refused."""
+    from headprune.selection.budgets import KVBudget, allocate_modes
+
+    model = llama("sdpa")
+    budget = KVBudget(target=0.6, batch=1, seq=64)
+    table = budget.mode_table(model, sink=4, window=12)
+    full, window = [[5.0, 4.0], [3.0, 6.0]], [[4.9, 3.9], [2.9, 1.0]]
+    layout, report = allocate_modes(full, window, table, 0.6, sink=4, window_tokens=12)
+    assert layout.modes == (("window", "window"), ("window", "full"))  # 1 + 3 x 1/4 = 1.75 of 4 full units
+    assert report["predicted_share"] == 1.75 / 4 and report["options"] == [[0, 2], [1, 1]]
+    assert report["predicted_cost"] == table.total(layout.options())
+    KVWindows(layout).attach(model)
+    with pytest.raises(ValueError, match="only a layout without any unit fits 0.0100"):
+        allocate_modes(full, window, table, 0.01, sink=4, window_tokens=12)
+    with pytest.raises(ValueError, match="needs a KV mode cost table"):
+        allocate_modes(full, window, budget.table(model), 0.6, sink=4, window_tokens=12)

@@ -90,6 +90,10 @@ class KVLayout:
     def count(self, layer: int, mode: str) -> int:
         return sum(m == mode for m in self.modes[layer])
 
+    def options(self) -> list[tuple[int, int]]:
+        """(units full, units windowed) per layer: the keys of a KV mode cost table."""
+        return [(self.count(l, FULL), self.count(l, WINDOW)) for l in range(len(self.modes))]
+
     def removed_heads(self, model: nn.Module) -> dict[int, list[int]]:
         """{layer: query heads of its removed units}, for `HeadMask.prune` / `heads.surgery.prune_heads`."""
         adapter, config = get_adapter(model), model.config

@@ -20,9 +20,10 @@ from typing import ClassVar, Optional
 import torch
 from torch import nn
 
-from headprune.costs.knapsack import best_allocation
+from headprune.costs.knapsack import best_allocation, best_modes
 from headprune.costs.tables import LayerCosts, flops_costs, flops_mode_costs, kv_costs, kv_mode_costs, latency_costs
 from headprune.heads.adapters import model_shape
+from headprune.heads.windows import REMOVED, KVLayout
 from headprune.tasks import is_causal_lm, max_positions
 
 
@@ -250,6 +251,33 @@ def allocate(scores: torch.Tensor, alive: torch.Tensor, costs: LayerCosts, share
               "dense_cost": costs.dense, "predicted_share": predicted / costs.dense, "unit": costs.unit,
               "retained_importance": sum(value[l][kept[l]] for l in range(n_layers)) / max(full, 1e-30)}
     return heads, report
+
+
+def allocate_modes(full: list[list[float]], window: list[list[float]], costs: LayerCosts, share: float, sink: int,
+                   window_tokens: int) -> tuple[KVLayout, dict]:
+    """The per-unit KV modes worth most within `share` of `costs.dense` (`costs`: a `mode_table`
+    of the same sink and window), unit u of layer l worth `full[l][u]` kept full and
+    `window[l][u]` windowed (removed: 0); and a report (modes, (full, windowed) per layer,
+    predicted cost and share, retained value). At least one unit stays in the model; raises
+    ValueError when no layout fits."""
+    if not all(isinstance(k, tuple) for layer in costs.cost for k in layer):
+        raise ValueError("allocate_modes needs a KV mode cost table (options (units full, units windowed)): "
+                         "KVBudget.mode_table or FlopsBudget.mode_table")
+    try:
+        modes, value, cost = best_modes(full, window, costs.cost, cost_limit(costs, share))
+    except ValueError as err:
+        raise ValueError(f"no layout of full, windowed and removed units costs at most {share:.4f} of the dense "
+                         f"{costs.unit}: {err}") from err
+    if all(m == REMOVED for layer in modes for m in layer):
+        raise ValueError(f"only a layout without any unit fits {share:.4f} of the dense {costs.unit}, and at least one "
+                         "unit must remain")
+    layout = KVLayout(tuple(modes), sink, window_tokens)
+    best = sum(max(f, w, 0.0) for fs, ws in zip(full, window) for f, w in zip(fs, ws))
+    report = {"modes": [list(layer) for layer in modes], "options": [list(o) for o in layout.options()],
+              "target_share": share, "predicted_cost": cost, "dense_cost": costs.dense,
+              "predicted_share": cost / costs.dense, "unit": costs.unit,
+              "retained_value": value / best if best > 0 else 1.0}
+    return layout, report
 
 
 @dataclass
