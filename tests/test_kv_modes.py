@@ -328,16 +328,24 @@ def test_save_and_load_pruned_keep_the_modes(tmp_path):
     assert loaded.headprune_kv_layout == layout
 
 
-def test_exports_that_cannot_window_refuse_by_name():
-    """llama.cpp's GGUF and vLLM's DeciLM attend every kept KV head to the whole context: a model
-    with windowed units is refused, with windows all full it is not refused for that."""
+def test_exports_that_cannot_window_refuse_by_name(tmp_path):
+    """llama.cpp's GGUF and vLLM's DeciLM attend every kept KV head to the whole context, and
+    torch.export does not trace the window masks (ONNX): a model with windowed units is refused,
+    with every unit full it is not refused for windows."""
     from headprune.deploy.gguf_export import gguf_refusal
+    from headprune.deploy.onnx import export_onnx
+    from headprune.deploy.onnx_decode import export_onnx_decode
     from headprune.deploy.vllm_deci import deci_refusal
 
     model = llama("sdpa")
     windows = KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=4)).attach(model)
     assert "windowed KV units" in gguf_refusal(model) and "llama.cpp" in gguf_refusal(model)
     assert "windowed KV units" in deci_refusal(model) and "DeciLM" in deci_refusal(model)
+    with pytest.raises(ValueError, match="windowed KV units .* which this ONNX export"):
+        export_onnx(model, tmp_path / "model.onnx")
+    with pytest.raises(ValueError, match="windowed KV units .* which this decode graph"):
+        export_onnx_decode(model, tmp_path / "decode.onnx")
+    assert not list(tmp_path.iterdir())
     windows.detach()
     KVWindows(KVLayout.uniform(model, "full", sink=1, window=4)).attach(model)
     assert gguf_refusal(model) is None and "windowed" not in deci_refusal(model)  # (DeciLM: the tiny FFN width)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from headprune.heads.windows import windows_refusal
 from headprune.tasks import is_causal_lm
 
 
@@ -60,6 +61,9 @@ def example_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 
 
 def export_onnx(model: nn.Module, path: str | Path, batch: int = 2, seq: int = 16) -> Path:
     """Write `model` as ONNX to `path` (dynamic batch and sequence axes); returns the path."""
+    windowed = windows_refusal(model, "this ONNX export (torch.export does not trace the per-head window masks)")
+    if windowed:
+        raise ValueError(windowed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     names = input_names(model)
