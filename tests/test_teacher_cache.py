@@ -54,15 +54,18 @@ def _distill(teacher_logits: str, tmp_path):
     pruner = Pruner(model, get_metric("magnitude"), OneShot(target_sparsity=0.5, baseline_epochs=0, epochs_per_round=0),
                     UniformPolicy(), None, distill, results=RunResults(tmp_path))
     record = pruner.step(0, Loaders(_loader(4), _loader(4, seed=1), train=_loader(8, seed=2)))
-    return model, record["distill"]
+    held = pruner.dense is not None, distill.state.model is not None
+    return model, {**record["distill"], "held": held}
 
 
 def test_steps_on_the_cached_teacher_train_as_the_live_teacher_does(tmp_path):
     """Six KL steps of a pruned tiny Llama: with the cache (k = vocabulary) no teacher forward runs
-    during the steps, and the weights and losses match the live teacher's to float rounding."""
+    during the steps and no unpruned copy is held (the run freed it once the cache was built), and
+    the weights and losses match the live teacher's to float rounding."""
     live_model, live = _distill("live", tmp_path / "live")
     cached_model, cached = _distill("cached", tmp_path / "cached")
     assert live["teacher_seconds"] > 0 and "teacher_seconds" not in cached
+    assert live["held"] == (True, True) and cached["held"] == (False, False)  # the unpruned copy was freed
     assert cached["teacher"] == f"cached top-{V}" and cached["teacher_cache_seconds"] >= 0
     assert cached["loss_first"] == pytest.approx(live["loss_first"], rel=1e-5, abs=1e-6)
     assert cached["loss_last"] == pytest.approx(live["loss_last"], rel=1e-5, abs=1e-6)

@@ -70,6 +70,12 @@ class Recovery:
     needs_train_data: bool = False  # it reads the training text itself (`Loaders.train`), checked up front
     name: str = ""  # the `recovery=` option, for messages and results.json
 
+    @property
+    def keeps_dense(self) -> bool:
+        """Whether the unpruned copy is still needed once `before_first_round` ran (a recovery that
+        took what it needs from it then, e.g. a cached teacher, lets the run free it)."""
+        return self.needs_dense
+
     def check(self, schedule) -> None:
         pass
 

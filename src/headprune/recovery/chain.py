@@ -73,6 +73,10 @@ class Chain(Recovery):
         return any(part.needs_dense for part in self.parts)
 
     @property
+    def keeps_dense(self) -> bool:
+        return any(part.keeps_dense for part in self.parts)
+
+    @property
     def trains(self) -> bool:
         return any(part.trains for part in self.parts)
 

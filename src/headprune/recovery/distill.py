@@ -129,6 +129,15 @@ class Distilling(Recovery):
         return self.uses_teacher and self.teacher is None
 
     @property
+    def keeps_dense(self) -> bool:
+        """A cached teacher is built in `before_first_round`: the unpruned copy is not needed after it."""
+        return self.needs_dense and not self.caches_teacher
+
+    @property
+    def caches_teacher(self) -> bool:
+        return self.uses_teacher and self.teacher_logits == "cached" and not self.in_epochs
+
+    @property
     def trains(self) -> bool:  # through the schedule's epochs
         return self.in_epochs
 
@@ -178,6 +187,14 @@ class Distilling(Recovery):
         if folder is not None and ctx.writer:
             save_pruned(self.state.model, folder, overwrite=True)
         log.info("distillation teacher: the model as round 1 found it%s", f", saved to {folder}" if folder else "")
+        if self.caches_teacher:  # its distributions now; the run may then free the unpruned copy
+            self.build_cache(ctx)
+
+    def build_cache(self, ctx: RecoveryContext) -> None:
+        """teacher_logits=cached: the teacher's top-k over the training text, once; the teacher is let go."""
+        self.state.cache = build_teacher_cache(self.state.model, training_loader(ctx.loaders, self.record_key),
+                                               task_of(ctx.model), self.temperature, self.teacher_topk)
+        self.state.model = None
 
     def resume(self, ctx: RecoveryContext) -> nn.Module | None:
         if not self.uses_teacher or self.state.model is not None:
@@ -195,12 +212,10 @@ class Distilling(Recovery):
         train = training_loader(ctx.loaders, self.record_key)
         start = time.perf_counter()
         extra = dict(extra)
-        if self.teacher_logits == "cached" and self.uses_teacher and self.state.cache is None:
-            self.state.cache = build_teacher_cache(self.state.model, train, task_of(ctx.model), self.temperature,
-                                                   self.teacher_topk)
-            extra["teacher_cache_seconds"] = self.state.cache.seconds
-        if self.teacher_logits == "cached" and self.uses_teacher:
-            extra["teacher"] = f"cached top-{self.teacher_topk}"
+        if self.caches_teacher:
+            if self.state.cache is None:  # a teacher from a folder (recovery.teacher), loaded when checked
+                self.build_cache(ctx)
+            extra.update(teacher=f"cached top-{self.teacher_topk}", teacher_cache_seconds=self.state.cache.seconds)
         plan = ctx.fit if ctx.fit is not None else FitPlan(seed=record["round"])
         plan.checkpoint_every = self.checkpoint_every
         report = fit_steps(ctx.model, train, lambda model, batch: self.training_loss(model, batch)[1].mean(),

@@ -388,6 +388,8 @@ class Pruner:
         if self.costs is None and not self.budget.counts_heads:
             self._measure_costs()
         self.recovery.before_first_round(self.context(loaders))
+        if self.dense is not None and not (self.recovery.keeps_dense or self.budget.needs_dense):
+            self.dense = None  # what the recovery needed of it is taken (a cached teacher): free its memory
 
     def _measure_costs(self) -> None:
         start = time.perf_counter()
