@@ -65,7 +65,7 @@ SIZES = {
     "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1,
     "sliding_window": 4, "num_mel_bins": 16, "max_source_positions": 16, "max_target_positions": 32,
-    "rotary_dim": 8,
+    "rotary_dim": 8, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
 }
 # What one config class needs besides SIZES to be built with three layers.
 OVERRIDES = {

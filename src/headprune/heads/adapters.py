@@ -472,7 +472,8 @@ REFUSED: dict[str, str] = {
                     "(not done)",
     "mimo_v2_flash": "values of their own head size (v_head_dim apart from head_dim): V rows and O columns per head "
                      "are not Q's (not done)",
-    "gemma4_unified_text": "head_dim and head counts vary per layer (per-layer config attributes; not done)",
+    **dict.fromkeys(("gemma4_text", "gemma4_unified_text"),
+                    "head_dim and head counts vary per layer (per-layer config attributes; not done)"),
     "big_bird": "block-sparse attention reshapes with the config's head count (not done)",
     "deberta-v2": "disentangled attention: the relative-position projections (pos_key_proj / pos_query_proj, or "
                   "query_proj / key_proj applied to the position embeddings) and the c2p / p2c scores are per head, "
