@@ -266,6 +266,18 @@ def test_generate_with_the_windowed_cache_equals_full_forwards(attn):
     assert not torch.allclose(masked[:, 5:], dense[:, 5:], atol=1e-4)
 
 
+def test_beam_search_with_the_windowed_cache_equals_no_cache():
+    """Beam search expands and reorders the cache's rows (batch_repeat_interleave, reorder /
+    select): its sequences equal beam search without a cache (full forwards, masks only)."""
+    model = llama("eager")
+    KVWindows(KVLayout((("window", "full"), ("window", "window")), sink=1, window=3)).attach(model)
+    settings = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2, pad_token_id=0)
+    with torch.no_grad():
+        cached = model.generate(ids(batch=2, tokens=5), **settings)
+        uncached = model.generate(ids(batch=2, tokens=5), use_cache=False, **settings)
+    assert torch.equal(cached, uncached)
+
+
 def test_the_windowed_cache_holds_what_the_cost_table_counts():
     """After a prefill of 12 tokens (batch 2): the cache's bytes are the KV mode table's at batch
     2 x seq 12 for the layout's (full, windowed) counts; a full layer holds 12 tokens per head,

@@ -11,19 +11,20 @@ same mask widened from (B, 1, Q, K) to (B, H, Q, K) with a windowed group's head
 from keys outside its sinks and window. Both eager attention (an additive mask) and sdpa (an
 additive or boolean mask, GQA packed or repeated) take a per-head mask as they take the shared
 one, so the kernel, its softmax and the family's own score transforms (soft-capping, scaling)
-stay the family's. A layer with no windowed unit is left alone (its hook returns None), so it
-computes bit for bit what it computes without the hooks. Flash-attention kernels take no
+stay the family's. A layer with no windowed unit is left alone (no hook; a hooked layer whose
+windowed units were all removed returns None), so it computes bit for bit what it computes
+without the hooks. Flash-attention kernels take no
 per-head mask and are refused.
 
 At generation the same hook gives each windowed layer a cache layer of its own
 (`WindowedCacheLayer`, swapped into a transformers DynamicCache the first time the layer
-writes to it): full KV heads keep every token, windowed ones their sinks and last `window` tokens
-(the slots the next query may see, and the oldest of the window, which it may not: sink +
-window in all, what `costs.tables.kv_mode_costs` counts), so the cache holds what the layout keeps. What a
-forward's keys look like to the kernel does not change: the layer hands the kernel one (B, KV
-heads, T, D) tensor per step (a transient, one layer's worth) with a windowed head's dropped
-slots zero, which its mask bars anyway, so `generate()` computes what the masked
-full-sequence forward computes.
+writes to it): full KV heads keep every token, windowed ones their sinks and last `window`
+tokens (the slots the next query may see, and the oldest of the window, which it may not:
+sink + window in all, what `costs.tables.kv_mode_costs` counts), so the cache holds what the
+layout keeps. What a forward's keys look like to the kernel does not change: the layer hands
+the kernel one (B, KV heads, T, D) tensor per step (a transient, one layer's worth) with a
+windowed head's dropped slots zero, which its mask bars anyway, so `generate()` computes what
+the masked full-sequence forward computes.
 
 Positions are cache slots: query i of a forward that finds `past` tokens in the cache sits at
 slot past + i, key j at slot j; a windowed head at slot p sees keys j <= p with j < sink or
@@ -182,7 +183,8 @@ class KVWindows:
     def kv_windowed(self, model: nn.Module, layer: int) -> list[bool]:
         """Per KV head the layer computes (kept groups, in order): whether its unit is windowed."""
         adapter = get_adapter(model)
-        return [self.layout.modes[layer][g] == WINDOW for g in adapter.kv_groups(model.config, layer_heads(model, layer))]
+        groups = adapter.kv_groups(model.config, layer_heads(model, layer))
+        return [self.layout.modes[layer][g] == WINDOW for g in groups]
 
     def _make_hook(self, model: nn.Module, layer: int):
         sink, window = self.layout.sink, self.layout.window
@@ -342,7 +344,8 @@ def install_cache_layer(cache, index: int, windowed: list[bool], sink: int, wind
     cache = getattr(cache, "self_attention_cache", cache)
     layers = getattr(cache, "layers", None)
     if layers is None:
-        raise ValueError(f"windowed KV units need a transformers Cache with per-layer storage, got {type(cache).__name__}")
+        raise ValueError(f"windowed KV units need a transformers Cache with per-layer storage, got "
+                         f"{type(cache).__name__}")
     if len(layers) <= index and getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:
         while len(layers) <= index:
             layers.append(DynamicLayer())
