@@ -15,7 +15,7 @@ config class with small sizes (no download), and `check_model_type` records one 
 - ``not built``: the tiny model could not be built from its config class here (not a judgement
   on headprune).
 
-Run it (about ten minutes on two cores) and render the Markdown table from its JSON:
+Run it (3 min 43 s on this project's two shared cores, load ~5) and render the Markdown table from its JSON:
 
     python -m headprune.deploy.coverage --out docs/coverage.json --markdown docs/coverage.md
 
