@@ -5,7 +5,7 @@ import torch
 import transformers as tf
 
 from headprune.heads.surgery import prune_heads
-from headprune.heads.windows import KVLayout, KVWindows, window_allowed
+from headprune.heads.windows import KVLayout, KVWindows, apply_kv_layout, window_allowed
 from tests.helpers import GQA
 
 SEQ = 12
@@ -327,8 +327,8 @@ def test_save_and_load_pruned_keep_the_modes(tmp_path):
 
     model = llama("sdpa")
     layout = KVLayout((("window", "full"), ("removed", "window")), sink=1, window=3)
-    prune_heads(model, layout.removed_heads(model))
-    KVWindows(layout).attach(model)
+    apply_kv_layout(model, layout)
+    assert [len(a.self_attn.o_proj.weight[0]) for a in model.model.layers] == [32, 16]  # layer 1: one group left
     saved = save_pruned(model, tmp_path / "export")
     assert not saved.plain_hf and "windowed KV units" in saved.why
     loaded = load_pruned(tmp_path / "export").eval()

@@ -40,6 +40,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
+from headprune.heads.surgery import prune_heads
 
 FULL, WINDOW, REMOVED = "full", "window", "removed"
 MODES = (FULL, WINDOW, REMOVED)
@@ -113,6 +114,14 @@ class KVLayout:
         if not isinstance(modes, list) or not all(isinstance(layer, list) for layer in modes):
             raise ValueError(f"{where}: modes must be a list (layers) of lists of modes ({', '.join(MODES)})")
         return cls(tuple(tuple(layer) for layer in modes), data["sink"], data["window"])
+
+
+def apply_kv_layout(model: nn.Module, layout: KVLayout) -> KVWindows:
+    """Put `layout` on `model`: its removed units physically removed (`heads.surgery.prune_heads`),
+    its windowed units restricted (`KVWindows`, returned so it can be detached)."""
+    layout.check(model)
+    prune_heads(model, layout.removed_heads(model))
+    return KVWindows(layout).attach(model)
 
 
 def windows_refusal(model: nn.Module, target: str) -> str | None:
