@@ -106,6 +106,21 @@ def test_window_covering_the_sequence_equals_full(attn):
     assert torch.allclose(covered, dense, atol=1e-6)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_padded_batch_keeps_each_rows_windows(attn):
+    """Right padding (the model's own mask: additive for eager, boolean for sdpa, widened per
+    head here): a padded row's real positions get the logits the row gets alone."""
+    model = llama(attn)
+    KVWindows(KVLayout((("window", "full"), ("full", "window")), sink=1, window=3)).attach(model)
+    batch = ids(batch=2)
+    padding = torch.ones_like(batch)
+    padding[1, -4:] = 0
+    with torch.no_grad():
+        padded = model(batch, attention_mask=padding).logits
+        alone = model(batch[1:, :-4]).logits
+    assert torch.allclose(padded[1, :-4], alone[0], atol=1e-5)
+
+
 def test_window_after_physical_removal_follows_the_kept_groups():
     """Layer 1 loses group 0 physically: its one kept group (original id 1) is the windowed one."""
     model = llama("eager")
