@@ -243,12 +243,19 @@ class StepCheckpoint(Checkpoint):
             self._saved_at = step
 
     def save(self, trainer: L.Trainer) -> None:
-        tmp = self.dirpath / f".{CHECKPOINT}.tmp"
-        if trainer.is_global_zero:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-        trainer.save_checkpoint(tmp)
-        if trainer.is_global_zero:
-            os.replace(tmp, self.path)
+        save_checkpoint_atomic(trainer, self.path)
+
+
+def save_checkpoint_atomic(trainer: L.Trainer, path: Path, commit: Callable[[Path, Path], Any] = os.replace) -> None:
+    """`trainer`'s checkpoint at `path`, written to a hidden sibling and renamed over it by `commit`
+    (atomic on one filesystem). Every rank takes part (the checkpoint is gathered); rank 0 writes
+    and renames. The recovery's step checkpoints and the epochs' `last.ckpt` are both written so."""
+    tmp = path.parent / f".{path.name}.tmp"
+    if trainer.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    trainer.save_checkpoint(tmp)
+    if trainer.is_global_zero:
+        commit(tmp, path)
 
 
 def checkpoint_step(path: Path) -> int:

@@ -15,6 +15,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 
+from headprune.engine.step_fit import save_checkpoint_atomic
+
 log = logging.getLogger(__name__)
 
 NAME = "last.ckpt"
@@ -42,12 +44,7 @@ class LastCheckpoint(Checkpoint):
 
     def save(self, trainer: L.Trainer) -> None:
         """Every rank takes part (the checkpoint is gathered); rank 0 writes and renames."""
-        tmp = self.dirpath / f".{NAME}.tmp"
-        if trainer.is_global_zero:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-        trainer.save_checkpoint(tmp)
-        if trainer.is_global_zero:
-            self._commit(tmp, self.path)
+        save_checkpoint_atomic(trainer, self.path, commit=self._commit)
 
     @staticmethod
     def _commit(tmp: Path, path: Path) -> None:
