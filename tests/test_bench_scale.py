@@ -56,7 +56,16 @@ def test_quick_scale_runs_every_stage_in_a_child_with_its_peak_per_model_byte(tm
     assert "- scale, kl at llama_tiny (0M parameters): peak" in text and "teacher live" in text
 
 
+def test_quick_scale_kl_with_a_cached_teacher_holds_no_teacher(tmp_path):
+    """bench.scale.teacher_logits=cached: the KL stage's teacher is its top-k, built in the set-up,
+    and the dense copy is freed before the steps (the row says cached)."""
+    cfg = compose_bench(tmp_path, *OFF, "bench.scale.enabled=true", "bench.scale.teacher_logits=cached")
+    kl = {r["stage"]: r for r in run(cfg)["scale"]}["kl"]
+    assert kl["teacher"] == "cached" and kl["info"]["steps"] == 2
+
+
 @pytest.mark.parametrize("override, message", [
+    ("bench.scale.teacher_logits=disk", "bench.scale.teacher_logits"),
     ("bench.scale.samples=2", "bench.scale.samples=2 is not allowed"),
     ("bench.scale.models=[gpt9]", "bench.scale.models: 'gpt9' is not allowed"),
     ("+bench.scale.skip.llama_tiny=[scoring]", "bench.scale.skip.llama_tiny: 'scoring' is not allowed"),

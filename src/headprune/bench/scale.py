@@ -12,7 +12,8 @@ each called through headprune's own functions, on `samples` x `seq` random calib
     refit       the Pruner's dense copy (`HeadMask.unmasked_copy`), the heads removed
                 (`prune_heads`, pruning.physical=true) and `Refit().after_round` (ridge refit of
                 every output projection against the dense model, layer by layer)
-    kl          `Distill(steps=kl_steps, alpha=1.0, temperature=1.0)` through a `RecoveryContext`
+    kl          `Distill(steps=kl_steps, alpha=1.0, temperature=1.0, teacher_logits=...)` through a
+                `RecoveryContext` (cached: the teacher's top-64 built in its set-up, the dense copy freed)
                 (`before_first_round` takes the dense model as teacher, `after_round` trains),
                 as recovery=chain's KL stage; the row says whether a teacher model was in memory
                 during the steps (`teacher`: live) or not (cached)
@@ -99,6 +100,7 @@ class ScaleSettings:
     seq: int = MISSING  # tokens per sequence
     batch_size: int = MISSING
     kl_steps: int = MISSING
+    teacher_logits: str = MISSING  # the KL stage's teacher: live, or cached (its top-k, then freed)
     kv_target: float = MISSING  # budget=kv target: the share of the dense KV bytes kept
     profile_samples: int = MISSING  # layer_policy=measured: sequences its cost curves read
     passes: int = MISSING
@@ -260,11 +262,13 @@ class _KL(_Stage):
         student = load_pruned(job["work"] / "refit")
         mask = _pruned_mask(job, student)
         teacher = _dense(job).requires_grad_(False)  # the run's frozen dense copy
-        distill = Distill(steps=job["kl_steps"], alpha=1.0, temperature=1.0)
+        distill = Distill(steps=job["kl_steps"], alpha=1.0, temperature=1.0, teacher_logits=job["teacher_logits"])
         distill.check_model(student)
         ctx = RecoveryContext(student, mask, Loaders(score=blocks(job, seed=0), train=blocks(job, seed=1)),
                               dense=teacher)
         distill.before_first_round(ctx)
+        if not distill.keeps_dense:  # a cached teacher: the run frees its dense copy (Pruner._start)
+            ctx.dense = None
         del teacher
         return {"job": job, "model": student, "ctx": ctx, "distill": distill}
 
@@ -377,7 +381,8 @@ def run(inputs: SectionInputs) -> list[dict]:
         with tempfile.TemporaryDirectory(prefix=f"scale_{name}_", dir=root) as work:
             job = {"work": Path(work), "spec": spec, "vocab_size": spec["vocab_size"], "seed": inputs.cfg.seed,
                    "dtype": inputs.bench.dtype, "threads": inputs.bench.threads, "samples": s.samples, "seq": s.seq,
-                   "batch_size": s.batch_size, "kl_steps": s.kl_steps, "kv_target": s.kv_target,
+                   "batch_size": s.batch_size, "kl_steps": s.kl_steps, "teacher_logits": s.teacher_logits,
+                   "kv_target": s.kv_target,
                    "profile_samples": s.profile_samples, "passes": s.passes, "candidates": s.candidates}
             built = in_child(ctx, "build", job, name)
             log.info("scale %s: %.1fM parameters, %.0f MiB (%s)", name, built["params"] / 1e6,
@@ -414,6 +419,7 @@ def check(settings, bench) -> None:
     if settings.samples < 4:  # Refit's holdout (0.25) chooses its damping on every 4th sequence
         raise ValueError(f"bench.scale.samples={settings.samples} is not allowed; allowed: an integer >= 4 (the refit "
                          "chooses its damping on every 4th calibration sequence)")
+    one_of("bench.scale.teacher_logits", settings.teacher_logits, ("live", "cached"))
     if settings.passes < 0:
         raise ValueError(f"bench.scale.passes={settings.passes} is not allowed; allowed: an integer >= 0")
     if not 0 < settings.kv_target < 1:
