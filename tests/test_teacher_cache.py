@@ -78,7 +78,8 @@ def test_steps_on_the_cached_teacher_train_as_the_live_teacher_does(tmp_path):
     ({"teacher_topk": 0}, r"recovery.teacher_topk=0 must be an integer >= 1"),
     ({"teacher_logits": "cached", "hidden_weight": 0.5}, r"teacher_logits=cached keeps the teacher's output"),
     ({"checkpoint_every": -1}, r"recovery.checkpoint_every=-1 must be an integer >= 0"),
+    ({"teacher_logits": "cached", "steps": 0}, r"teacher_logits=cached serves a step budget"),
 ])
 def test_bad_cache_settings_name_the_field(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):
-        Distill(steps=2, **kwargs)
+        Distill(**{"steps": 2, **kwargs})

@@ -192,8 +192,9 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
         start = time.perf_counter()
         if trainer is None:
             # no autocast around the pipeline: scoring and the reconstructions (least squares, refit)
-            # read float32 activations (under bf16 autocast the refit on SmolLM2 lost most of its
-            # gain: 78.8 -> 261 perplexity); a recovery's steps run in the precision through their fit
+            # read float32 activations (under bf16 autocast SmolLM2's refit ended at 308.8 instead of
+            # 80.66: experiments/llm_iterative/autocast_bug); a recovery's steps run in the precision
+            # through their fit
             run_untrained(pruner, module, datamodule, sink, physical=bool(cfg.pruning.physical),
                           diagnostics=pruning.diagnostics, runtime=runtime, ckpt_path=cfg.get("ckpt_path"),
                           check_consistency=pruning.check_consistency)

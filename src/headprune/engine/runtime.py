@@ -11,7 +11,8 @@ LLM evaluations (`autocast` for `*-mixed` precisions) and to each recovery's own
 (`trainer_kwargs`: Lightning's precision plugin), and recorded in results.json's top-level
 `runtime` block (`record`). Under a `*-mixed` precision, scoring and the reconstructions (least
 squares, refit, bias compensation) run without autocast, on float32 activations: with them under
-bf16 autocast, SmolLM2's refit at 1 of 3 KV groups ended at perplexity 261 instead of 78.8.
+bf16 autocast, SmolLM2's refit at 1 of 3 KV groups (attention drop) ended at validation perplexity
+308.8 instead of 80.66 (experiments/llm_iterative/autocast_bug).
 
 Accumulators (scores, Gram matrices, losses) keep their own float32/float64 dtype whatever the
 model's: the code that sums them casts before summing.

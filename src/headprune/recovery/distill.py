@@ -102,6 +102,10 @@ class Distilling(Recovery):
                              "teacher runs at every step), cached (its top-k distributions computed once)")
         if isinstance(self.teacher_topk, bool) or not isinstance(self.teacher_topk, int) or self.teacher_topk < 1:
             raise ValueError(f"recovery.teacher_topk={self.teacher_topk!r} must be an integer >= 1")
+        if self.teacher_logits == "cached" and self.steps == 0:
+            raise ValueError("recovery.teacher_logits=cached serves a step budget (recovery.steps > 0), whose batches "
+                             "it can look up; recovery.steps=0 distils in the schedule's epochs with the live "
+                             "teacher: allowed: recovery.steps > 0, or teacher_logits=live")
         if self.teacher_logits == "cached" and self.hidden_weight > 0:
             raise ValueError(f"recovery.teacher_logits=cached keeps the teacher's output distributions only, not its "
                              f"hidden states; recovery.hidden_weight={self.hidden_weight} needs them: allowed: "
@@ -135,7 +139,7 @@ class Distilling(Recovery):
 
     @property
     def caches_teacher(self) -> bool:
-        return self.uses_teacher and self.teacher_logits == "cached" and not self.in_epochs
+        return self.uses_teacher and self.teacher_logits == "cached"
 
     @property
     def trains(self) -> bool:  # through the schedule's epochs
