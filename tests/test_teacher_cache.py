@@ -50,7 +50,8 @@ def test_a_cache_of_the_whole_vocabulary_is_the_exact_kl_and_a_smaller_one_a_low
 
 def _distill(teacher_logits: str, tmp_path):
     model = tiny("llama")
-    distill = Distill(steps=6, lr=1e-3, alpha=1.0, temperature=1.0, teacher_logits=teacher_logits, teacher_topk=V)
+    distill = Distill(steps=6, lr=1e-3, alpha=1.0, temperature=1.0, teacher_logits=teacher_logits,
+                      teacher_topk=V if teacher_logits == "cached" else None)
     pruner = Pruner(model, get_metric("magnitude"), OneShot(target_sparsity=0.5, baseline_epochs=0, epochs_per_round=0),
                     UniformPolicy(), None, distill, results=RunResults(tmp_path))
     record = pruner.step(0, Loaders(_loader(4), _loader(4, seed=1), train=_loader(8, seed=2)))
@@ -75,7 +76,8 @@ def test_steps_on_the_cached_teacher_train_as_the_live_teacher_does(tmp_path):
 
 @pytest.mark.parametrize("kwargs,pattern", [
     ({"teacher_logits": "disk"}, r"recovery.teacher_logits='disk' is not allowed; allowed: live"),
-    ({"teacher_topk": 0}, r"recovery.teacher_topk=0 must be an integer >= 1"),
+    ({"teacher_logits": "cached", "teacher_topk": 0}, r"recovery.teacher_topk=0 must be an integer >= 1"),
+    ({"teacher_topk": 16}, r"recovery.teacher_topk=16 sizes the cached teacher, but recovery.teacher_logits='live'"),
     ({"teacher_logits": "cached", "hidden_weight": 0.5}, r"teacher_logits=cached keeps the teacher's output"),
     ({"checkpoint_every": -1}, r"recovery.checkpoint_every=-1 must be an integer >= 0"),
     ({"teacher_logits": "cached", "steps": 0}, r"teacher_logits=cached serves a step budget"),

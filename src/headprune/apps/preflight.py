@@ -5,6 +5,7 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from headprune.apps.objectives import OBJECTIVES
+from headprune.engine.offload import check_dense_device
 
 
 def check_settings(cfg: DictConfig, schedule, layer_policy, recovery, budget) -> None:
@@ -24,6 +25,7 @@ def check_settings(cfg: DictConfig, schedule, layer_policy, recovery, budget) ->
         raise ValueError(f"recovery={type(recovery).__name__.lower()} trains {steps} steps on the training blocks, but "
                          "data.max_train_samples=0 leaves none; allowed: data.max_train_samples > 0 or null")
     budget.check(schedule, layer_policy)
+    check_dense_device(cfg.pruning.get("dense_device", "run"), budget.kind)
     names = list(cfg.get("objectives") or ["headline"])
     for name in names:
         if name not in OBJECTIVES:

@@ -153,6 +153,7 @@ def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, re
                                            "(never the validation set reported in val)")
     pruner = Pruner(model, metric, schedule, layer_policy, budget, recovery, mask=module.head_mask,
                     rearrange=bool(cfg.pruning.rearrange), results=results,
+                    dense_device=cfg.pruning.get("dense_device", "run"),
                     dense_factory=lambda: runtime.place(instantiate(cfg.model)(num_labels=datamodule.num_labels)))
     pruning = HeadPruning(pruner, diagnostics=_diagnostics_options(cfg),
                           check_consistency=bool(cfg.get("check_consistency", False)),

@@ -72,13 +72,13 @@ class HeadMask(nn.Module):
             handle.remove()
         self._handles = []
 
-    def unmasked_copy(self, model: nn.Module) -> nn.Module:
+    def unmasked_copy(self, model: nn.Module, copier=copy.deepcopy) -> nn.Module:
         """A deep copy of `model` (attached to this mask) without the mask's hooks: it computes
         every head it physically has, e.g. the dense model a teacher or a least-squares target
-        comes from."""
+        comes from. `copier` makes the copy (e.g. straight into host memory)."""
         self.detach()
         try:
-            return copy.deepcopy(model)
+            return copier(model)
         finally:
             self.attach(model)
 

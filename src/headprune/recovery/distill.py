@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headprune.deploy.hf import load_pruned, save_pruned
+from headprune.engine.offload import compute_device, offload_of
 from headprune.engine.step_fit import EXAMPLE_INDEX, FitPlan, fit_steps
 from headprune.heads.adapters import model_shape
 from headprune.recovery.base import AFTER_RECOVERY, Recovery, RecoveryContext, trains_after_pruning
@@ -79,7 +80,9 @@ class Distilling(Recovery):
     max_grad_norm: float = 1.0
     checkpoint_every: int = 20  # about 3-10 minutes of SmolLM2-135M KL steps on 2 CPU cores
     teacher_logits: str = "live"  # live: the teacher runs at every step; cached: its top-k once (teacher_cache.py)
-    teacher_topk: int = 64
+    teacher_topk: Optional[int] = None  # teacher_logits=cached: the top-k kept (null: DEFAULT_TOPK)
+
+    DEFAULT_TOPK: ClassVar[int] = 64
 
     TEACHER_DIR: ClassVar[str] = "teacher"
     record_key: ClassVar[str] = "distill"  # results.json round entry of the steps' report
@@ -100,8 +103,13 @@ class Distilling(Recovery):
         if self.teacher_logits not in ("live", "cached"):
             raise ValueError(f"recovery.teacher_logits={self.teacher_logits!r} is not allowed; allowed: live (the "
                              "teacher runs at every step), cached (its top-k distributions computed once)")
-        if isinstance(self.teacher_topk, bool) or not isinstance(self.teacher_topk, int) or self.teacher_topk < 1:
-            raise ValueError(f"recovery.teacher_topk={self.teacher_topk!r} must be an integer >= 1")
+        topk = self.teacher_topk
+        if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+            raise ValueError(f"recovery.teacher_topk={topk!r} must be an integer >= 1 (or null: {self.DEFAULT_TOPK})")
+        if topk is not None and self.teacher_logits != "cached":
+            raise ValueError(f"recovery.teacher_topk={topk} sizes the cached teacher, but recovery.teacher_logits="
+                             f"{self.teacher_logits!r} runs the whole teacher at every step; allowed: "
+                             "teacher_logits=cached, or teacher_topk=null")
         if self.teacher_logits == "cached" and self.steps == 0:
             raise ValueError("recovery.teacher_logits=cached serves a step budget (recovery.steps > 0), whose batches "
                              "it can look up; recovery.steps=0 distils in the schedule's epochs with the live "
@@ -136,6 +144,11 @@ class Distilling(Recovery):
     def keeps_dense(self) -> bool:
         """A cached teacher is built in `before_first_round`: the unpruned copy is not needed after it."""
         return self.needs_dense and not self.caches_teacher
+
+    @property
+    def topk(self) -> int:
+        """The cached teacher's k (`teacher_topk`, or DEFAULT_TOPK when null)."""
+        return self.teacher_topk if self.teacher_topk is not None else self.DEFAULT_TOPK
 
     @property
     def caches_teacher(self) -> bool:
@@ -197,7 +210,7 @@ class Distilling(Recovery):
     def build_cache(self, ctx: RecoveryContext) -> None:
         """teacher_logits=cached: the teacher's top-k over the training text, once; the teacher is let go."""
         self.state.cache = build_teacher_cache(self.state.model, training_loader(ctx.loaders, self.record_key),
-                                               task_of(ctx.model), self.temperature, self.teacher_topk)
+                                               task_of(ctx.model), self.temperature, self.topk)
         self.state.model = None
 
     def resume(self, ctx: RecoveryContext) -> nn.Module | None:
@@ -219,7 +232,7 @@ class Distilling(Recovery):
         if self.caches_teacher:
             if self.state.cache is None:  # a teacher from a folder (recovery.teacher), loaded when checked
                 self.build_cache(ctx)
-            extra.update(teacher=f"cached top-{self.teacher_topk}", teacher_cache_seconds=self.state.cache.seconds)
+            extra.update(teacher=f"cached top-{self.topk}", teacher_cache_seconds=self.state.cache.seconds)
         plan = ctx.fit if ctx.fit is not None else FitPlan(seed=record["round"])
         plan.checkpoint_every = self.checkpoint_every
         report = fit_steps(ctx.model, train, lambda model, batch: self.training_loss(model, batch)[1].mean(),
@@ -243,7 +256,7 @@ class Distilling(Recovery):
         if teacher is None:
             return super().training_loss(model, batch)
         device = batch["input_ids"].device
-        if next(teacher.parameters()).device != device:
+        if compute_device(teacher) != device and offload_of(teacher) is None:  # a streamed copy stays in host memory
             teacher.to(device)
         hidden = self.hidden_weight > 0
         logits, student_hidden = forward_outputs(model, batch, hidden)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headprune.engine.offload import compute_device
 from headprune.engine.step_fit import EXAMPLE_INDEX, training_examples
 from headprune.tasks import MODEL_INPUTS, Task, to_device
 
@@ -59,7 +60,7 @@ def build_teacher_cache(teacher: nn.Module, loader, task: Task, temperature: flo
     batched = not single
     if batched:
         batch_size = 1  # each "example" is a pre-made batch
-    device = next(teacher.parameters()).device
+    device = compute_device(teacher)
     was_training = teacher.training
     teacher.eval()
     logps, indices, rests = [], [], []

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from headprune.costs.tables import LayerCosts
+from headprune.engine.offload import check_dense_device, compute_device, dense_copy, hold_dense
 from headprune.engine.step_fit import FitPlan
 from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.mask import HeadMask
@@ -98,7 +99,8 @@ class Pruner:
     def __init__(self, model: nn.Module, metric: Callable, schedule, layer_policy, budget: Budget | dict | None = None,
                  recovery: Recovery | str | None = None, *, mask: HeadMask | None = None, rearrange: bool = False,
                  results: RunResults | None = None, max_batches: int | None = None,
-                 dense_factory: Callable[[], nn.Module] | None = None, observer: RunObserver | None = None):
+                 dense_factory: Callable[[], nn.Module] | None = None, observer: RunObserver | None = None,
+                 dense_device: str = "run"):
         self.model = model
         self.mask = mask if mask is not None else HeadMask.for_model(model).to(next(model.parameters()).device)
         self.metric, self.schedule, self.layer_policy = metric, schedule, layer_policy
@@ -109,6 +111,8 @@ class Pruner:
         self.awaiting_finetune = False  # the last round's result waits for its fine-tuning epochs
         self.sparsities = schedule.sparsities()
         self.dense: nn.Module | None = None
+        check_dense_device(dense_device, self.budget.kind)
+        self.dense_device = dense_device  # run | cpu: where `dense` lives (engine.offload)
         self.costs: LayerCosts | None = None
         self.stop_reason: str | None = None
         self.sensitivity: list[float] | None = None
@@ -149,13 +153,12 @@ class Pruner:
         dense model for the budget; the cost table came with the state)."""
         restored = self.recovery.resume(self.context(Loaders(score=None)))
         if restored is not None:
-            self.dense = restored
+            self.dense = self._hold(restored)
         if self.dense is None and self.budget.needs_dense:
             if self.dense_factory is None:
                 raise ValueError(f"resuming a budget={self.budget.kind} run needs a dense model of the same shape "
                                  "(dense_factory)")
-            device = next(self.model.parameters()).device
-            self.dense = self.dense_factory().to(device).eval().requires_grad_(False)
+            self.dense = self._hold(self.dense_factory())
         if self.costs is None and not self.budget.counts_heads:
             self._measure_costs()
 
@@ -384,12 +387,19 @@ class Pruner:
     def _start(self, loaders: Loaders) -> None:
         """Before round 1: the dense copy (when needed), the budget's costs, the recovery's setup."""
         if self.dense is None and (self.recovery.needs_dense or self.budget.needs_dense):
-            self.dense = self.mask.unmasked_copy(self.model).eval().requires_grad_(False)
+            self.dense = self.mask.unmasked_copy(self.model, lambda model: dense_copy(model, self.dense_device))
+            self.results.data["dense_copy"] = {"where": self.dense_device, "device": str(compute_device(self.dense)),
+                                               "dtype": str(next(self.dense.parameters()).dtype).removeprefix("torch.")}
         if self.costs is None and not self.budget.counts_heads:
             self._measure_costs()
         self.recovery.before_first_round(self.context(loaders))
         if self.dense is not None and not (self.recovery.keeps_dense or self.budget.needs_dense):
             self.dense = None  # what the recovery needed of it is taken (a cached teacher): free its memory
+
+    def _hold(self, dense: nn.Module) -> nn.Module:
+        """A reloaded dense model (the saved teacher, a model for the budget) placed beside the run's
+        model as `dense_device` says, in its dtype."""
+        return hold_dense(dense, compute_device(self.model), next(self.model.parameters()).dtype, self.dense_device)
 
     def _measure_costs(self) -> None:
         start = time.perf_counter()
