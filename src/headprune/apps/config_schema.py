@@ -72,6 +72,7 @@ def register_schemas() -> None:
     from headprune.apps.evaluations import EvaluationSettings
     from headprune.recovery import RECOVERIES
     from headprune.selection.budgets import BUDGETS
+    from headprune.selection.kv_modes import KVModes
     from headprune.scoring import METRICS
     from headprune.selection.layer_policies import LAYER_POLICIES
     from headprune.selection.schedules import SCHEDULES
@@ -88,3 +89,4 @@ def register_schemas() -> None:
     cs.store(group="schema", name="evaluation", node=EvaluationSettings)
     for name, cls in BUDGETS.items():
         cs.store(group="schema/budget", name=name, node=schema_for_class(name, cls, "Budget"))
+    cs.store(group="schema", name="kv_modes", node=schema_for_class("kv_modes", KVModes, ""))  # kv_modes=

@@ -16,7 +16,10 @@ dense model before pruning and on the exported one, written to results.json `eva
   calibration corpus shows here (issue 30);
 - zero-shot accuracy on `zero_shot_tasks` through lm-eval-harness, with chance level
   (`sst2_local` ships with headprune; any lm-eval task name runs where a network is available);
-- greedy answers to fixed chat prompts (`generate`).
+- greedy answers to fixed chat prompts (`generate`);
+- `passkey`: synthetic passkey retrieval (headprune.evaluation.retrieval) at each of
+  `passkey_lengths` tokens and `passkey_depths`, `passkey_samples` keys each (none when the
+  lengths are empty): what separates windowed KV layouts where perplexity does not.
 """
 from __future__ import annotations
 
@@ -51,6 +54,9 @@ class EvaluationSettings:
     zero_shot_limit: Optional[int] = None  # the first n documents of each task (null: all)
     generate: bool = True  # greedy answers to the fixed chat prompts
     max_new_tokens: int = 32
+    passkey_lengths: List[int] = field(default_factory=list)  # passkey retrieval at these lengths ([]: none)
+    passkey_depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    passkey_samples: int = 5  # keys per (length, depth)
 
     def check(self, task: str) -> None:
         if not self.enabled:
@@ -81,6 +87,13 @@ class EvaluationSettings:
         if self.zero_shot_limit is not None and self.zero_shot_limit < 1:
             raise ValueError(f"evaluation.zero_shot_limit={self.zero_shot_limit} must be >= 1 or null")
         check_corpora(self.other_corpora, "evaluation.other_corpora")
+        if self.passkey_lengths:
+            from headprune.evaluation.retrieval import check_passkey
+
+            try:
+                check_passkey(self.passkey_lengths, self.passkey_depths, self.passkey_samples)
+            except ValueError as err:
+                raise ValueError(f"evaluation.passkey_lengths / passkey_depths / passkey_samples: {err}") from None
         if self.zero_shot_tasks:
             from headprune.evaluation.zero_shot import check_tasks
 
@@ -106,6 +119,9 @@ class EvaluationSettings:
         if positions and longest > positions:
             raise ValueError(f"evaluation.perplexity_seqs: {max(self.perplexity_seqs)} tokens (+ BOS) exceed the model's "
                              f"{positions} positions; allowed: at most {positions - int(self.bos)}")
+        if self.passkey_lengths and positions and max(self.passkey_lengths) > positions:
+            raise ValueError(f"evaluation.passkey_lengths: {max(self.passkey_lengths)} exceeds the model's {positions} "
+                             f"positions; allowed: at most {positions}")
         held = len(datamodule.held_out_ids)
         if held < self.perplexity_tokens:
             raise ValueError(f"evaluation.perplexity_tokens={self.perplexity_tokens} exceeds the {held} held-out tokens "
@@ -162,6 +178,13 @@ def evaluate_llm(model, tokenizer, datamodule, options: EvaluationSettings, data
         out["zero_shot"] = zero_shot(model, tokenizer, options.zero_shot_tasks, data_dir=data_dir,
                                      limit=options.zero_shot_limit, batch_size=options.batch_size)
         out["seconds"]["zero_shot"] = round(time.perf_counter() - start, 3)
+    if options.passkey_lengths:
+        from headprune.evaluation.retrieval import passkey_accuracy
+
+        start = time.perf_counter()
+        out["passkey"] = passkey_accuracy(model, tokenizer, options.passkey_lengths, options.passkey_depths,
+                                          options.passkey_samples)
+        out["seconds"]["passkey"] = round(time.perf_counter() - start, 3)
     if options.generate:
         start = time.perf_counter()
         out["generation"] = generate_answers(model, tokenizer, max_new_tokens=options.max_new_tokens)

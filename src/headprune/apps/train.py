@@ -36,6 +36,7 @@ from headprune.lightning.observer import run_untrained
 from headprune.lightning.module import HeadPruneModule
 from headprune.results import RunResults
 from headprune.models import load_tokenizer
+from headprune.selection.kv_modes import KVModes
 from headprune.selection.pruner import Pruner
 from headprune.scoring.attention import end_of_sentence_ids
 from headprune.tasks import VAL_METRICS, check_task, headline, max_positions
@@ -61,6 +62,9 @@ def run(cfg: DictConfig) -> dict:
         schedule.check_metrics(VAL_METRICS[task], task)
         check_settings(cfg, schedule, layer_policy, recovery, budget)
         runtime = Runtime.of(cfg.trainer)  # a GPU, device count or precision this machine lacks: refused here
+        kv_modes = build(cfg.kv_modes) if cfg.get("kv_modes") else KVModes()
+        kv_modes.check(schedule, layer_policy, recovery, budget, block_size=cfg.data.get("block_size"),
+                       rearrange=bool(cfg.pruning.rearrange), world_size=runtime.world_size, resuming=bool(ckpt_path))
         evaluation = evaluations.settings(cfg)
         evaluation.check(task)
         run_dir.refuse_to_overwrite(output_dir, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
@@ -71,7 +75,7 @@ def run(cfg: DictConfig) -> dict:
         start = time.perf_counter()
         if not _trains(cfg, schedule) and runtime.world_size > 1:
             _launch(runtime)  # the other ranks start here and run the same command (a Trainer's fit launches its own)
-        setup = _setup(cfg, output_dir, schedule, metric, layer_policy, recovery, budget, task, runtime)
+        setup = _setup(cfg, output_dir, schedule, metric, layer_policy, recovery, budget, task, runtime, kv_modes)
         setup.evaluation = evaluation
         evaluation.check_model(setup.module.model, setup.datamodule)
         setup.stages["load"] = round(time.perf_counter() - start, 3)
@@ -119,7 +123,7 @@ def _launch(runtime: Runtime) -> None:
 
 
 def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, recovery, budget, task: str,
-           runtime: Runtime | None = None) -> Setup:
+           runtime: Runtime | None = None, kv_modes: KVModes | None = None) -> Setup:
     """Data, model (and teacher) loaded and checked against the settings; the run's objects built.
     A run without a Trainer places the model where `runtime` says (a Trainer places it itself)."""
     runtime = runtime or Runtime()
@@ -133,6 +137,8 @@ def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, re
     if not trains:
         runtime.place(model)
     check_model(model, schedule, layer_policy, budget)
+    kv_modes = kv_modes or KVModes()
+    kv_modes.check_model(model)
     recovery.check_model(model)
     metric = _with_eos_ids(metric, cfg.metric, model, tokenizer)
     _check_block_size(datamodule, model)
@@ -152,7 +158,7 @@ def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, re
         results.data["stop_rule_reads"] = (f"selection slice: {select['select_samples']} training examples held out "
                                            "(never the validation set reported in val)")
     pruner = Pruner(model, metric, schedule, layer_policy, budget, recovery, mask=module.head_mask,
-                    rearrange=bool(cfg.pruning.rearrange), results=results,
+                    rearrange=bool(cfg.pruning.rearrange), results=results, kv_modes=kv_modes,
                     dense_device=cfg.pruning.get("dense_device", "run"),
                     dense_factory=lambda: runtime.place(instantiate(cfg.model)(num_labels=datamodule.num_labels)))
     pruning = HeadPruning(pruner, diagnostics=_diagnostics_options(cfg),

@@ -78,7 +78,7 @@ def passkey_case(tokenizer, length: int, depth: float, key: str) -> PasskeyCase:
 def passkey_cases(tokenizer, lengths: Sequence[int], depths: Sequence[float] = DEPTHS, samples: int = 5,
                   seed: int = 0) -> list[PasskeyCase]:
     """`samples` cases per (length, depth), each with its own five-digit key drawn from `seed`."""
-    _check(lengths, depths, samples)
+    check_passkey(lengths, depths, samples)
     rng = random.Random(seed)
     return [passkey_case(tokenizer, length, depth, f"{rng.randrange(10000, 100000)}")
             for length in lengths for depth in depths for _ in range(samples)]
@@ -97,7 +97,7 @@ def passkey_accuracy(model: nn.Module, tokenizer, lengths: Sequence[int], depths
     """Passkey accuracy of `model` (its training flag restored): overall, `by_depth`, `by_length`
     ({length: {depth: accuracy}}), and every case's record. Lengths beyond the model's positions
     are refused before any forward."""
-    _check(lengths, depths, samples)
+    check_passkey(lengths, depths, samples)
     positions = max_positions(model.config)
     if positions and max(lengths) > positions:
         raise ValueError(f"passkey lengths={list(lengths)}: {max(lengths)} exceeds the model's {positions} positions; "
@@ -125,7 +125,7 @@ def passkey_accuracy(model: nn.Module, tokenizer, lengths: Sequence[int], depths
                        "needle_at": c.needle_at, "key": c.key, "correct": r} for c, r in zip(cases, right)]}
 
 
-def _check(lengths: Sequence[int], depths: Sequence[float], samples: int) -> None:
+def check_passkey(lengths: Sequence[int], depths: Sequence[float], samples: int) -> None:
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths):
         raise ValueError(f"passkey lengths={list(lengths)!r} must be a non-empty list of token counts >= 1")
     if not depths or any(isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d <= 1 for d in depths):

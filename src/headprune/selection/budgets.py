@@ -254,17 +254,19 @@ def allocate(scores: torch.Tensor, alive: torch.Tensor, costs: LayerCosts, share
 
 
 def allocate_modes(full: list[list[float]], window: list[list[float]], costs: LayerCosts, share: float, sink: int,
-                   window_tokens: int) -> tuple[KVLayout, dict]:
+                   window_tokens: int, choices: list[list[tuple[int, int]]] | None = None) -> tuple[KVLayout, dict]:
     """The per-unit KV modes worth most within `share` of `costs.dense` (`costs`: a `mode_table`
     of the same sink and window), unit u of layer l worth `full[l][u]` kept full and
     `window[l][u]` windowed (removed: 0); and a report (modes, (full, windowed) per layer,
-    predicted cost and share, retained value). At least one unit stays in the model; raises
-    ValueError when no layout fits."""
+    predicted cost and share, retained value). `choices[l]`: the options (units full, units
+    windowed) layer l may take (None: every option of its table; a layer policy's caps bound
+    the units removed). At least one unit stays in the model; raises ValueError when no layout
+    fits."""
     if not all(isinstance(k, tuple) for layer in costs.cost for k in layer):
         raise ValueError("allocate_modes needs a KV mode cost table (options (units full, units windowed)): "
                          "KVBudget.mode_table or FlopsBudget.mode_table")
     try:
-        modes, value, cost = best_modes(full, window, costs.cost, cost_limit(costs, share))
+        modes, value, cost = best_modes(full, window, costs.cost, cost_limit(costs, share), choices)
     except ValueError as err:
         raise ValueError(f"no layout of full, windowed and removed units costs at most {share:.4f} of the dense "
                          f"{costs.unit}: {err}") from err

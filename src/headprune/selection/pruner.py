@@ -40,10 +40,13 @@ from headprune.engine.step_fit import FitPlan
 from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
+from headprune.heads.windows import KV_LAYOUT_ATTR
 from headprune.recovery import Recovery, make_recovery
 from headprune.recovery.base import AFTER_RECOVERY, RecoveryContext
 from headprune.results import RunResults
 from headprune.selection.budgets import Budget, make_budget
+from headprune.selection.kv_modes import KVModes, kv_modes_round
+from headprune.selection.kv_modes import cost_share as kv_cost_share
 from headprune.selection.rounds import prune_round
 from headprune.tasks import evaluate
 
@@ -100,7 +103,7 @@ class Pruner:
                  recovery: Recovery | str | None = None, *, mask: HeadMask | None = None, rearrange: bool = False,
                  results: RunResults | None = None, max_batches: int | None = None,
                  dense_factory: Callable[[], nn.Module] | None = None, observer: RunObserver | None = None,
-                 dense_device: str = "run"):
+                 dense_device: str = "run", kv_modes: KVModes | None = None):
         self.model = model
         self.mask = mask if mask is not None else HeadMask.for_model(model).to(next(model.parameters()).device)
         self.metric, self.schedule, self.layer_policy = metric, schedule, layer_policy
@@ -108,6 +111,7 @@ class Pruner:
         self.rearrange, self.max_batches, self.dense_factory = rearrange, max_batches, dense_factory
         self.results = results if results is not None else RunResults(None)
         self.observer = observer if observer is not None else RunObserver()
+        self.kv_modes = kv_modes if kv_modes is not None else KVModes()  # per-unit KV modes (selection.kv_modes)
         self.awaiting_finetune = False  # the last round's result waits for its fine-tuning epochs
         self.sparsities = schedule.sparsities()
         self.dense: nn.Module | None = None
@@ -286,6 +290,12 @@ class Pruner:
         self.observer.before_round(k)
         self.last_good = self.mask.mask.detach().clone().cpu()
         goal = self.budget.goal(self.schedule, k, self.mask.alive(), self.costs)
+        if self.kv_modes.active:  # full / windowed / removed per unit (checked: one round, a cost budget)
+            result = kv_modes_round(self.model, self.mask, self.metric, self.kv_modes, goal.costs, goal.share,
+                                    self.layer_policy, loaders.score, round_no=k + 1, eval_loader=loaders.val,
+                                    max_batches=self.max_batches)
+            self.observer.pruned(result)
+            return self._recover(k, loaders, result.record())
         result = prune_round(self.model, self.mask, self.metric, self.layer_policy, goal.n_prune, loaders.score,
                              round_no=k + 1, eval_loader=loaders.val, sensitivity=self.sensitivity, sync=sync,
                              max_batches=self.max_batches, rearrange=self.rearrange,
@@ -357,7 +367,10 @@ class Pruner:
                          "pruned": mask.pruned(), "rounds_completed": len(self.rounds),
                          "rounds_planned": self.num_rounds, "stop_reason": self.final_reason(),
                          "val": self.evaluate(loaders.val) if fresh else self.rounds[-1]["val"]}
-        if self.costs is not None:  # every cost budget: the kept layout's share of the dense cost
+        if self.costs is not None and self.kv_modes.active:  # the KV modes' layout, priced by the mode table
+            data["final"]["cost_share"] = kv_cost_share(self.model, self.costs)
+            data["final"]["kv_layout"] = getattr(self.model, KV_LAYOUT_ATTR).to_json()
+        elif self.costs is not None:  # every cost budget: the kept layout's share of the dense cost
             data["final"]["cost_share"] = self.budget.cost_share(self.costs, mask.alive(), kv_group_heads(self.model))
         self.results.save()
         if self.results.output_dir is not None and self.results.writer:
@@ -404,6 +417,9 @@ class Pruner:
     def _measure_costs(self) -> None:
         start = time.perf_counter()
         self.costs, info = self.budget.measure(self.dense if self.dense is not None else self.model)
+        if self.kv_modes.active:  # options (units full, units windowed) per layer
+            self.costs = self.kv_modes.table(self.budget, self.dense if self.dense is not None else self.model)
+            info = {**info, "kv_modes": self.kv_modes.record()}
         self.results.data["budget"] = {**self.budget.record(), "unit": self.costs.unit, "dense_cost": self.costs.dense,
                                        **info, "seconds": round(time.perf_counter() - start, 3)}
 

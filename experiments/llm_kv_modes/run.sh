@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Per-unit KV modes without training (issue 40): experiment=llm_kv_modes (conf/experiment/llm_kv_modes.yaml:
+# SmolLM2-135M-Instruct, 2/3 of the KV bytes at a 4096-token context removed, budget=kv target 0.34 seq 4096,
+# one calibration block of 4096 Tiny Shakespeare tokens, no repair; perplexity at seq 4096 on held-out Tiny
+# Shakespeare and SST-2 sentences, passkey at 4096 tokens, chat answers; dense and export). Arms:
+#   attention_mass  modes by the Fisher unit score x attention share within sink 64 + window 448 (training-free)
+#   measured        modes by each unit's measured loss rise windowed / removed (one block of 4096 tokens)
+#   removal         kv_modes=none: whole KV groups removed by the budget's own knapsack over Fisher unit scores
+# Two streams side by side, one torch thread each (the machine has 2 cores, shared):
+#   bash experiments/llm_kv_modes/run.sh a & bash experiments/llm_kv_modes/run.sh b; wait
+#   python experiments/llm_kv_modes/collect.py
+# One arm: bash experiments/llm_kv_modes/run.sh one <arm> [dense: true|false]
+# From the repository root with HEADPRUNE_DATA_DIR pointing at ../shared/data. Raw results:
+# experiments/llm_kv_modes/results/<arm>.json (copied from the run dirs by collect.py --copy).
+set -euo pipefail
+OUT=${OUT:-../llmruns/llm_kv_modes}  # run dirs (exports: hundreds of MB) outside the repository
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+declare -A ARM=(
+    [attention_mass]="kv_modes=attention_mass"
+    [measured]="kv_modes=measured"
+    [removal]="kv_modes=none"
+)
+one() {  # one <arm> <evaluate the dense model: true|false>
+    local dir=$OUT/$1
+    [ -f "$dir/results.json" ] && grep -q '"export_dir"' "$dir/results.json" && return 0
+    local start end
+    start=$(date +%s.%N)
+    headprune-train experiment=llm_kv_modes hydra.run.dir=$dir ${ARM[$1]} evaluation.dense=$2 overwrite=true
+    end=$(date +%s.%N)
+    python -c "import json, os; json.dump({'wall_seconds': round($end - $start, 1), 'threads': $OMP_NUM_THREADS, 'load_average_end': os.getloadavg()}, open('$dir/wall.json', 'w'))"
+}
+case ${1:-all} in
+    a) one attention_mass true; one removal false ;;
+    b) one measured false ;;
+    one) one "$2" "${3:-false}" ;;
+    all) "$0" a; "$0" b ;;
+esac

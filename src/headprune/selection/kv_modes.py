@@ -1,0 +1,287 @@
+"""Choosing per-unit KV modes (`kv_modes=` config group, issue 40): each KV group (GQA) or head
+(MHA) of each layer is kept `full`, restricted to `sink` + `window` tokens (`window`) or
+`removed` (`heads.windows.KVLayout`), the layout worth most within the budget's share of a KV
+mode cost table (`budget.mode_table`: a windowed unit costs (sink + window) / seq of a full one
+at the budget's seq) by the three-way knapsack (`selection.budgets.allocate_modes`).
+
+What a unit is worth, two ways:
+
+- `measured`: the calibration loss rise of the unit alone windowed, and of the unit alone removed,
+  every other unit full (`Probe`: the loss from layer l on, blocks before it carried), on the
+  first `samples` calibration blocks, which must be at least `budget.seq` tokens long (a window's
+  cost shows only at long range). Full is worth the removal rise, windowed the removal rise
+  minus the window rise, removed 0: the knapsack keeps the layout with the least summed rise.
+- `attention_mass`: training-free. The share of each unit's attention probability on keys
+  outside its sinks and recent window (averaged over its query heads and over the queries that
+  have such keys, on the same long blocks; one eager forward per block), so a windowed unit keeps
+  1 - mass of what it is worth full; full is worth the metric's unit score (the sum of its heads'
+  scores, shifted to be non-negative, as the cost budgets rank units).
+
+The layer policy's caps bound the removed units per layer (windows are not removal); its
+`unit_scores` are what `attention_mass` reads. A run with kv modes is one round without
+training and without a repair (refused otherwise, before any work: `check`).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from headprune.costs.tables import LayerCosts
+from headprune.heads.adapters import get_adapter
+from headprune.heads.mask import HeadMask
+from headprune.heads.surgery import kv_group_heads
+from headprune.heads.windows import FULL, KERNELS, KV_LAYOUT_ATTR, REMOVED, WINDOW, KVLayout, KVWindows, window_allowed
+from headprune.tasks import evaluate, is_causal_lm, to_device
+
+log = logging.getLogger(__name__)
+CHOICES = ("none", "measured", "attention_mass")
+
+
+@dataclass
+class KVModes:
+    """`kv_modes:` settings. `choice`: none (removal only, the budget's own allocation), measured
+    or attention_mass (module docstring); `sink` + `window`: what a windowed unit keeps;
+    `samples`: calibration blocks measured on (null: every one)."""
+
+    choice: str = "none"
+    sink: int = 64
+    window: int = 448
+    samples: Optional[int] = 1
+
+    def __post_init__(self) -> None:
+        if self.choice not in CHOICES:
+            raise ValueError(f"kv_modes.choice={self.choice!r} is not allowed; allowed: {', '.join(CHOICES)}")
+        KVLayout((), self.sink, self.window)  # the sizes' own checks
+        if self.samples is not None and (isinstance(self.samples, bool) or self.samples < 1):
+            raise ValueError(f"kv_modes.samples={self.samples!r} must be an integer >= 1 or null (every calibration "
+                             "block)")
+
+    @property
+    def active(self) -> bool:
+        return self.choice != "none"
+
+    def record(self) -> dict:
+        return {"choice": self.choice, "sink": self.sink, "window": self.window, "samples": self.samples}
+
+    def check(self, schedule, layer_policy, recovery, budget, *, block_size: int | None, rearrange: bool,
+              world_size: int = 1, resuming: bool = False) -> None:
+        """Refuse, before any work, settings a run with kv modes cannot honour."""
+        if not self.active:
+            return
+        name = f"kv_modes={self.choice}"
+        if not hasattr(budget, "mode_table"):
+            raise ValueError(f"{name} chooses full / windowed / removed KV units under a cost budget with a KV mode "
+                             f"table, which budget={budget.kind} has not; allowed: budget=kv or flops")
+        if self.sink + self.window >= budget.seq:
+            raise ValueError(f"{name}: kv_modes.sink + kv_modes.window = {self.sink + self.window} tokens cover the "
+                             f"whole budget.seq={budget.seq} context, so a window would keep everything; allowed: "
+                             f"sink + window < budget.seq")
+        if schedule.num_rounds != 1 or schedule.total_epochs() > 0:
+            raise ValueError(f"{name} chooses the modes once, in one round without training; got {schedule.num_rounds} "
+                             f"round(s) and {schedule.total_epochs()} epoch(s); allowed: schedule=one_shot with "
+                             "baseline_epochs=0, epochs_per_round=0 and recover_epochs=0")
+        if type(recovery).__name__ != "NoRecovery":
+            raise ValueError(f"{name} applies no repair after the modes are chosen (a reconstruction would have to "
+                             f"see the windows); got recovery={type(recovery).__name__}; allowed: recovery=none")
+        if getattr(layer_policy, "measures_layout", False) or layer_policy.same_units_per_layer:
+            raise ValueError(f"{name} allocates the budget per unit itself; layer_policy="
+                             f"{type(layer_policy).__name__} allocates per layer; allowed: layer_policy=global or "
+                             "depth_prior")
+        if rearrange:
+            raise ValueError(f"{name} chooses each unit's mode by its own value; pruning.rearrange=true would re-choose "
+                             "removed units after it; allowed: pruning.rearrange=false")
+        if block_size is None or block_size < budget.seq:
+            raise ValueError(f"{name} measures on the calibration blocks, which must be at least the budget's context: "
+                             f"data.block_size={block_size} < budget.seq={budget.seq}; allowed: data.block_size >= "
+                             "budget.seq")
+        if world_size > 1:
+            raise ValueError(f"{name} measures on one process; got {world_size} processes; allowed: trainer.devices=1")
+        if resuming:
+            raise ValueError(f"{name}: a run without training has no checkpoint to resume; allowed: ckpt_path=null")
+
+    def check_model(self, model: nn.Module) -> None:
+        if not self.active:
+            return
+        if not is_causal_lm(model):
+            raise ValueError(f"kv_modes={self.choice} windows a decoder's KV cache; {type(model).__name__} is not a "
+                             "causal LM; allowed: kv_modes=none")
+        kernel = getattr(model.config, "_attn_implementation", None)
+        if kernel not in KERNELS:
+            raise ValueError(f"kv_modes={self.choice}: windowed units need a per-head mask, which "
+                             f"model.attn_implementation={kernel} does not take; allowed: {', '.join(KERNELS)}")
+
+    def table(self, budget, dense: nn.Module) -> LayerCosts:
+        """The budget's KV mode cost table for these window sizes."""
+        return budget.mode_table(dense, self.sink, self.window)
+
+    def choose(self, model: nn.Module, mask: HeadMask, scores: torch.Tensor, loader, costs: LayerCosts, share: float,
+               layer_policy, max_batches: int | None = None) -> tuple[KVLayout, dict]:
+        """The layout and its report (the knapsack's, with what was measured)."""
+        from headprune.selection.budgets import allocate_modes
+
+        start = time.perf_counter()
+        units = kv_group_heads(model)
+        batches = calibration_batches(loader, mask.mask.device, self.samples, max_batches)
+        if self.choice == "measured":
+            removed_rise, window_rise, base = measured_rises(model, mask, batches, units, self.sink, self.window)
+            full = removed_rise
+            windowed = [[r - w for r, w in zip(rs, ws)] for rs, ws in zip(removed_rise, window_rise)]
+            measured = {"base_loss": base, "removed_rise": removed_rise, "window_rise": window_rise}
+        else:
+            mass = attention_mass(model, batches, units, self.sink, self.window)
+            full = unit_values(layer_policy.unit_scores(scores, mask.alive()), units)
+            windowed = [[f * (1.0 - m) for f, m in zip(fs, ms)] for fs, ms in zip(full, mass)]
+            measured = {"mass_beyond_window": mass}
+        group = len(units[0])
+        caps = layer_policy.caps(mask.alive())
+        choices = [sorted(k for k in costs.cost[l] if len(units) - sum(k) <= caps[l] // group)
+                   for l in range(len(costs.cost))]
+        layout, report = allocate_modes(full, windowed, costs, share, self.sink, self.window, choices=choices)
+        report["kv_modes"] = {**self.record(), "tokens": sum(int(b["input_ids"].numel()) for b in batches),
+                              "seq": int(batches[0]["input_ids"].shape[1]), "full_value": full,
+                              "window_value": windowed, **measured, "seconds": round(time.perf_counter() - start, 3)}
+        return layout, report
+
+
+def calibration_batches(loader, device, samples: int | None, max_batches: int | None) -> list[dict]:
+    """The first `samples` calibration sequences of `loader`, on `device`."""
+    batches, taken = [], 0
+    for i, batch in enumerate(loader):
+        if (max_batches is not None and i >= max_batches) or (samples is not None and taken >= samples):
+            break
+        batch = to_device(batch, device)
+        if samples is not None:
+            batch = {k: v[:samples - taken] for k, v in batch.items()}
+        taken += int(batch["input_ids"].shape[0])
+        batches.append(batch)
+    if not batches:
+        raise ValueError("kv_modes got no calibration block to measure on (the scoring slice is empty)")
+    return batches
+
+
+def unit_values(scores: torch.Tensor, units: list[list[int]]) -> list[list[float]]:
+    """values[l][u]: the sum of unit u's head scores in layer l, shifted so the least is >= 0."""
+    shifted = scores - min(float(scores.min()), 0.0)
+    return [[float(shifted[l, heads].sum()) for heads in units] for l in range(scores.shape[0])]
+
+
+def single_unit(n_layers: int, n_units: int, layer: int, unit: int, sink: int, window: int) -> KVLayout:
+    """Every unit full but unit `unit` of layer `layer`, windowed."""
+    modes = [[FULL] * n_units for _ in range(n_layers)]
+    modes[layer][unit] = WINDOW
+    return KVLayout(tuple(tuple(m) for m in modes), sink, window)
+
+
+@torch.no_grad()
+def measured_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units: list[list[int]], sink: int,
+                   window: int) -> tuple[list[list[float]], list[list[float]], float]:
+    """(removal rise, window rise, base loss): per layer and unit, the calibration loss of the model
+    with that unit alone removed / windowed, minus the loss with every unit as `mask` has it."""
+    from headprune.recovery.blockwise import capture
+    from headprune.selection.measured import Probe
+
+    if getattr(model, KV_LAYOUT_ATTR, None) is not None:
+        raise ValueError("kv_modes=measured measures a model without windows; this one has a KV layout attached")
+    probe = Probe(model, mask, batches, [capture(model, b) for b in batches])
+    base = mask.mask.detach().clone()
+    base_loss = probe.loss(base)
+    removed: list[list[float]] = []
+    windowed: list[list[float]] = []
+    n_layers = mask.num_layers
+    for layer, hidden in probe.carried(base):
+        began = time.perf_counter()
+        removed.append([])
+        windowed.append([])
+        for u, heads in enumerate(units):
+            trial = base.clone()
+            trial[layer, heads] = 0.0
+            removed[-1].append(probe.loss(trial, layer, hidden) - base_loss)
+            windows = KVWindows(single_unit(n_layers, len(units), layer, u, sink, window)).attach(model)
+            try:
+                windowed[-1].append(probe.loss(base, layer, hidden) - base_loss)
+            finally:
+                windows.detach()
+        log.info("kv_modes=measured: layer %d removal rises %s, window rises %s (%.1f s)", layer,
+                 [round(r, 4) for r in removed[-1]], [round(w, 4) for w in windowed[-1]], time.perf_counter() - began)
+    return removed, windowed, base_loss
+
+
+@torch.no_grad()
+def attention_mass(model: nn.Module, batches: list[dict], units: list[list[int]], sink: int,
+                   window: int) -> list[list[float]]:
+    """mass[l][u]: the mean share of unit u's attention probability (its query heads, the queries
+    at slots >= sink + window, every block) on keys outside its sinks and window; eager attention
+    for the pass (its probabilities), one layer's maps at a time."""
+    from headprune.scoring.attention import eager_attention
+
+    adapter = get_adapter(model)
+    blocks = adapter.blocks(model)
+    sums = [torch.zeros(adapter.num_heads(model.config), dtype=torch.float64) for _ in blocks]
+    count = [0]
+
+    def hook(layer: int):
+        def reduce(module, args, output):
+            weights = output[1]  # (B, H, Q, K) attention probabilities
+            if weights is None:
+                raise ValueError("kv_modes=attention_mass needs the attention probabilities, which this attention "
+                                 "module does not return under eager attention")
+            q = weights.shape[-2]
+            if q <= sink + window:
+                raise ValueError(f"kv_modes=attention_mass: blocks of {q} tokens have no key outside sink + window = "
+                                 f"{sink + window}")
+            slots = torch.arange(q, device=weights.device)
+            outside = ~window_allowed(slots[sink + window:], slots, sink, window)  # (Q', K)
+            outside &= slots[None, :] <= slots[sink + window:, None]
+            mass = (weights[:, :, sink + window:].float() * outside).sum(-1)  # (B, H, Q')
+            sums[layer] += mass.sum(dim=(0, 2)).double().cpu()
+            if layer == 0:
+                count[0] += mass.shape[0] * mass.shape[2]
+            return (output[0], None, *output[2:])
+        return reduce
+
+    handles = [adapter.attention(block).register_forward_hook(hook(l)) for l, block in enumerate(blocks)]
+    was_training = model.training
+    model.eval()
+    try:
+        with eager_attention(model):
+            for batch in batches:
+                model(input_ids=batch["input_ids"], use_cache=False)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    per_head = [s / max(count[0], 1) for s in sums]
+    return [[float(per_head[l][heads].mean()) for heads in units] for l in range(len(blocks))]
+
+
+def kv_modes_round(model: nn.Module, mask: HeadMask, metric, kv_modes: KVModes, costs: LayerCosts, share: float,
+                   layer_policy, loader, *, round_no: int = 1, eval_loader=None, max_batches: int | None = None):
+    """One round choosing KV modes: score (the metric, recorded and read by attention_mass), choose
+    the layout, mask its removed units, attach its windows to `model`; a `rounds.Round`."""
+    from headprune.selection.rounds import Round
+
+    start = time.perf_counter()
+    limit = {"max_batches": max_batches} if max_batches else {}
+    scores = metric(model, mask, loader, **limit)
+    score_seconds = time.perf_counter() - start
+    layout, report = kv_modes.choose(model, mask, scores, loader, costs, share, layer_policy, max_batches)
+    heads = sorted((l, h) for l, hs in layout.removed_heads(model).items() for h in hs if bool(mask.alive()[l, h]))
+    mask.prune(heads)
+    KVWindows(layout).attach(model)
+    val = evaluate(model, eval_loader, mask.mask.device, max_batches=max_batches) if eval_loader is not None else None
+    counts = {m: sum(layer.count(m) for layer in layout.modes) for m in (FULL, WINDOW, REMOVED)}
+    log.info("round %d: kv modes %s (predicted share %.4f of the dense %s)", round_no, counts,
+             report["predicted_share"], costs.unit)
+    return Round(round_no, mask.sparsity(), len(heads), len(heads), mask.heads_per_layer(), [list(h) for h in heads],
+                 score_seconds, scores, None, None, val, report, None)
+
+
+def cost_share(model: nn.Module, costs: LayerCosts) -> float:
+    """The attached layout's cost as a share of the dense model's (results.json `final.cost_share`)."""
+    layout = getattr(model, KV_LAYOUT_ATTR)
+    return costs.total(layout.options()) / costs.dense

@@ -1,0 +1,169 @@
+"""Per-unit KV modes chosen by headprune-train (`kv_modes=measured|attention_mass`,
+headprune.selection.kv_modes): the measured values, the attention mass beyond the window, the run
+without training that chooses, applies, evaluates and exports the layout (results.json: modes,
+cost_share, passkey), the export loaded with load_pruned computing what the layout keeps (plain
+forward and generate()), and the refusals before any work. Tiny Llama built from a config."""
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+from headprune.apps.train import run
+from headprune.heads.mask import HeadMask
+from headprune.heads.surgery import kv_group_heads
+from headprune.heads.windows import KVLayout, KVWindows
+from headprune.selection.kv_modes import KVModes, attention_mass, measured_rises
+from tests.helpers import compose_train, tiny_tokenizer
+
+SINK, WINDOW = 2, 6
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    """A config-only tiny Llama (2 layers, 4 query / 2 KV heads) and a byte tokenizer with BOS."""
+    folder = tmp_path_factory.mktemp("tiny_llama_kv")
+    tok = tiny_tokenizer()
+    tok.save_pretrained(folder)
+    tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                   num_hidden_layers=2, intermediate_size=64, max_position_embeddings=256,
+                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                   pad_token_id=tok.pad_token_id).save_pretrained(folder)
+    return folder
+
+
+def _cli(llama_dir, *overrides):
+    return [f"model.pretrained={llama_dir}", "model.random_init=true", "model.task=causal_lm", "data=tinyshakespeare",
+            "data.block_size=32", "data.score_samples=2", "data.max_train_samples=0", "data.max_validation_samples=2",
+            "data.eval_batch_size=2", "schedule=one_shot", "schedule.target_sparsity=0.5", "schedule.baseline_epochs=0",
+            "schedule.epochs_per_round=0", "logger=none", "callbacks=none", "diagnostics.enabled=false",
+            "budget=kv", "budget.target=0.5", "budget.seq=32", "layer_policy=global", "layer_policy.min_heads_per_layer=0",
+            "recovery=none", "metric=magnitude", f"kv_modes.sink={SINK}", f"kv_modes.window={WINDOW}", *overrides]
+
+
+def _llama(seed: int = 0):
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                            num_hidden_layers=2, intermediate_size=64, max_position_embeddings=256)
+    return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def _batches(n: int = 2, tokens: int = 24):
+    return [{"input_ids": torch.randint(0, 64, (1, tokens), generator=torch.Generator().manual_seed(i))}
+            for i in range(n)]
+
+
+def _loss(model, batches) -> float:
+    with torch.no_grad():
+        return sum(float(model(**b, labels=b["input_ids"]).loss) for b in batches) / len(batches)
+
+
+def test_measured_rises_are_the_loss_of_each_unit_alone_windowed_or_removed():
+    """Each rise equals the mean loss with that one unit windowed (KVWindows) or masked, minus the
+    plain model's, computed here by whole forwards (the measurement carries blocks instead)."""
+    model = _llama()
+    mask = HeadMask.for_model(model)
+    batches = _batches()
+    removed, windowed, base = measured_rises(model, mask, batches, kv_group_heads(model), SINK, WINDOW)
+    assert base == pytest.approx(_loss(model, batches), rel=1e-5)
+    for layer, unit in ((0, 1), (1, 0)):
+        modes = [["full", "full"], ["full", "full"]]
+        modes[layer][unit] = "window"
+        windows = KVWindows(KVLayout(tuple(map(tuple, modes)), SINK, WINDOW)).attach(model)
+        assert windowed[layer][unit] == pytest.approx(_loss(model, batches) - base, rel=1e-4, abs=1e-6)
+        windows.detach()
+        trial = mask.mask.clone()
+        trial[layer, kv_group_heads(model)[unit]] = 0.0
+        with mask.override(trial):
+            assert removed[layer][unit] == pytest.approx(_loss(model, batches) - base, rel=1e-4, abs=1e-6)
+    assert all(w != 0.0 for layer in windowed for w in layer)  # 24 tokens > 2 + 6: every window bites
+
+
+def test_attention_mass_is_the_probability_outside_sinks_and_window():
+    """The mass equals the eager attention maps' probability on keys j with sink <= j <= i - window,
+    averaged over the queries i >= sink + window and the unit's query heads."""
+    model = _llama()
+    batches = _batches(1)
+    mass = attention_mass(model, batches, kv_group_heads(model), SINK, WINDOW)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        maps = model(**batches[0], output_attentions=True).attentions  # per layer (1, H, T, T)
+    model.config._attn_implementation = "sdpa"
+    t = batches[0]["input_ids"].shape[1]
+    for layer in range(2):
+        for unit, heads in enumerate(kv_group_heads(model)):
+            share = [float(maps[layer][0, h, i, SINK:i - WINDOW + 1].sum()) for h in heads
+                     for i in range(SINK + WINDOW, t)]
+            assert mass[layer][unit] == pytest.approx(sum(share) / len(share), rel=1e-5)
+    assert 0.0 < min(min(m) for m in mass) and max(max(m) for m in mass) < 1.0
+
+
+@pytest.mark.parametrize("choice", ["measured", "attention_mass"])
+def test_a_run_chooses_applies_and_exports_the_kv_modes(choice, tmp_path, llama_dir, data_dir):
+    """Half of the KV bytes at seq 32 (a window: 8 of 32 tokens): results.json's final has the
+    layout and its cost share (the mode table's price, within the target), the round records the
+    measured values; the export (load_pruned) has the layout, its logits equal the run model's
+    forward with the layout applied to the dense model, its generate() equals greedy decoding by
+    full forwards, and its cache holds what the layout keeps; the passkey evaluation ran."""
+    from headprune.deploy.hf import load_pruned
+    from headprune.heads.windows import apply_kv_layout
+    from headprune.models.build import build_model
+    from tests.test_kv_modes import greedy_by_full_forwards
+
+    res = run(compose_train(tmp_path, data_dir, *_cli(llama_dir, f"kv_modes={choice}", "evaluation.enabled=true",
+                                                      "evaluation.perplexity_seqs=[32]", "evaluation.perplexity_tokens=64",
+                                                      "evaluation.zero_shot_tasks=[]", "evaluation.generate=false",
+                                                      "evaluation.passkey_lengths=[250]",
+                                                      "evaluation.passkey_depths=[0.5]", "evaluation.passkey_samples=1")))
+    final = res["final"]
+    layout = KVLayout.from_json(final["kv_layout"])
+    assert (layout.sink, layout.window) == (SINK, WINDOW)
+    modes = [m for layer in layout.modes for m in layer]
+    assert "window" in modes and final["cost_share"] <= 0.5 + 1e-9
+    full, windowed = modes.count("full"), modes.count("window")
+    assert final["cost_share"] == pytest.approx((full + windowed * 8 / 32) / 4)
+    report = res["rounds"][0]["budget"]
+    assert report["modes"] == [list(layer) for layer in layout.modes] and report["kv_modes"]["choice"] == choice
+    assert report["kv_modes"]["seq"] == 32
+    assert ("window_rise" in report["kv_modes"]) == (choice == "measured")
+    assert res["budget"]["kv_modes"]["choice"] == choice
+    assert set(res["evaluation"]["pruned"]["passkey"]) >= {"accuracy", "by_depth"}
+
+    loaded = load_pruned(tmp_path / "export").eval()
+    assert loaded.headprune_kv_layout == layout
+    dense = build_model(str(llama_dir), task="causal_lm", random_init=True, attn_implementation="sdpa", seed=0).eval()
+    apply_kv_layout(dense, layout)
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, dense(ids).logits, atol=1e-5)
+        out = loaded.generate(ids[:, :12], max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, greedy_by_full_forwards(loaded, ids[:, :12], 12))
+
+
+@pytest.mark.parametrize("override,pattern", [
+    (["budget=latency"], r"kv_modes=measured chooses .* budget=latency has not; allowed: budget=kv or flops"),
+    (["recovery=refit"], r"kv_modes=measured applies no repair .*allowed: recovery=none"),
+    (["layer_policy=uniform"], r"layer_policy=UniformPolicy allocates per layer; allowed: layer_policy=global"),
+    (["data.block_size=16"], r"data.block_size=16 < budget.seq=32; allowed: data.block_size >= budget.seq"),
+    (["kv_modes.window=30"], r"sink \+ kv_modes.window = 32 tokens cover the whole budget.seq=32"),
+    (["schedule.epochs_per_round=1", "recovery=finetune"], r"one round without training"),
+    (["pruning.rearrange=true"], r"allowed: pruning.rearrange=false"),
+    (["kv_modes.choice=streaming"], r"kv_modes.choice='streaming' is not allowed; allowed: none, measured"),
+    (["model.attn_implementation=flash_attention_2"], r"allowed: eager, sdpa"),
+])
+def test_settings_kv_modes_cannot_honour_are_refused_before_any_work(override, pattern, tmp_path, llama_dir, data_dir):
+    with pytest.raises(ValueError, match=pattern):
+        run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "kv_modes=measured", *override)))
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_the_experiment_preset_composes():
+    """experiment=llm_kv_modes: SmolLM2 at 2/3 of the KV bytes at 4096 removed, modes among all
+    three, calibration blocks as long as the context, no repair, passkey at 4096."""
+    from tests.helpers import compose_train as compose
+
+    cfg = compose("/tmp/unused", "/tmp/unused", "experiment=llm_kv_modes")
+    assert cfg.model.pretrained == "smollm2" and cfg.kv_modes.choice == "attention_mass"
+    assert (cfg.budget.target, cfg.budget.seq, cfg.data.block_size) == (0.34, 4096, 4096)
+    assert cfg.recovery._target_.endswith("NoRecovery") and cfg.evaluation.passkey_lengths == [4096]
+    KVModes(**{k: v for k, v in cfg.kv_modes.items() if k != "_target_"})
