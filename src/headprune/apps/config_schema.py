@@ -70,6 +70,7 @@ def schema_for_class(name: str, cls, kind: str):
 def register_schemas() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent)."""
     from headprune.apps.evaluations import EvaluationSettings
+    from headprune.data.self_calibration import SelfCalibration
     from headprune.recovery import RECOVERIES
     from headprune.selection.budgets import BUDGETS
     from headprune.selection.kv_modes import KVModes
@@ -87,6 +88,7 @@ def register_schemas() -> None:
     for name, cls in RECOVERIES.items():
         cs.store(group="schema/recovery", name=name, node=schema_for_class(name, cls, "Recovery"))
     cs.store(group="schema", name="evaluation", node=EvaluationSettings)
+    cs.store(group="schema/data", name="self_calibration", node=SelfCalibration)  # data.self_calibration
     for name, cls in BUDGETS.items():
         cs.store(group="schema/budget", name=name, node=schema_for_class(name, cls, "Budget"))
     cs.store(group="schema", name="kv_modes", node=schema_for_class("kv_modes", KVModes, ""))  # kv_modes=

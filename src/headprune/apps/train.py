@@ -26,6 +26,7 @@ from headprune.apps.config_schema import register_schemas
 from headprune.apps.objectives import objectives
 from headprune.apps.preflight import check_model, check_settings
 from headprune.apps.resume import check_resume
+from headprune.data import self_calibration
 from headprune.deploy.fold import fold
 from headprune.engine import FitPlan, Runtime, UnavailableRuntime
 from headprune.deploy.hf import load_pruned, save_pruned
@@ -140,6 +141,7 @@ def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, re
     kv_modes = kv_modes or KVModes()
     kv_modes.check_model(model)
     recovery.check_model(model)
+    self_calibration.check_datamodule(datamodule, model, trains=trains or recovery.needs_train_data)
     metric = _with_eos_ids(metric, cfg.metric, model, tokenizer)
     _check_block_size(datamodule, model)
     labels = _name_labels(model, datamodule)
@@ -182,6 +184,12 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
              "" if trains else " (nothing trains: no Trainer)")
     stages = setup.stages
     results.data["stages"] = stages
+    # data.calibration=self|mix: the dense model samples its calibration blocks (or the run dir's cache holds them)
+    calibration = self_calibration.prepare(datamodule, module.model, setup.tokenizer, output_dir)
+    if calibration:
+        results.data["calibration"] = calibration
+        if "generated" in calibration:
+            stages["self_calibration"] = calibration["generated"]["seconds"]
     trainer: L.Trainer | None = None
     try:
         if trains:

@@ -10,7 +10,10 @@ trained on, reshuffled every epoch. `calibration_corpora` (e.g. [tinyshakespeare
 the score blocks from several corpora instead, `score_samples` split evenly in the listed order
 (the first ones get the remainder): the data's own corpus (its `name`) as above, any other
 corpus of headprune.data.corpora from that corpus's training part (never its held-out part,
-which the evaluation's other-corpus perplexity and the last-word task read). Batches are {"input_ids": (B, block_size)}: every token is
+which the evaluation's other-corpus perplexity and the last-word task read). `calibration` (self |
+mix) replaces all or half of the score blocks, and of the training blocks, by text the dense model
+samples itself (headprune.data.self_calibration; `use_generated`, called once the model is
+loaded). Batches are {"input_ids": (B, block_size)}: every token is
 real, and the model learns to predict each next token of a block from the ones before it.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from headprune.data.loaders import seeded_loader
+from headprune.data.self_calibration import SelfCalibration, generated_share
 from headprune.data.textdata import resolve_data_file
 
 log = logging.getLogger(__name__)
@@ -83,7 +87,8 @@ class TextLMDataModule(L.LightningDataModule):
                  block_size: int = 128, validation_share: float = 0.1, score_samples: int = 64,
                  max_train_samples: int | None = None, max_validation_samples: int | None = None,
                  batch_size: int = 32, eval_batch_size: int = 64, num_workers: int = 0, seed: int = 0,
-                 name: str | None = None, calibration_corpora: list[str] | None = None):
+                 name: str | None = None, calibration_corpora: list[str] | None = None,
+                 calibration: str = "corpus", self_calibration: dict | None = None):
         super().__init__()
         if not isinstance(block_size, int) or block_size < 2:
             raise ValueError(f"data.block_size={block_size!r} must be an integer >= 2 (one input and one target)")
@@ -99,6 +104,12 @@ class TextLMDataModule(L.LightningDataModule):
         self.batch_size, self.eval_batch_size, self.num_workers = batch_size, eval_batch_size, num_workers
         self.seed, self.name = seed, name
         self.calibration_corpora = self._check_calibration(calibration_corpora)
+        self.calibration = calibration
+        self.self_calibration = SelfCalibration.of(self_calibration, calibration)
+        if calibration != "corpus" and self.calibration_corpora:
+            raise ValueError(f"data.calibration={calibration} with data.calibration_corpora="
+                             f"{self.calibration_corpora}; allowed: one of them (data.calibration=corpus, or "
+                             "data.calibration_corpora=null)")
         self._loaded = False
 
     def _check_calibration(self, names) -> list[str]:
@@ -170,7 +181,7 @@ class TextLMDataModule(L.LightningDataModule):
         text = self._read_local() if self._use_local() else self._read_hub()
         ids = torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)  # (N,)
         counts = self.calibration_counts()
-        own = counts.get(self.name or "text", 0)
+        own = counts.get(self.name or "text", 0) - generated_share(self.calibration, self.score_samples)
         starts = split_blocks(len(ids), self.block_size, self.validation_share, own, self.seed)
         train = starts["train"][:self.max_train_samples]
         validation = starts["validation"][:self.max_validation_samples]
@@ -191,6 +202,45 @@ class TextLMDataModule(L.LightningDataModule):
         self._loaded = True
         log.info("%s: %d tokens -> %d train, %d score, %d validation blocks of %d tokens", self.name or "text",
                  len(ids), len(train), len(starts["score"]), len(validation), self.block_size)
+
+    def generated_counts(self) -> tuple[int, int]:
+        """(score blocks, training blocks) the dense model is to sample under `calibration`."""
+        return (generated_share(self.calibration, self.score_samples),
+                generated_share(self.calibration, self.self_calibration.train_samples))
+
+    def use_generated(self, score: torch.Tensor, train: torch.Tensor) -> dict:
+        """Put the sampled blocks (N, block_size) in: the score set becomes the corpus's remaining
+        score blocks then `score`; when `train` holds blocks, the training set becomes `train`
+        (self) or as many of the corpus's training blocks first (mix: train_samples - train_samples
+        // 2 of them, in text order). Returns the calibration record for results.json."""
+        want = self.generated_counts()
+        if (len(score), len(train)) != want or (score.numel() and score.shape[1] != self.block_size) or \
+                (train.numel() and train.shape[1] != self.block_size):
+            raise ValueError(f"use_generated: {tuple(score.shape)} score and {tuple(train.shape)} training blocks, "
+                             f"expected {want} of {self.block_size} tokens")
+        corpus = [self.score_set.ids[s:s + self.block_size] for s in self.score_set.starts]
+        blocks = corpus + list(score)
+        self.score_set = Blocks(torch.cat(blocks), [i * self.block_size for i in range(len(blocks))], self.block_size)
+        corpus_train = 0
+        if len(train):
+            corpus_train = self.self_calibration.train_samples - len(train)
+            if corpus_train > len(self.train_set):
+                raise ValueError(f"data.self_calibration.train_samples={self.self_calibration.train_samples}: the "
+                                 f"corpus has {len(self.train_set)} training blocks, fewer than the {corpus_train} mix "
+                                 "takes from it")
+            kept = [self.train_set.ids[s:s + self.block_size] for s in self.train_set.starts[:corpus_train]]
+            rows = kept + list(train)
+            self.train_set = Blocks(torch.cat(rows), [i * self.block_size for i in range(len(rows))], self.block_size)
+        log.info("calibration=%s: %d corpus + %d generated score blocks, %d corpus + %d generated training blocks",
+                 self.calibration, len(corpus), len(score), corpus_train, len(train))
+        return {"source": self.calibration, "score_blocks": {"corpus": len(corpus), "self": len(score)},
+                "train_blocks": {"corpus": corpus_train, "self": len(train)} if len(train) else None,
+                "block_size": self.block_size, "tokens": len(blocks) * self.block_size}
+
+    def calibration_record(self) -> dict:
+        """results.json `calibration` of a run calibrated on corpora only."""
+        return {"source": "corpus", "score_blocks": self.calibration_counts(), "block_size": self.block_size,
+                "tokens": len(self.score_set) * self.block_size}
 
     def val_windows(self) -> dict:
         """What `val` is measured on, in the keys of an evaluation perplexity record: `windows`
