@@ -121,7 +121,7 @@ def test_retraining_free_tables_match_results(tmp_path):
 def test_llm_kv_tables_match_results(tmp_path, monkeypatch):
     """experiments/llm_kv: results.md, summary.md, answers.md, llm_kv.csv and recoveries.md are what
     collect.py makes of the committed result files; its README quotes results.md and recoveries.md, and it and the
-    project README that summary.md."""
+    site's LLMs guide (docs/guide_llms.md) that summary.md."""
     collect = _script(EXP / "llm_kv" / "collect.py")
     shutil.copytree(EXP / "llm_kv" / "results", tmp_path / "results")
     monkeypatch.setattr(sys, "argv", ["collect.py", "--out", str(tmp_path)])
@@ -130,7 +130,7 @@ def test_llm_kv_tables_match_results(tmp_path, monkeypatch):
         assert (tmp_path / name).read_text() == (EXP / "llm_kv" / name).read_text(), name
     for name in ("results.md", "recoveries.md"):
         assert (tmp_path / name).read_text() in (EXP / "llm_kv" / "README.md").read_text(), name
-    for readme in (EXP / "llm_kv" / "README.md", REPO / "README.md"):  # the best arms, as measured
+    for readme in (EXP / "llm_kv" / "README.md", REPO / "docs" / "guide_llms.md"):  # the best arms, as measured
         assert (tmp_path / "summary.md").read_text() in readme.read_text(), readme
 
 
@@ -216,7 +216,7 @@ def test_llm_decode_tables_are_what_table_py_prints_of_the_bench_files():
 def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
     """experiments/llm_uneven: results.md, targets.md, summary.md, answers.md and llm_uneven.csv are what
     collect.py makes of the committed result files (and experiments/llm_kv's uniform runs and bench.json);
-    its README quotes the first two, the project README summary.md."""
+    its README quotes the first two, the site's uneven-layouts guide (docs/guide_uneven_gguf.md) summary.md."""
     collect = _script(EXP / "llm_uneven" / "collect.py")
     shutil.copytree(EXP / "llm_uneven" / "results", tmp_path / "results")
     if (EXP / "llm_uneven" / "gguf.json").is_file():
@@ -228,7 +228,7 @@ def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
         assert (tmp_path / name).read_text() == (EXP / "llm_uneven" / name).read_text(), name
     readme = (EXP / "llm_uneven" / "README.md").read_text()
     assert (tmp_path / "results.md").read_text() in readme and (tmp_path / "targets.md").read_text() in readme
-    assert (tmp_path / "summary.md").read_text() in (REPO / "README.md").read_text()  # the project README's table
+    assert (tmp_path / "summary.md").read_text() in (REPO / "docs" / "guide_uneven_gguf.md").read_text()  # the guide's table
 
 
 def test_llm_uneven_targets_take_each_allocations_best_repair():

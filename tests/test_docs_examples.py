@@ -1,0 +1,64 @@
+"""The Python blocks of the documentation site run as written (on a few SST-2-like sentences):
+docs/python_api.md's Pruner and prune_to_budget examples, and docs/extending.md's metric, layer
+policy and recovery, defined on the page and run together through a Pruner."""
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import tiny_batch
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def _blocks(page: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
+
+
+def _loaders(tokenizer) -> dict:
+    return {"train_loader": [tiny_batch(tokenizer, 8, seed=1)], "score_loader": [tiny_batch(tokenizer, 8, seed=2)],
+            "val_loader": [tiny_batch(tokenizer, 8, seed=3)]}
+
+
+@pytest.mark.slow  # ~35 s: a whole schedule and a budgeted prune of MiniLM
+def test_python_api_examples_run(tokenizer):
+    blocks = _blocks("python_api.md")
+    assert len(blocks) == 2
+    scope = _loaders(tokenizer)
+    exec(blocks[0], scope)  # noqa: S102 - the page's own code
+    report, model = scope["report"], scope["model"]
+    assert [r["sparsity"] for r in report["rounds"]] == [0.25, 0.5] and report["final"]["stop_reason"] == "target_reached"
+    assert sum(map(len, model.headprune_layout)) == 36 and scope["state"]["rounds"] == report["rounds"]
+    exec(blocks[1], scope)  # noqa: S102
+    assert scope["report"]["round"]["budget"]["predicted_share"] <= 0.5
+    assert sum(map(len, scope["model"].headprune_layout)) < 72
+
+
+@pytest.mark.slow  # ~25 s: a two-round schedule of MiniLM
+def test_extending_examples_run(tokenizer):
+    """The page's metric scores value rows, its policy empties the last layers first (down to
+    min_heads_per_layer=1), and its recovery's label-smoothed loss is the one the Pruner trains on."""
+    import torch
+
+    from headprune import HeadMask
+    from headprune.models import build_model
+
+    blocks = _blocks("extending.md")
+    assert len(blocks) == 4
+    model = build_model("minilm", num_labels=2)
+    scope = {"model": model, **_loaders(tokenizer)}
+    for block in blocks[:3]:
+        exec(block, scope)  # noqa: S102 - the page's own code
+    scores = scope["value_norm_importance"](model, HeadMask.for_model(model))
+    assert scores.shape == (6, 12) and (scores > 0).all()
+    alive = torch.ones(6, 12, dtype=torch.bool)
+    picked = scope["DeepestFirst"]()(scores, alive, 13)
+    assert {layer for layer, _ in picked} == {5, 4} and sum(layer == 5 for layer, _ in picked) == 11
+    recovery = scope["SmoothedFinetune"](smoothing=0.2)
+    batch = scope["train_loader"][0]
+    logits, loss = recovery.training_loss(model, batch)
+    expected = torch.nn.functional.cross_entropy(logits, batch["labels"], label_smoothing=0.2, reduction="none")
+    assert torch.allclose(loss, expected)
+    exec(blocks[3], scope)  # noqa: S102
+    report = scope["report"]
+    assert report["final"]["stop_reason"] == "target_reached" and report["final"]["heads_per_layer"][-1] == 1
