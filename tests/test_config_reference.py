@@ -61,7 +61,9 @@ def test_rows_hold_composed_defaults_types_and_the_codes_refusals(rendered):
     assert "| `budget.target` | float | `0.67` |" in budget  # kv67's own value over kv's 0.5
     assert "`recovery.teacher_logits`" in rendered and "allowed: live" in rendered
     untyped = rendered[rendered.index("### `model=minilm`"):]
-    assert "| `model.task` | str | `classification` |" in untyped
+    assert "| `model.task` | str | `classification` |" in untyped  # build_model's annotation
+    groups = dict(re.findall(r"^\| \[`([\w/]+)`\].*\| (yes|no|in part) \|$", rendered, re.M))
+    assert groups["schedule"] == groups["recovery"] == "yes" and groups["model"] == groups["trainer"] == "no"
 
 
 def test_yaml_comments_are_read_per_key():

@@ -217,18 +217,61 @@ def compose(overrides: list[str]):
         return hydra_compose("train", overrides=overrides)
 
 
-def option_table(group: str, option: str, values: dict, comments: dict[str, str], typed) -> list[str]:
-    types = field_types(typed) if typed is not None else {}
-    beside = source_comments(typed) if typed is not None else {}
-    refused = refusals(typed, values, group) if typed is not None else {}
-    flat = flatten(values)
+def node_types(node, prefix: str = "") -> dict[str, str]:
+    """{dotted key: its declared type} of a composed config node: the annotations of the schemas
+    it was built from (a group's option schema, or a typed block inside it such as
+    data.self_calibration); keys without a schema are left out."""
+    from omegaconf import DictConfig
+
+    found: dict[str, str] = {}
+    for key in node.keys() if isinstance(node, DictConfig) else ():
+        child = node._get_node(key)
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(child, DictConfig) and len(child):
+            found.update(node_types(child, path))
+            continue
+        ref = child._metadata.ref_type
+        if ref is not Any and ref is not None:
+            name = _type_name(ref)
+            found[path] = f"Optional[{name}]" if child._metadata.optional else name
+    return found
+
+
+def typed_blocks(node, prefix: str = ""):
+    """(dotted path, dataclass) of every block below `node` built from a dataclass schema that
+    checks its fields (`__post_init__`): what `refusals` can probe."""
+    from omegaconf import DictConfig
+
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and len(child):
+            path = f"{prefix}.{key}" if prefix else str(key)
+            cls = OmegaConf.get_type(child)
+            if dataclasses.is_dataclass(cls) and "__post_init__" in vars(cls):
+                yield path, cls
+            yield from typed_blocks(child, path)
+
+
+def option_table(group: str, values: dict, node, comments: dict[str, str], target) -> list[str]:
+    """The rows of one option: key, declared type, composed default, description, refusals."""
+    types = {**(field_types(target) if target is not None else {}), **node_types(node)}
+    beside = source_comments(target) if target is not None else {}
+    refused = refusals(target, values, group) if target is not None else {}
+    for path, cls in typed_blocks(node):
+        block = path.split(".")
+        sub = values
+        for part in block:
+            sub = sub[part]
+        for key, messages in refusals(cls, sub, f"{group}.{path}").items():
+            refused[f"{path}.{key}"] = messages
+        beside.update({f"{path}.{k}": v for k, v in source_comments(cls).items()})
     rows = ["| key | type | default | description | refused when built (the code's message) |",
             "|---|---|---|---|---|"]
-    for key, value in flat.items():
-        if key in ("_target_", "_partial_"):
+    for key, value in flatten(values).items():
+        if key in ("_target_", "_partial_") or not key:
             continue
-        top = key.split(".")[0]
-        rows.append(f"| `{group}.{key}` | {cell(types.get(top, value_type(value)))} "
+        kind = types.get(key)
+        rows.append(f"| `{group}.{key}` | {cell(kind or value_type(value))} "
                     f"| {code(value)} | {cell(comments.get(key) or beside.get(key, ''))} "
                     f"| {'<br>'.join(cell(m) for m in refused.get(key, []))} |")
     return rows + [""]
@@ -241,16 +284,8 @@ def value_type(value: Any) -> str:
     return type(value).__name__
 
 
-def typed_groups() -> set[str]:
-    """The groups with a schema per option in Hydra's ConfigStore (`schema/<group>/<option>`)."""
-    from hydra.core.config_store import ConfigStore
-
-    return {name for name, node in ConfigStore.instance().repo.get("schema", {}).items() if isinstance(node, dict)}
-
-
 def render() -> str:
     register_schemas()
-    typed_names = typed_groups()
     conf = config_dir()
     options = groups(conf)
     defaults = default_options(conf)
@@ -264,13 +299,11 @@ def render() -> str:
            "composes for that option; `${...}` values are interpolations resolved when a run starts. The last",
            "column quotes the error the code raises when the option's object is built with an out-of-range",
            "value of that key (probed with -1, 0, 1.5 or an unknown word): the ranges the code enforces.",
-           "Typed groups (a schema in `schema/<group>/<option>`) also refuse a misspelt key or a wrong type",
-           "when the config is composed.", "",
+           "Typed options (a schema in Hydra's ConfigStore, `schema/...`; `in part`: only a block inside them)",
+           "also refuse a misspelt key or a wrong type when the config is composed.", "",
            "## Groups", "", "| group | options | default | typed |", "|---|---|---|---|"]
-    for group, names in options.items():
-        typed = group in typed_names
-        out.append(f"| [`{group}`](#{group.replace('/', '')}) | {', '.join(f'`{n}`' for n in names)} "
-                   f"| {code(defaults[group]) if group in defaults else '–'} | {'yes' if typed else 'no'} |")
+    table_at = len(out)
+    typed: dict[str, set[str]] = {}
     out += ["", "## Outside the groups", "",
             "Keys of `conf/train.yaml` itself, and the `evaluation` block (its schema: `schema/evaluation`).", ""]
     header, comments = yaml_comments((conf / "train.yaml").read_text())
@@ -289,8 +322,8 @@ def render() -> str:
 
     evaluation = ConfigStore.instance().repo["schema"]["evaluation.yaml"].node
     settings = OmegaConf.get_type(evaluation)
-    out += ["", f"### `evaluation`", "", cell(inspect.getdoc(settings) or ""), ""]
-    out += option_table("evaluation", "evaluation", base["evaluation"], {}, settings)
+    out += ["", "### `evaluation`", "", cell(inspect.getdoc(settings) or ""), ""]
+    out += option_table("evaluation", base["evaluation"], compose([])["evaluation"], {}, settings)
     for group, names in options.items():
         out += ["", f"## {group}", ""]
         if group in GLOBAL_GROUPS:
@@ -313,16 +346,22 @@ def render() -> str:
                     out += [f"| `{k}` | {code(v)} | {cell(comments.get(k, ''))} |" for k, v in flat.items()]
                     out.append("")
                 continue
-            values = OmegaConf.to_container(compose([f"{group}={name}"])[group], resolve=False)
-            typed = schema_class(values.get("_target_")) if group in typed_names else None
-            if group == "metric" and typed is not None:
-                doc = inspect.getdoc(typed)
-                if doc and not header:
-                    out[-2] = cell(doc.split("\n\n")[0])
+            node = compose([f"{group}={name}"])[group]
+            values = OmegaConf.to_container(node, resolve=False)
+            target = schema_class(values.get("_target_"))
+            typed.setdefault(group, set()).add("yes" if dataclasses.is_dataclass(OmegaConf.get_type(node))
+                                               else "in part" if node_types(node) else "no")
             if not [k for k, v in flatten(values).items() if k and k not in ("_target_", "_partial_")]:
                 out += ["No keys.", ""]
                 continue
-            out += option_table(group, name, values, comments, typed)
+            out += option_table(group, values, node, comments, target)
+    rows = []
+    for group, names in options.items():
+        kinds = typed.get(group, {"no"})
+        kind = "yes" if kinds == {"yes"} else "no" if kinds == {"no"} else "in part"
+        rows.append(f"| [`{group}`](#{group.replace('/', '')}) | {', '.join(f'`{n}`' for n in names)} "
+                    f"| {code(defaults[group]) if group in defaults else '–'} | {kind} |")
+    out[table_at:table_at] = rows
     return "\n".join(out) + "\n"
 
 
