@@ -1,6 +1,6 @@
 """mkdocs hook: the repository's experiments/ folder becomes part of the site.
 
-Every file git tracks under experiments/ is added to the site at the same path
+Every file under experiments/ that git tracks (or would: .gitignore's run outputs stay out) is added to the site at the same path
 (`experiments/<name>/...`): each README.md as a page, the raw files (JSON, CSV, logs, plots,
 scripts, and the Markdown tables the collect scripts write) copied as they are, so a page that cites a raw file links to it and
 `mkdocs build --strict` fails when that file is gone. The index page `experiments/index.md` is
@@ -23,10 +23,12 @@ RAW = {".json", ".csv", ".log", ".txt", ".png", ".md", ".py", ".sh", ".yaml"}
 
 
 def tracked(folder: Path) -> list[str]:
-    """Paths (relative to the repository root) of the files git tracks under `folder`; every file
-    under it when this is not a git checkout (an unpacked source archive)."""
+    """Paths (relative to the repository root) of the files under `folder` that git tracks or would
+    (untracked files .gitignore does not exclude: run outputs stay out); every file under it when
+    this is not a git checkout (an unpacked source archive)."""
     try:
-        out = subprocess.run(["git", "ls-files", "-z", "--", str(folder.relative_to(REPO))], cwd=REPO,
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--",
+                              str(folder.relative_to(REPO))], cwd=REPO,
                              capture_output=True, check=True, text=True).stdout
         paths = [p for p in out.split("\0") if p]
         if paths:
