@@ -4,8 +4,11 @@
 # one calibration block of 4096 Tiny Shakespeare tokens, no repair; perplexity at seq 4096 on held-out Tiny
 # Shakespeare and SST-2 sentences, passkey at 4096 tokens, chat answers; dense and export). Arms:
 #   attention_mass  modes by the Fisher unit score x attention share within sink 64 + window 448 (training-free)
+#   attention_mass_85  the same at 85% of the KV bytes at 4096 removed (budget.target=0.15)
 #   measured        modes by each unit's measured loss rise windowed / removed (one block of 4096 tokens)
 #   removal         kv_modes=none: whole KV groups removed by the budget's own knapsack over Fisher unit scores
+#   removal_refit   kv_modes=none layer_policy=attention_drop recovery=refit: experiments/llm_uneven's best
+#                   removal-only arm without training (whole attention layers out, then the refit)
 # Two streams side by side, one torch thread each (the machine has 2 cores, shared):
 #   bash experiments/llm_kv_modes/run.sh a & bash experiments/llm_kv_modes/run.sh b; wait
 #   python experiments/llm_kv_modes/collect.py
@@ -17,8 +20,10 @@ OUT=${OUT:-../llmruns/llm_kv_modes}  # run dirs (exports: hundreds of MB) outsid
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 declare -A ARM=(
     [attention_mass]="kv_modes=attention_mass"
+    [attention_mass_85]="kv_modes=attention_mass budget.target=0.15"
     [measured]="kv_modes=measured"
     [removal]="kv_modes=none"
+    [removal_refit]="kv_modes=none layer_policy=attention_drop recovery=refit"
 )
 one() {  # one <arm> <evaluate the dense model: true|false>
     local dir=$OUT/$1
