@@ -20,7 +20,7 @@ def committed() -> dict:
 
 
 def test_a_sample_of_model_types_is_checked(tmp_path):
-    doc = coverage.run(["qwen3", "codegen", "vit", "deepseek_v3"])
+    doc = coverage.run(["qwen3", "codegen", "vit", "deepseek_v4", "deepseek_v3", "qwen3_next"])
     rows = {r["model_type"]: r for r in doc["rows"]}
     assert rows["qwen3"]["status"] == "passes" and rows["qwen3"]["adapter"] == "llama"
     assert {k: v for k, v in rows["qwen3"]["checks"].items()} == {
@@ -28,7 +28,9 @@ def test_a_sample_of_model_types_is_checked(tmp_path):
         "reload": "passes", "plain": "passes"}
     assert rows["codegen"]["status"] == "refused"
     assert "CodeGenAttention" in rows["codegen"]["reason"] and "qkv_proj" in rows["codegen"]["reason"]
-    assert rows["deepseek_v3"]["status"] == "refused" and "latent attention" in rows["deepseek_v3"]["reason"]
+    assert rows["deepseek_v4"]["status"] == "refused" and "latent attention" in rows["deepseek_v4"]["reason"]
+    assert rows["deepseek_v3"]["status"] == rows["qwen3_next"]["status"] == "passes"  # MLA, a hybrid
+    assert (rows["deepseek_v3"]["adapter"], rows["qwen3_next"]["adapter"]) == ("mla", "hybrid_gated")
     assert rows["vit"]["status"] == "passes" and rows["vit"]["task"] == "image_classification"
     assert doc["transformers_version"] and coverage.render_markdown(doc).count("| qwen3 | causal_lm | llama |") == 1
 

@@ -44,8 +44,14 @@ def check_model(model, schedule, layer_policy, budget) -> None:
     the positions, a KV cache exists), the policy's floor fits a layer."""
     from headprune.heads.adapters import model_shape
 
+    from headprune.heads.hybrid import blockwise_refusal
+
     layers, heads = model_shape(model)
     budget.check_model(model, schedule)
+    refusal = getattr(layer_policy, "measures_layout", False) and blockwise_refusal(
+        model, f"layer_policy={layer_policy.name}", "layer_policy=global, uniform, depth_prior or sensitivity")
+    if refusal:
+        raise ValueError(refusal)
     floor = getattr(layer_policy, "min_heads_per_layer", 0)
     if schedule.num_rounds and floor > heads:
         raise ValueError(f"layer_policy.min_heads_per_layer={floor} exceeds the model's {heads} heads per layer, so "

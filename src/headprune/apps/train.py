@@ -30,6 +30,7 @@ from headprune.data import self_calibration
 from headprune.deploy.fold import fold
 from headprune.engine import FitPlan, Runtime, UnavailableRuntime
 from headprune.deploy.hf import load_pruned, save_pruned
+from headprune.heads.hybrid import layer_report
 from headprune.heads.surgery import count_params
 from headprune.lightning.callbacks import HeadPruning
 from headprune.lightning.loggers import LogSink, SinkLogger, finish_wandb, log_evaluation, log_stages
@@ -154,6 +155,9 @@ def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, re
         module.head_mask.to(runtime.device)
     results = RunResults(output_dir, config=OmegaConf.to_container(cfg, resolve=True))
     results.data["runtime"] = runtime.record()
+    hybrid = layer_report(model)
+    if hybrid:  # the model layers the mask's rows are, and the attention-free layers left alone
+        results.data["hybrid_layers"] = hybrid
     if labels:
         results.data["labels"] = labels
     if select:

@@ -29,6 +29,25 @@ def attention_flops(batch: int, q_len: int, kv_len: int, heads: int, kv_heads: i
     return projections + scores_and_sum
 
 
+def latent_attention_flops(batch: int, q_len: int, kv_len: int, heads: int, hidden: int, q_lora_rank: int | None,
+                           kv_lora_rank: int, nope: int, rope: int, v_dim: int) -> float:
+    """FLOPs of one multi-head latent attention layer (DeepSeek-V2/V3, `heads.latent`) keeping `heads`
+    heads: the query LoRA (`q_lora_rank`: hidden -> rank -> heads x (nope + rope); None: one hidden ->
+    heads x (nope + rope) product), the latent (hidden -> kv_lora_rank + rope, for the new tokens), its
+    expansion into each head's keys and values (kv_lora_rank -> heads x (nope + v), over the `kv_len`
+    cached tokens, as transformers computes it), scores over nope + rope, the weighted sum over v, and
+    the output projection. The LoRA and latent products do not depend on the heads kept; a layer with
+    no heads runs none of them (its attention is replaced)."""
+    if heads == 0:
+        return 0.0
+    qk = nope + rope
+    query = hidden * q_lora_rank + q_lora_rank * heads * qk if q_lora_rank else hidden * heads * qk
+    per_new = query + hidden * (kv_lora_rank + rope) + heads * v_dim * hidden  # per new token: Q, latent, O
+    expand = kv_lora_rank * heads * (nope + v_dim)  # per cached token
+    scores_and_sum = heads * q_len * kv_len * (qk + v_dim)
+    return 2.0 * batch * (q_len * per_new + kv_len * expand + scores_and_sum)
+
+
 def ffn_flops(batch: int, tokens: int, hidden: int, intermediate: int) -> float:
     """FLOPs of one feed-forward block of two matrices (BERT, GPT-2)."""
     return 2 * batch * tokens * hidden * intermediate * 2

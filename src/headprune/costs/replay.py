@@ -15,12 +15,20 @@ from torch import nn
 from headprune.heads.adapters import get_adapter
 
 
+CACHE_KWARGS = ("cache", "past_key_values", "layer_past")  # what a decoder's attention gets its KV cache as
+
+
 def record_attention_calls(model: nn.Module, input_ids: torch.Tensor) -> list[tuple[nn.Module, tuple, dict]]:
-    """(module, args, kwargs) of every attention core and outside output projection call, in order."""
+    """(module, args, kwargs) of every attention core and outside output projection call, in order.
+    The KV cache a decoder's forward hands its attention is not recorded (None instead): each
+    replay would append the recorded tokens to it again, timing attention over ever more keys."""
     calls: list[tuple[nn.Module, tuple, dict]] = []
-    handles = [module.register_forward_pre_hook(  # prepend: inputs before any HeadMask gate
-        lambda m, args, kwargs: calls.append((m, args, dict(kwargs))), with_kwargs=True, prepend=True)
-        for module in attention_parts(model)]
+
+    def record(m, args, kwargs):
+        calls.append((m, args, {k: None if k in CACHE_KWARGS else v for k, v in kwargs.items()}))
+
+    handles = [module.register_forward_pre_hook(record, with_kwargs=True, prepend=True)  # prepend: before any gate
+               for module in attention_parts(model)]
     try:
         with torch.no_grad():
             model(input_ids=input_ids)

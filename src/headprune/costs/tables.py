@@ -3,7 +3,9 @@ attention a whole KV group), for the cost budgets of `selection.budgets`.
 
 - FLOPs: the layer's attention FLOPs (`costs.flops.attention_flops`: Q/K/V/O products, scores,
   weighted sum) at batch x seq;
-- KV bytes: 2 (K and V) x kept KV heads x head_dim x seq x batch x bytes per value;
+- KV bytes: 2 (K and V) x kept KV heads x head_dim x seq x batch x bytes per value; under
+  multi-head latent attention (`heads.latent`) a layer's latent (kv_lora_rank + qk_rope_head_dim
+  per token) whatever heads it keeps, 0 once it keeps none (its FLOPs: `latent_attention_flops`);
 - per-unit KV modes (`heads.windows`): the same two costs with options (units kept full, units
   windowed): a windowed unit holds min(sink + window, seq) tokens where a full one holds seq,
   so it costs (sink + window) / seq of a full one in KV bytes and in score / weighted-sum FLOPs
@@ -17,8 +19,9 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from headprune.costs.flops import attention_flops
+from headprune.costs.flops import attention_flops, latent_attention_flops
 from headprune.heads.adapters import get_adapter, model_shape
+from headprune.heads.latent import is_latent
 
 
 @dataclass
@@ -66,13 +69,26 @@ def _dims(model: nn.Module) -> tuple[int, int, int, int, int]:
 
 def flops_costs(model: nn.Module, batch: int, seq: int) -> LayerCosts:
     n_layers, n_units, group, d, hidden = _dims(model)
+    if is_latent(get_adapter(model)):  # MLA: its own products (costs.flops.latent_attention_flops)
+        c = model.config
+        per = {k: latent_attention_flops(batch, seq, seq, k, hidden, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
+                                         c.qk_rope_head_dim, c.v_head_dim) for k in range(n_units + 1)}
+        return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[n_units], unit="FLOPs")
     per = {k: attention_flops(batch, seq, seq, k * group, k, d, hidden) for k in range(n_units + 1)}
     return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[n_units], unit="FLOPs")
 
 
 def kv_costs(model: nn.Module, batch: int, seq: int) -> LayerCosts:
+    """KV bytes per kept unit count; for multi-head latent attention (`heads.latent`) a layer's
+    latent, the same for every head count but 0 (removing heads saves nothing until a layer has
+    none: `heads.latent.latent_kv_note`)."""
     n_layers, n_units, _, d, _ = _dims(model)
     width = next(model.parameters()).element_size()
+    adapter = get_adapter(model)
+    if is_latent(adapter):
+        latent = adapter.latent_width(model.config) * seq * batch * width
+        per = {k: latent if k else 0 for k in range(n_units + 1)}
+        return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * latent, unit="bytes")
     per = {k: 2 * k * d * seq * batch * width for k in range(n_units + 1)}
     return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[n_units], unit="bytes")
 
@@ -85,6 +101,7 @@ def mode_options(n_units: int) -> list[tuple[int, int]]:
 def kv_mode_costs(model: nn.Module, batch: int, seq: int, sink: int, window: int) -> LayerCosts:
     """KV bytes at `seq` tokens per (full, windowed) option: a windowed unit holds min(sink +
     window, seq) tokens (`kv_costs` is the table without windows)."""
+    _refuse_latent_windows(model)
     n_layers, n_units, _, d, _ = _dims(model)
     width = next(model.parameters()).element_size()
     held = min(sink + window, seq)
@@ -95,11 +112,19 @@ def kv_mode_costs(model: nn.Module, batch: int, seq: int, sink: int, window: int
 def flops_mode_costs(model: nn.Module, batch: int, seq: int, sink: int, window: int) -> LayerCosts:
     """Attention FLOPs at batch x seq per (full, windowed) option: a windowed unit's queries
     score min(sink + window, seq) keys (`flops_costs` is the table without windows)."""
+    _refuse_latent_windows(model)
     n_layers, n_units, group, d, hidden = _dims(model)
     held = min(sink + window, seq)
     per = {(f, w): attention_flops(batch, seq, seq, f * group, f, d, hidden)
            + attention_flops(batch, seq, held, w * group, w, d, hidden) for f, w in mode_options(n_units)}
     return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[(n_units, 0)], unit="FLOPs")
+
+
+def _refuse_latent_windows(model: nn.Module) -> None:
+    if is_latent(get_adapter(model)):
+        raise ValueError(f"KV modes with windowed units: model_type={model.config.model_type!r} caches one latent per "
+                         "layer shared by all its heads (multi-head latent attention), so a head cannot keep a window "
+                         "of it (not done); allowed: kv_modes off (every unit full or removed)")
 
 
 def latency_costs(model: nn.Module, layer_ms: dict[int, float], forward_ms: float) -> LayerCosts:

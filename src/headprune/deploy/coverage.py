@@ -68,8 +68,21 @@ SIZES = {
     "rotary_dim": 8, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16,
 }
 # What one config class needs besides SIZES to be built with three layers.
+_LATENT = {"num_key_value_heads": 4}  # MLA: every head expands its own keys and values from the latent
+_LINEAR = {"linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+           "linear_value_head_dim": 16, "num_hidden_layers": 4}  # hybrids: small linear-attention mixers
+_HYBRID_LAYERS = ["full_attention", "linear_attention", "full_attention", "full_attention"]
 OVERRIDES = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1], [["global"], 1]]},
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3",
+                     "sarvam_mla", "youtu"), _LATENT),
+    "axk1": {**_LATENT, "n_group": 1, "topk_group": 1},  # its router groups the (4) routed experts
+    "deepseek_v3": {**_LATENT, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1},  # MoE from layer 1
+    # hybrids: three attention layers (the checks' three cases) around a linear-attention / state-space one
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid"),
+                    {**_LINEAR, "layer_types": _HYBRID_LAYERS}),
+    "granitemoehybrid": {"num_hidden_layers": 4, "layer_types": ["attention", "mamba", "attention", "attention"],
+                         "mamba_n_heads": 4, "mamba_d_state": 16, "mamba_chunk_size": 8},
 }
 
 

@@ -6,9 +6,10 @@ Mistral, Qwen2), otherwise the original config plus `headprune_layout.json`, fro
 `load_pruned` rebuilds the uneven shapes before the weights load. Either file can record the
 dense model the export was pruned from (`dense_model`, read back by `read_origin`), so a benchmark
 compares the export with its real origin rather than with a model of its own (pruned) config.
-A model with windowed KV units (`heads.windows`) also gets `headprune_kv_modes.json`, and only
-`load_pruned` loads it: it attaches the windows again (plain `from_pretrained` would attend to
-every token).
+A hybrid's files also say which model layers the layout's rows are and which layers have no heads
+(`heads.hybrid.layer_report`). A model with windowed KV units (`heads.windows`) also gets
+`headprune_kv_modes.json`, and only `load_pruned` loads it: it attaches the windows again (plain
+`from_pretrained` would attend to every token).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from transformers import AutoConfig
 
 from headprune.atomic import staged_folder, write_json_atomic
 from headprune.heads.adapters import get_adapter, head_layout
+from headprune.heads.hybrid import layer_report
 from headprune.heads.surgery import apply_layout, integer_id
 from headprune.heads.windows import KV_LAYOUT_ATTR, WINDOW, KVLayout, KVWindows
 
@@ -96,6 +98,7 @@ def _write(model: nn.Module, directory: Path, tokenizer, origin: str | None) -> 
         counts, why = None, "windowed KV units: load_pruned attaches their masks and cache"
         write_json_atomic(directory / MODES_FILE, modes.to_json())
     recorded = {"dense_model": origin} if origin is not None else {}
+    recorded.update(layer_report(model))  # a hybrid: which model layers the layout's rows are, which have no heads
     if counts is None:
         model.save_pretrained(directory)
         write_json_atomic(directory / LAYOUT_FILE, {"model_type": model.config.model_type,

@@ -238,7 +238,8 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
         _make_headless(adapter, block, core, d, getattr(core, "layer_idx", layer))
     elif len(after) != slots:
         gates = [attn.get_submodule(g) for g in adapter.gates]
-        core._headprune_hooks += _pad_queries([queries, *gates], o, at, slots, d)
+        width = adapter.query_width(model.config) if queries is q else d  # a gated q_proj: [q_h | gate_h]
+        core._headprune_hooks += _pad_queries([(queries, width), *((g, d) for g in gates)], o, at, slots, d)
 
 
 def _keep_head_params(model: nn.Module, adapter: ArchAdapter, core: nn.Module, before: list[int], after: list[int],
@@ -330,22 +331,28 @@ def _keep(module: nn.Module, index: torch.Tensor, outputs: bool, sliced: list[Sl
     set_num_features(module, outputs, len(index))
 
 
-def _pad_queries(queries: list[nn.Module], o: nn.Module, slots: list[int], n_slots: int, head_dim: int) -> list:
+def _pad_queries(queries: list[tuple[nn.Module, int]], o: nn.Module, slots: list[int], n_slots: int,
+                 head_dim: int) -> list:
     """Hooks giving the kernel `n_slots` query heads (kept heads at `slots`, zeros elsewhere)
-    and handing only the kept heads' contexts to the output projection. Each module of `queries`
-    (the query projection, output gates) returns the kept heads' features first; whatever follows
-    them (a fused projection's K and V) passes unchanged."""
+    and handing only the kept heads' contexts to the output projection. Each (module, features per
+    head) of `queries` (the query projection, output gates) returns the kept heads' features first;
+    whatever follows them (a fused projection's K and V) passes unchanged."""
     index = torch.tensor(slots, dtype=torch.long, device="cpu")  # not meta, even inside from_pretrained
-    width = len(slots) * head_dim
 
-    def spread(module, args, out):
-        heads = out[..., :width].unflatten(-1, (-1, head_dim))  # (B, T, h, D)
-        padded = heads.new_zeros(*heads.shape[:-2], n_slots, head_dim)  # (B, T, S, D)
-        padded = padded.index_copy(-2, index.to(out.device), heads).flatten(-2)  # (B, T, S*D)
-        return padded if out.shape[-1] == width else torch.cat([padded, out[..., width:]], dim=-1)
+    def spreader(per_head: int):
+        width = len(slots) * per_head
+
+        def spread(module, args, out):
+            heads = out[..., :width].unflatten(-1, (-1, per_head))  # (B, T, h, W)
+            padded = heads.new_zeros(*heads.shape[:-2], n_slots, per_head)  # (B, T, S, W)
+            padded = padded.index_copy(-2, index.to(out.device), heads).flatten(-2)  # (B, T, S*W)
+            return padded if out.shape[-1] == width else torch.cat([padded, out[..., width:]], dim=-1)
+
+        return spread
 
     def gather(module, args):
         slots_ctx = args[0].unflatten(-1, (n_slots, head_dim))  # (B, T, S, D)
         return (slots_ctx.index_select(-2, index.to(args[0].device)).flatten(-2), *args[1:])  # (B, T, h*D)
 
-    return [*(q.register_forward_hook(spread) for q in queries), o.register_forward_pre_hook(gather, prepend=True)]
+    return [*(q.register_forward_hook(spreader(per_head)) for q, per_head in queries),
+            o.register_forward_pre_hook(gather, prepend=True)]

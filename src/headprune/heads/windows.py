@@ -40,6 +40,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
+from headprune.heads.latent import is_latent
 from headprune.heads.surgery import prune_heads
 
 FULL, WINDOW, REMOVED = "full", "window", "removed"
@@ -160,8 +161,12 @@ class KVWindows:
         if any(WINDOW in layer for layer in self.layout.modes) and kernel not in KERNELS:
             raise ValueError(f"windowed KV units need a per-head attention mask, which attn_implementation={kernel!r} "
                              f"does not take; allowed: {', '.join(KERNELS)}")
-        self.detach()
         adapter = get_adapter(model)
+        if any(WINDOW in layer for layer in self.layout.modes) and is_latent(adapter):
+            raise ValueError(f"windowed KV units: model_type={model.config.model_type!r} caches one latent per layer "
+                             "shared by all its heads (multi-head latent attention, heads.latent), so a head cannot "
+                             "keep a window of it (not done); allowed: every unit full or removed")
+        self.detach()
         for layer, block in enumerate(adapter.blocks(model)):
             if WINDOW in self.layout.modes[layer]:
                 attention = adapter.attention(block)

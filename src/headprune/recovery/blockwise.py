@@ -63,7 +63,13 @@ class BlockInputs:
 @torch.no_grad()
 def capture(model: nn.Module, batch: dict) -> BlockInputs:
     """Run `model` on `batch` up to its first block and record every block's inputs (module
-    docstring); no block computes anything."""
+    docstring); no block computes anything. A hybrid's attention-free layers sit between its
+    attention blocks, which running block by block would skip: refused (`heads.hybrid`)."""
+    from headprune.heads.hybrid import blockwise_refusal
+
+    refusal = blockwise_refusal(model, "block-by-block calibration", "whole-forward methods")
+    if refusal:
+        raise ValueError(refusal)
     blocks = get_adapter(model).blocks(model)
     seen: list[tuple[tuple, dict]] = []
 

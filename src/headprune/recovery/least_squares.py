@@ -67,7 +67,12 @@ class LeastSquares(Reconstruction):
             raise ValueError(f"recovery.bias={self.bias!r} must be true or false")
 
     def check_model(self, student: nn.Module) -> None:
-        """The run's one bias check, before any work: each round's tuning trusts it."""
+        """The run's one bias check, before any work: each round's tuning trusts it; hybrids refused."""
+        from headprune.heads.hybrid import blockwise_refusal
+
+        refusal = blockwise_refusal(student, "recovery=least_squares")
+        if refusal:
+            raise ValueError(refusal)
         check_bias(student, self)
 
     def reconstruct(self, ctx: RecoveryContext) -> dict:

@@ -14,6 +14,7 @@ much may remain (`goal`): the one place that computes how far a round prunes.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
@@ -171,6 +172,18 @@ class KVBudget(CostBudget):
 
     def table(self, dense):
         return kv_costs(dense, self.batch, self.seq)
+
+    def measure(self, dense: nn.Module) -> tuple[LayerCosts, dict]:
+        """The table, and for multi-head latent attention (heads.latent) the note that removing heads
+        saves KV bytes only where a layer loses them all (logged, and in results.json `budget.kv_note`)."""
+        from headprune.heads.adapters import get_adapter
+        from headprune.heads.latent import is_latent, latent_kv_note
+
+        if is_latent(get_adapter(dense)):
+            note = latent_kv_note(dense.config.model_type)
+            logging.getLogger(__name__).warning("budget=kv: %s", note)
+            return self.table(dense), {"kv_note": note}
+        return self.table(dense), {}
 
     def mode_table(self, dense: nn.Module, sink: int, window: int) -> LayerCosts:
         """The table with per-unit KV modes: options (units full, units windowed) of each layer, a
