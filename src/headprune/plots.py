@@ -12,16 +12,22 @@ import torch  # noqa: E402
 
 
 def head_heatmap(values: torch.Tensor, title: str, path: str | Path | None = None,
-                 cmap: str = "viridis", vmin: float | None = None, vmax: float | None = None):
-    """A (layers, heads) heatmap; saved to `path` when given. Returns the figure."""
+                 cmap: str = "viridis", vmin: float | None = None, vmax: float | None = None,
+                 rows: list[str] | None = None):
+    """A (layers, heads) heatmap; saved to `path` when given. Returns the figure. `rows`: a name per
+    row (a model with several attention stacks: its sites, "encoder.0" ... "cross.5"), else layer ids."""
     values = values.detach().float().cpu()
     layers, heads = values.shape
     fig, ax = plt.subplots(figsize=(0.45 * heads + 2.0, 0.4 * layers + 1.5))
     im = ax.imshow(values.numpy(), cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto")
     ax.set_xlabel("head")
-    ax.set_ylabel("layer")
+    ax.set_ylabel("layer" if rows is None else "site (stack.layer)")
     ax.set_xticks(range(heads))
     ax.set_yticks(range(layers))
+    if rows is not None:
+        if len(rows) != layers:
+            raise ValueError(f"head_heatmap: {len(rows)} row names for {layers} rows")
+        ax.set_yticklabels(rows)
     ax.set_title(title)
     fig.colorbar(im, ax=ax)
     fig.tight_layout()

@@ -8,7 +8,11 @@ logits. Training, evaluation between rounds and the gradient-based metrics all u
 agree on every number:
 - classification: cross-entropy of (B, C) logits; validation {"acc", "loss"} (mean per example);
 - causal_lm: mean next-token cross-entropy over each example's real tokens; validation
-  {"loss", "ppl"}: the mean loss per token and its exponential, the perplexity.
+  {"loss", "ppl"}: the mean loss per token and its exponential, the perplexity;
+- seq2seq_lm (encoder-decoders: Whisper, T5): the decoder's cross-entropy against `labels` (-100
+  unscored), position t predicting labels t; validation {"loss", "ppl"} as causal_lm. It is read
+  from the model (`task_of`) for scoring and evaluation through the Python API; `model.task` (the
+  training app) does not offer it: its data modules make no encoder-decoder batches.
 
 Perplexity has one implementation, `evaluate` (its causal-LM branch sums `next_token_loss_sum`):
 `val` runs it on the data module's validation blocks (fed as trained on: no BOS, the first
@@ -23,13 +27,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "input_features", "decoder_input_ids",
+                "decoder_attention_mask")
 
 
 def forward_logits(model: nn.Module, batch: dict, **options) -> torch.Tensor:
-    """The model's logits on the batch's model inputs; `options` go to the forward (use_cache=False)."""
+    """The model's logits on the batch's model inputs; `options` go to the forward (use_cache=False).
+    An encoder-decoder batch without `decoder_input_ids` gets them from its `labels` (shifted right,
+    the model's own rule)."""
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    if getattr(model.config, "is_encoder_decoder", False) and "decoder_input_ids" not in inputs:
+        if "labels" not in batch:
+            raise ValueError("an encoder-decoder batch needs `decoder_input_ids` or `labels` (the decoder's targets)")
+        inputs["decoder_input_ids"] = shift_right(batch["labels"], model.config)
     return model(**inputs, **options).logits
+
+
+def shift_right(labels: torch.Tensor, config) -> torch.Tensor:
+    """(B, T) decoder inputs for (B, T) labels: the decoder start token, then the labels but the
+    last, -100 as padding (the rule T5 and Whisper apply when given labels alone)."""
+    start, pad = getattr(config, "decoder_start_token_id", None), getattr(config, "pad_token_id", None)
+    if start is None or pad is None:
+        raise ValueError(f"the {config.model_type} config has no decoder_start_token_id / pad_token_id ({start}, "
+                         f"{pad}) to make decoder inputs from labels: pass `decoder_input_ids` in the batch")
+    out = labels.new_full(labels.shape, pad)
+    out[:, 1:] = labels[:, :-1]
+    out[:, 0] = start
+    return out.masked_fill(out == -100, config.pad_token_id)
+
+
+def batch_size(batch: dict) -> int:
+    """Examples in a batch (its token ids', else its audio features' first axis)."""
+    return int(batch["input_ids" if "input_ids" in batch else "input_features"].shape[0])
 
 
 def next_token_loss_sum(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, int]:
@@ -190,7 +219,38 @@ class CausalLM(Task):
         return {"loss": loss, "ppl": math.exp(loss)}
 
 
-CLASSIFICATION, CAUSAL_LM = Classification(), CausalLM()
+class Seq2SeqLM(Task):
+    """An encoder-decoder's decoder against `labels` (B, T): logits position t predicts labels t,
+    -100 unscored; per example the mean over its labelled tokens; validation {"loss", "ppl"} per
+    token as CausalLM's. Read from the model only (not in TASKS: the training app's data makes no
+    encoder-decoder batches)."""
+
+    name, val_metrics, headline, higher_is_better = "seq2seq_lm", ("loss", "ppl"), "ppl", False
+    forward_options = {"use_cache": False}
+
+    def loss(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        labels = batch["labels"]  # (B, T)
+        token_loss = F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none",
+                                     ignore_index=-100)  # (B, T)
+        return self.per_example(token_loss, batch)
+
+    def weights(self, batch: dict) -> torch.Tensor:
+        return (batch["labels"] != -100).float().sum(1)
+
+    def per_example(self, values: torch.Tensor, batch: dict) -> torch.Tensor:
+        weights = (batch["labels"] != -100).float()  # (B, T)
+        return (values * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+
+    def accumulate(self, logits: torch.Tensor, batch: dict, totals: list[float]) -> None:
+        totals[0] += float((self.loss(logits, batch) * self.weights(batch)).sum())
+        totals[1] += float(self.weights(batch).sum())
+
+    def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
+        loss = loss_sum / count
+        return {"loss": loss, "ppl": math.exp(loss)}
+
+
+CLASSIFICATION, CAUSAL_LM, SEQ2SEQ_LM = Classification(), CausalLM(), Seq2SeqLM()
 TASKS: dict[str, Task] = {task.name: task for task in (CLASSIFICATION, CAUSAL_LM)}
 VAL_METRICS = {name: task.val_metrics for name, task in TASKS.items()}  # what `evaluate` reports, per task
 
@@ -208,8 +268,12 @@ def check_task(name: str) -> str:
 
 def task_of(model: nn.Module) -> Task:
     """The task a model's head does: causal LM when its architectures (else its class) end in
-    ForCausalLM / LMHeadModel, classification otherwise. The one place a model's task is read."""
+    ForCausalLM / LMHeadModel, seq2seq LM for an encoder-decoder's ForConditionalGeneration,
+    classification otherwise. The one place a model's task is read."""
     names = model.config.architectures or [type(model).__name__]
+    if getattr(model.config, "is_encoder_decoder", False) and any(a.endswith("ForConditionalGeneration")
+                                                                  for a in names):
+        return SEQ2SEQ_LM
     return CAUSAL_LM if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in names) else CLASSIFICATION
 
 

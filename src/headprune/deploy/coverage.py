@@ -19,7 +19,8 @@ Run it (3 min 43 s on this project's two shared cores, load ~5) and render the M
 
     python -m headprune.deploy.coverage --out docs/coverage.json --markdown docs/coverage.md
 
-`--only TYPE ...` checks some types; `--probe` also tries the Llama layout (`LLAMA_LAYOUT_TYPES`)
+`--only TYPE ...` checks some types (with `--update docs/coverage.json`: their rows replaced in the
+committed table, the others kept); `--probe` also tries the Llama layout (`LLAMA_LAYOUT_TYPES`)
 on unregistered types whose attention has q_proj / k_proj / v_proj / o_proj, to find the ones
 that can join that list.
 """
@@ -85,6 +86,9 @@ OVERRIDES = {
                          "mamba_n_heads": 4, "mamba_d_state": 16, "mamba_chunk_size": 8},
 }
 
+# T5's config class has no decoder_start_token_id field (its checkpoints' config.json say 0, the pad id)
+OVERRIDES["t5"] = {"decoder_start_token_id": 0}
+
 
 # -- tiny configs ------------------------------------------------------------------------------------
 def tiny_config(model_type: str):
@@ -147,6 +151,10 @@ def _inputs(model: nn.Module, task: str, seed: int = 0) -> dict:
         size, channels = getattr(config, "image_size", 32), getattr(config, "num_channels", 3)
         size = size if isinstance(size, int) else size[0]
         return {"pixel_values": torch.randn(BATCH, channels, size, size, generator=g)}
+    if task == "speech_seq2seq" and hasattr(config, "num_mel_bins"):  # Whisper: (B, mel bins, 2 x source positions)
+        features = torch.randn(BATCH, config.num_mel_bins, 2 * config.max_source_positions, generator=g)
+        decoder = torch.randint(3, min(config.vocab_size, VOCAB), (BATCH, 4), generator=g)
+        return {"input_features": features, "decoder_input_ids": decoder}
     vocab = getattr(config, "vocab_size", None) or VOCAB
     ids = torch.randint(3, min(vocab, VOCAB), (BATCH, TOKENS), generator=g)  # (B, T)
     mask = torch.ones_like(ids)
@@ -181,14 +189,19 @@ def _compare(got: torch.Tensor, want: torch.Tensor, atol: float) -> str:
 def prune_spec(model: nn.Module) -> dict[int, list[int]]:
     """The request every check removes: layer 0 loses every head, layer 1 one head (under GQA a
     partly kept KV group), the last layer its last KV group whole (three layers at least; with
-    fewer, the first of these that fit)."""
+    fewer, the first of these that fit). A model with several attention stacks (heads.stacks) gets
+    that in every stack (encoder, decoder, cross)."""
+    from headprune.heads.stacks import stack_rows
     from headprune.heads.surgery import kv_group_heads
 
     groups = kv_group_heads(model)
-    n_layers = len(_layers(model))
     all_heads = [h for g in groups for h in g]
-    spec = {0: all_heads, 1: [all_heads[1] if len(all_heads) > 1 else all_heads[0]], n_layers - 1: groups[-1]}
-    return {layer: heads for layer, heads in spec.items() if layer < n_layers}
+    spec = {}
+    for rows in (stack_rows(model).values() or [range(len(_layers(model)))]):
+        n_layers = len(rows)
+        one = {0: all_heads, 1: [all_heads[1] if len(all_heads) > 1 else all_heads[0]], n_layers - 1: groups[-1]}
+        spec.update({rows[layer]: heads for layer, heads in one.items() if layer < n_layers})
+    return spec
 
 
 def _layers(model: nn.Module) -> list:
@@ -226,7 +239,7 @@ def check_model(build, task: str, attn_implementations=("eager", "sdpa"), tmp: P
         return result
     result["adapter"] = adapter.name
     spec = prune_spec(model)
-    generates = task == "causal_lm" and hasattr(model, "generate")
+    generates = task in ("causal_lm", "seq2seq_lm", "speech_seq2seq") and hasattr(model, "generate")
     batch = _inputs(model, task)
     pruned_eager = None
     for attn in attn_implementations:
@@ -248,7 +261,7 @@ def check_model(build, task: str, attn_implementations=("eager", "sdpa"), tmp: P
         if generates:
             try:
                 kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
-                small = {k: v for k, v in batch.items()}
+                small = {k: v for k, v in batch.items() if k != "decoder_input_ids"}
                 same = torch.equal(model.generate(**small, **kwargs), masked.generate(**small, **kwargs))
             except Exception as err:  # noqa: BLE001
                 return fail(f"generate ({attn})", f"{type(err).__name__}: {err}".splitlines()[0][:200])
@@ -325,6 +338,9 @@ def check_model_type(model_type: str, mappings: list[str], probe: bool = False, 
     from headprune.heads import adapters
 
     task = mappings[0]
+    adapter = adapters.ADAPTERS.get(model_type)
+    if adapter is not None and getattr(adapter, "stacks", ()):  # several stacks: checked whole, as a seq2seq model
+        task = next((m for m in mappings if m.endswith("seq2seq") or m.startswith("seq2seq")), task)
     row = {"model_type": model_type, "mappings": mappings, "task": task}
     start = time.perf_counter()
     probed = False
@@ -384,6 +400,17 @@ def run(only: list[str] | None = None, probe: bool = False, timeout: int = 120, 
             log(f"{model_type:32s} {row['status']:10s} {row['seconds']:6.1f}s {row['reason'][:100]}")
     return {"transformers_version": transformers.__version__, "torch_version": torch.__version__.split("+")[0],
             "mappings": {name: attr for name, attr in MAPPINGS.items()}, "atol": ATOL, "rows": rows}
+
+
+def updated(old: dict, new: dict) -> dict:
+    """`old` with the rows of `new` in place of its rows of the same model types (`--update`); both
+    from the same transformers and torch versions, else a ValueError (the table says one version)."""
+    for key in ("transformers_version", "torch_version", "atol"):
+        if old.get(key) != new.get(key):
+            raise ValueError(f"--update: the table's {key} is {old.get(key)!r}, this run's {new.get(key)!r}; "
+                             "regenerate the whole table")
+    rows = {r["model_type"]: r for r in old["rows"]} | {r["model_type"]: r for r in new["rows"]}
+    return {**old, "rows": [rows[t] for t in sorted(rows)]}
 
 
 # -- the Markdown table ------------------------------------------------------------------------------
@@ -459,9 +486,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", help="check only these model types")
     parser.add_argument("--probe", action="store_true", help="also try the Llama layout on unregistered look-alikes")
     parser.add_argument("--timeout", type=int, default=120, help="seconds per model type")
+    parser.add_argument("--update", type=Path, help="a table's JSON: check only the --only types and replace their "
+                        "rows in it (the other rows kept as they were)")
     args = parser.parse_args(argv)
+    if args.update is not None and not args.only:
+        parser.error("--update needs --only: the model types whose rows are checked again")
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     doc = run(args.only, probe=args.probe, timeout=args.timeout, log=lambda line: print(line, flush=True))
+    if args.update is not None:
+        doc = updated(json.loads(args.update.read_text()), doc)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     if args.markdown:

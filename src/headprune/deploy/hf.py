@@ -3,7 +3,8 @@
 `save_pruned` writes a `save_pretrained` folder: a plain transformers checkpoint when every
 layer keeps the same query and KV heads of a family whose config carries `head_dim` (Llama,
 Mistral, Qwen2), otherwise the original config plus `headprune_layout.json`, from which
-`load_pruned` rebuilds the uneven shapes before the weights load. Either file can record the
+`load_pruned` rebuilds the uneven shapes before the weights load (with several attention stacks,
+heads.stacks, its rows are the sites the file's `sites` names, checked on load). Either file can record the
 dense model the export was pruned from (`dense_model`, read back by `read_origin`), so a benchmark
 compares the export with its real origin rather than with a model of its own (pruned) config.
 A hybrid's files also say which model layers the layout's rows are and which layers have no heads
@@ -27,6 +28,7 @@ from transformers import AutoConfig
 from headprune.atomic import staged_folder, write_json_atomic
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.hybrid import layer_report
+from headprune.heads.stacks import by_stack, check_sites, site_names, stacked
 from headprune.heads.surgery import apply_layout, integer_id
 from headprune.heads.windows import KV_LAYOUT_ATTR, WINDOW, KVLayout, KVWindows
 
@@ -101,9 +103,10 @@ def _write(model: nn.Module, directory: Path, tokenizer, origin: str | None) -> 
     recorded.update(layer_report(model))  # a hybrid: which model layers the layout's rows are, which have no heads
     if counts is None:
         model.save_pretrained(directory)
+        sites = {"sites": site_names(model), "layout_by_stack": by_stack(model, layout)} if stacked(model) else {}
         write_json_atomic(directory / LAYOUT_FILE, {"model_type": model.config.model_type,
                                                     "num_heads": adapter.num_heads(model.config), "layout": layout,
-                                                    **recorded})
+                                                    **sites, **recorded})
     else:
         config, head_dim = model.config, adapter.head_dim(model.config)
         names = (adapter.heads_attr, adapter.kv_heads_attr, "head_dim")
@@ -186,10 +189,12 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
                              "which heads each layer kept; save it with headprune.save_pruned") from err
         return _windowed(model.to(device) if device is not None else model, directory)
     layout = read_layout(directory)
+    sites = json.loads((directory / LAYOUT_FILE).read_text()).get("sites")
 
     class Pruned(cls):
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
+            check_sites(self, sites, str(directory / LAYOUT_FILE))  # several stacks: the rows are these sites
             apply_layout(self, layout)
             check_layout_shapes(self, shapes, directory / LAYOUT_FILE)
 

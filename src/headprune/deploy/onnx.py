@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from headprune.heads.stacks import stacked
 from headprune.heads.windows import windows_refusal
 from headprune.tasks import is_causal_lm
 
@@ -64,6 +65,11 @@ def export_onnx(model: nn.Module, path: str | Path, batch: int = 2, seq: int = 1
     windowed = windows_refusal(model, "this ONNX export (torch.export does not trace the per-head window masks)")
     if windowed:
         raise ValueError(windowed)
+    if stacked(model) is not None:
+        raise ValueError(f"ONNX export of {type(model).__name__} refused: an encoder-decoder (several attention "
+                         "stacks) needs an encoder graph and a decoder graph with its self- and cross-attention "
+                         "caches, and this exporter traces one forward over input_ids / attention_mask; allowed: "
+                         "models with one attention stack")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     names = input_names(model)

@@ -452,8 +452,9 @@ _MLA = ("multi-head latent attention of its own layout: headprune prunes DeepSee
         "q_b_proj rows, kv_b_proj rows and o_proj columns per head), and this family's attention differs (not done)")
 _INDEXER = "multi-head latent attention with a sparse token indexer inside the attention (DeepSeek sparse attention): "
 
-_STACKS = ("several attention stacks (encoder self-attention, decoder self- and cross-attention): headprune's masks "
-           "and layouts name the heads of one stack (not done)")
+_STACKS = ("several attention stacks (encoder self-attention, decoder self- and cross-attention) laid out unlike "
+           "Whisper's, BART's and T5's, which heads/stacks.py prunes: no stacked adapter says where this family's "
+           "heads and per-head terms are (not done)")
 _SINKS = ("per-head attention sinks (`sinks`, one logit per query head, read inside the attention kernel) are not "
           "sliced with the heads (not done)")
 REFUSED: dict[str, str] = {
@@ -466,8 +467,7 @@ REFUSED: dict[str, str] = {
                                 "with the cache gave other tokens than the masked model's (not done)"),
     "glm_moe_dsa": _INDEXER + ("its attention returns the indexer's output as a third value, which a layer left "
                                "without heads does not give (not done)"),
-    **dict.fromkeys(("bart", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus", "plbart",
-                     "prophetnet", "bigbird_pegasus", "whisper", "t5", "mt5", "umt5", "longt5", "switch_transformers",
+    **dict.fromkeys(("mvp", "prophetnet", "bigbird_pegasus", "umt5", "longt5", "switch_transformers",
                      "trocr", "moshi", "musicgen", "musicgen_melody"), _STACKS),
     **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), _SINKS),
     "laguna": "head counts that vary per layer (num_attention_heads_per_layer) and a per-head output gate (not done)",
@@ -556,3 +556,5 @@ def model_shape(model: nn.Module) -> tuple[int, int]:
     return len(adapter.blocks(model)), adapter.num_heads(model.config)
 
 
+# The encoder-decoder families (several attention stacks) register themselves from their own module.
+from headprune.heads import stacks as _stacks  # noqa: E402,F401

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
+from headprune.heads.stacks import rows_request, stack_rows
 
 
 class HeadMask(nn.Module):
@@ -37,10 +38,12 @@ class HeadMask(nn.Module):
         self._gates: torch.Tensor | None = None
         self._handles: list = []
         self.register_module("stochastic", None)
+        self.stacks: dict[str, range] = {}  # stack name -> its rows (sites), for a model with several
 
     @classmethod
     def for_model(cls, model: nn.Module, attach: bool = True) -> "HeadMask":
         mask = cls(*model_shape(model))
+        mask.stacks = stack_rows(model)  # several attention stacks: their rows, for requests by name
         if attach:
             mask.attach(model)
         return mask
@@ -130,7 +133,11 @@ class HeadMask(nn.Module):
         return self.mask > 0
 
     def prune(self, heads) -> None:
-        """Zero the gates of `heads`, an iterable of (layer, head) in original numbering."""
+        """Zero the gates of `heads`, an iterable of (layer, head) in original numbering; for a model
+        with several attention stacks also by name ({"encoder": {layer: heads}, ...}, heads.stacks)."""
+        heads = rows_request(self.stacks, heads)
+        if isinstance(heads, dict):
+            heads = [(row, h) for row, ids in heads.items() for h in ids]
         for layer, head in heads:
             self.mask[layer, head] = 0.0
 

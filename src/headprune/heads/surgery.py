@@ -31,6 +31,7 @@ from torch import nn
 from headprune.heads.adapters import (LAYOUT_ATTR, ArchAdapter, feature_dim, get_adapter, head_layout, layer_heads,
                                       set_num_features)
 from headprune.heads.headless import HeadlessAttention
+from headprune.heads.stacks import StackedAdapter, to_rows
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ def prune_heads(model: nn.Module, heads: HeadSpec, sliced: list[Sliced] | None =
     """Remove `heads` from `model` in place and return it.
 
     `heads` maps layer -> head ids, or is an iterable of (layer, head) pairs (as
-    `HeadMask.pruned()` gives), always in the original model's numbering. Heads already
+    `HeadMask.pruned()` gives), always in the original model's numbering. A model with several
+    attention stacks (encoder-decoders, `heads.stacks`) also takes them by name:
+    {"encoder": {layer: heads}, "decoder": ..., "cross": ...}; its layer ids are its sites'. Heads already
     removed are skipped, so applying the same request twice is harmless. A layer may lose
     every head: its attention then returns only the output projection's bias.
 
@@ -61,7 +64,7 @@ def prune_heads(model: nn.Module, heads: HeadSpec, sliced: list[Sliced] | None =
     adapter = get_adapter(model)
     blocks = adapter.blocks(model)
     n_heads = adapter.num_heads(model.config)
-    request = _validated(heads, len(blocks), n_heads)
+    request = _validated(to_rows(model, heads), len(blocks), n_heads)
     layout = head_layout(model)
     for layer, remove in request.items():
         kept = [h for h in layout[layer] if h not in remove]
@@ -69,6 +72,8 @@ def prune_heads(model: nn.Module, heads: HeadSpec, sliced: list[Sliced] | None =
             _prune_layer(model, adapter, layer, kept, sliced)
             layout[layer] = kept
     setattr(model, LAYOUT_ATTR, layout)
+    if isinstance(adapter, StackedAdapter):
+        adapter.settle(model, sliced)  # what a stack shares across its layers (T5's position bias)
     return model
 
 
@@ -95,8 +100,10 @@ def kv_group_heads(model: nn.Module) -> list[list[int]]:
 
 
 def heads_of_kv_groups(model: nn.Module, groups: Mapping[int, Iterable[int]]) -> dict[int, list[int]]:
-    """Expand layer -> KV group ids into layer -> query head ids, for `prune_heads`."""
+    """Expand layer -> KV group ids into layer -> query head ids, for `prune_heads` (several attention
+    stacks: {stack: {layer: groups}} too, heads.stacks)."""
     table = kv_group_heads(model)
+    groups = to_rows(model, groups)
     n_layers = len(get_adapter(model).blocks(model))
     heads = {}
     for layer, ids in groups.items():
@@ -235,7 +242,10 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
         core._headprune_hooks += [_select_features(q_norm, q_rows), _select_features(k_norm, k_rows)]
         queries = q_norm
     if not after:
-        _make_headless(adapter, block, core, d, getattr(core, "layer_idx", layer))
+        if isinstance(adapter, StackedAdapter):
+            adapter.make_headless(model, layer, core, d)
+        else:
+            _make_headless(adapter, block, core, d, getattr(core, "layer_idx", layer))
     elif len(after) != slots:
         gates = [attn.get_submodule(g) for g in adapter.gates]
         width = adapter.query_width(model.config) if queries is q else d  # a gated q_proj: [q_h | gate_h]

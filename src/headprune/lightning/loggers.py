@@ -210,9 +210,11 @@ def log_head_mask(sink: LogSink | None, mask, round_no: int) -> None:
     """The kept-heads heatmap after a round, in every wandb logger."""
     if sink is None or not sink.wandb():
         return
+    from headprune.heads.stacks import mask_sites
     from headprune.plots import close, head_heatmap
 
-    fig = head_heatmap(mask.mask, f"kept heads after round {round_no}", cmap="Greys_r", vmin=0, vmax=1)
+    fig = head_heatmap(mask.mask, f"kept heads after round {round_no}", cmap="Greys_r", vmin=0, vmax=1,
+                       rows=mask_sites(mask))
     log_figures(sink, {"prune/head_mask": fig})
     close(fig)
 

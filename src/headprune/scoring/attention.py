@@ -27,6 +27,7 @@ from torch import nn
 
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.mask import HeadMask
+from headprune.heads.stacks import refuse_several_stacks
 from headprune.tasks import MODEL_INPUTS, real_tokens, to_device
 from headprune.scoring.reduce import finish_scores, mean_over_ranks
 
@@ -94,6 +95,8 @@ def row_entropy(p: torch.Tensor) -> torch.Tensor:
 def _per_head_statistic(model: nn.Module, mask: HeadMask, dataloader, statistic: Callable,
                         max_batches: int | None) -> torch.Tensor:
     """Mean over examples of `statistic(p, batch) -> (B, h, T)` averaged over real queries, (layers, heads)."""
+    refuse_several_stacks(model, "entropy/confidence", "averages attention maps over the real tokens of one "
+                          "sequence")
     layout = head_layout(model)
     total = torch.zeros_like(mask.mask, dtype=torch.float64)
     count = 0

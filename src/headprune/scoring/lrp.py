@@ -38,7 +38,7 @@ from torch import nn
 
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
-from headprune.tasks import CLASSIFICATION, Task, forward_logits, task_of, to_device
+from headprune.tasks import CLASSIFICATION, SEQ2SEQ_LM, Task, batch_size, forward_logits, task_of, to_device
 from headprune.scoring.reduce import finish_scores, mean_over_ranks, scoring_mode
 
 TARGETS = ("predicted", "gold")
@@ -137,6 +137,14 @@ def target_logits(logits: torch.Tensor, batch: dict, target: str = "predicted", 
         else:
             index = logits.argmax(-1)
         return logits.gather(1, index[:, None]).squeeze(1)
+    if task is SEQ2SEQ_LM:  # the decoder's positions t, labelled t (-100 unscored)
+        if target == "gold" and "labels" not in batch:
+            raise ValueError("metric.target='gold' needs `labels` in the scoring batches")
+        index = logits.argmax(-1) if target == "predicted" else batch["labels"].clamp_min(0)  # (B, T)
+        picked = logits.gather(2, index[..., None]).squeeze(2)  # (B, T)
+        if "labels" in batch:
+            picked = picked * (batch["labels"] != -100).to(picked.dtype)
+        return picked.sum(1)
     logits = task.positions(logits)  # (B, T-1, V)
     index = logits.argmax(-1) if target == "predicted" else batch["input_ids"][:, 1:]  # (B, T-1)
     picked = logits.gather(2, index[..., None]).squeeze(2)  # (B, T-1)
@@ -150,7 +158,7 @@ def head_relevance(model: nn.Module, mask: HeadMask, batch: dict, target: str = 
     above, in original head numbering (0 for heads the layer no longer has)."""
     batch = to_device(batch, mask.mask.device)
     with scoring_mode(model), conservative_backward(model):
-        with mask.differentiable_gates(batch["input_ids"].shape[0]) as gates:  # (B, L, H)
+        with mask.differentiable_gates(batch_size(batch)) as gates:  # (B, L, H)
             z = target_logits(forward_logits(model, batch), batch, target, task_of(model)).sum()
             (relevance,) = torch.autograd.grad(z, gates)
     return relevance.detach()

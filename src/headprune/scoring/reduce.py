@@ -51,14 +51,14 @@ def per_example_gate_grads(model: nn.Module, mask: HeadMask, dataloader, max_bat
     One backward pass per batch: with the loss summed over the batch, example b's gates only
     see example b's loss (HeadMask.differentiable_gates). Runs in `scoring_mode`.
     """
-    from headprune.tasks import forward_logits, per_example_loss, to_device
+    from headprune.tasks import batch_size, forward_logits, per_example_loss, to_device
 
     with scoring_mode(model):
         for i, batch in enumerate(dataloader):
             if max_batches is not None and i >= max_batches:
                 break
             batch = to_device(batch, mask.mask.device)
-            with mask.differentiable_gates(batch["input_ids"].shape[0]) as gates:  # (B, L, H)
+            with mask.differentiable_gates(batch_size(batch)) as gates:  # (B, L, H)
                 loss = per_example_loss(model, forward_logits(model, batch), batch).sum()
                 (grad,) = torch.autograd.grad(loss, gates)
             yield grad.detach().double()

@@ -30,6 +30,7 @@ from headprune.distributed import all_reduce_sum
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.contexts import stream_contexts
 from headprune.heads.mask import HeadMask
+from headprune.heads.stacks import refuse_several_stacks
 from headprune.scoring.reduce import finish_scores
 
 UNITS = ("kv_group", "head")
@@ -44,6 +45,7 @@ def refit_error_importance(model: nn.Module, mask: HeadMask, dataloader, unit: s
         raise ValueError(f"metric.unit={unit!r} is not allowed; allowed: {', '.join(UNITS)}")
     if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp >= 0:
         raise ValueError(f"metric.damp={damp!r} must be a number >= 0")
+    refuse_several_stacks(model, "refit_error", "weights each layer's contexts by one sequence's attention mask")
     sums = context_grams(model, mask, dataloader, max_batches)
     adapter = get_adapter(model)
     scores = torch.zeros(mask.num_layers, mask.num_heads, dtype=torch.float64)

@@ -39,6 +39,7 @@ from headprune.engine.offload import check_dense_device, compute_device, dense_c
 from headprune.engine.step_fit import FitPlan
 from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.mask import HeadMask
+from headprune.heads.stacks import mask_sites, site_record
 from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import KV_LAYOUT_ATTR
 from headprune.recovery import Recovery, make_recovery
@@ -367,6 +368,7 @@ class Pruner:
                          "pruned": mask.pruned(), "rounds_completed": len(self.rounds),
                          "rounds_planned": self.num_rounds, "stop_reason": self.final_reason(),
                          "val": self.evaluate(loaders.val) if fresh else self.rounds[-1]["val"]}
+        data["final"].update(site_record(self.model, mask))  # several attention stacks: rows named, heads by stack
         if self.costs is not None and self.kv_modes.active:  # the KV modes' layout, priced by the mode table
             data["final"]["cost_share"] = kv_cost_share(self.model, self.costs)
             data["final"]["kv_layout"] = getattr(self.model, KV_LAYOUT_ATTR).to_json()
@@ -377,7 +379,8 @@ class Pruner:
             from headprune.plots import close, head_heatmap
 
             close(head_heatmap(mask.mask, f"kept heads (sparsity {mask.sparsity():.2f})",
-                               self.results.output_dir / "head_mask.png", cmap="Greys_r", vmin=0, vmax=1))
+                               self.results.output_dir / "head_mask.png", cmap="Greys_r", vmin=0, vmax=1,
+                               rows=mask_sites(mask)))
         self.observer.finished(data)
         return data
 
