@@ -237,3 +237,50 @@ def test_replayed_attention_calls_do_not_grow_the_kv_cache():
     first = calls[0][0](*calls[0][1], **calls[0][2])[0]
     replay(calls)
     torch.testing.assert_close(calls[0][0](*calls[0][1], **calls[0][2])[0], first, atol=0, rtol=0)
+
+
+def test_onnx_refuses_mla_and_hybrid_decode_graphs(tmp_path):
+    """MLA: torch.onnx does not convert its forward and the decode graph has no latent cache; a
+    hybrid's decode graph (one KV cache per layer) is refused for its linear-attention layers."""
+    from headprune.deploy.onnx import export_onnx
+    from headprune.deploy.onnx_decode import export_onnx_decode
+
+    model = prune_heads(tiny("deepseek_v2"), {1: [1]})
+    with pytest.raises(ValueError, match=r"ONNX export \(forward\) of model_type='deepseek_v2' refused: torch.onnx"):
+        export_onnx(model, tmp_path / "mla.onnx")
+    with pytest.raises(ValueError, match=r"ONNX export \(decode\).*MLA caches one latent per layer"):
+        export_onnx_decode(model, tmp_path / "mla_decode.onnx")
+    with pytest.raises(ValueError, match="non-full-attention layers"):
+        export_onnx_decode(tiny("olmo_hybrid"), tmp_path / "hybrid_decode.onnx")
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("family, kind", [("deepseek_v2", "flops"), ("deepseek_v2", "kv"), ("deepseek_v2", "latency"),
+                                          ("qwen3_next", "flops"), ("qwen3_next", "kv"), ("qwen3_next", "latency")])
+def test_cost_budgets_prune_mla_and_hybrid_models(family, kind, tmp_path):
+    """One-shot pruning under each cost budget: the kept layout costs at most the target by the
+    budget's own table (results.json final.cost_share). MLA under budget=kv can only save whole
+    layers' latents (the table says so, budget.kv_note explains); a hybrid's KV table counts its
+    attention layers' KV heads."""
+    from headprune import Loaders, Pruner, get_metric
+    from headprune.recovery import NoRecovery
+    from headprune.results import RunResults
+    from headprune.selection.budgets import make_budget
+    from headprune.selection.layer_policies import GlobalPolicy
+    from headprune.selection.schedules import OneShot
+
+    data = [dict(batch(), labels=batch()["input_ids"]) for _ in range(2)]
+    fields = {"latency": dict(warmup=0, repeats=1, cache_dir=str(tmp_path))}.get(kind, {})
+    budget = make_budget({"kind": kind, "target": 0.6, "batch": 2, "seq": 8, **fields})
+    pruner = Pruner(tiny(family), get_metric("magnitude"), OneShot(target_sparsity=0.5, epochs_per_round=0),
+                    GlobalPolicy(min_heads_per_layer=0), budget, NoRecovery(), results=RunResults(tmp_path))
+    out = pruner.run(Loaders(score=data, val=data))
+    final = out["final"]
+    if family == "qwen3_next" and kind == "latency":  # the Gated DeltaNet / MoE layers are most of the forward
+        assert final["stop_reason"].startswith("budget not met") and pruner.costs.fixed > 0.4 * pruner.costs.dense
+    else:
+        assert final["cost_share"] <= 0.6 + 1e-9 and pruner.mask.sparsity() > 0, final
+    if family == "deepseek_v2" and kind == "kv":  # only layers left without heads save KV bytes
+        kept = pruner.mask.heads_per_layer()
+        assert final["cost_share"] == pytest.approx(sum(k > 0 for k in kept) / 3)
+        assert "removing heads saves no KV bytes" in out["budget"]["kv_note"]

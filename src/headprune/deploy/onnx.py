@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from headprune.heads.stacks import stacked
+from headprune.heads.latent import onnx_refusal
 from headprune.heads.windows import windows_refusal
 from headprune.tasks import is_causal_lm
 
@@ -65,6 +66,9 @@ def export_onnx(model: nn.Module, path: str | Path, batch: int = 2, seq: int = 1
     windowed = windows_refusal(model, "this ONNX export (torch.export does not trace the per-head window masks)")
     if windowed:
         raise ValueError(windowed)
+    latent = onnx_refusal(model, "forward")
+    if latent:
+        raise ValueError(latent)
     if stacked(model) is not None:
         raise ValueError(f"ONNX export of {type(model).__name__} refused: an encoder-decoder (several attention "
                          "stacks) needs an encoder graph and a decoder graph with its self- and cross-attention "

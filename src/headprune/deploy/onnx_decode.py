@@ -34,6 +34,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 
 from headprune.heads.headless import HeadlessCacheLayer
+from headprune.heads.latent import onnx_refusal
 from headprune.heads.windows import windows_refusal
 
 DECODE_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -126,7 +127,8 @@ def positions(attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
 def export_onnx_decode(model: nn.Module, path: str | Path, batch: int = 2, new: int = 3, past: int = 5) -> Path:
     """Write `model`'s decode step (past key/values in, logits and present key/values out) as ONNX
     to `path`; returns the path. Raises ValueError naming the reason for models it cannot serve."""
-    problem = decode_problem(_config(model)) or windows_refusal(model, "this decode graph (one cache per layer)")
+    problem = (onnx_refusal(model, "decode") or decode_problem(_config(model))
+               or windows_refusal(model, "this decode graph (one cache per layer)"))
     if problem:
         raise ValueError(problem)
     path = Path(path)

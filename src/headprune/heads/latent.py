@@ -86,6 +86,19 @@ def latent_kv_note(model_type: str) -> str:
             "any head (budget=flops or latency price the heads themselves)")
 
 
+def onnx_refusal(model: nn.Module, graph: str) -> str:
+    """Why the ONNX exporter of `graph` ("forward" or "decode") refuses an MLA model, or ''."""
+    from headprune.heads.adapters import get_adapter
+
+    if not is_latent(get_adapter(model)):
+        return ""
+    why = ("the decode graph passes one key and one value cache per KV head, while MLA caches one latent per layer "
+           "that kv_b_proj expands at every step" if graph == "decode" else
+           "torch.onnx does not convert the MLA forward (dense or pruned: translating an aten.unsqueeze of the rotary "
+           "part fails, torch 2.13)")
+    return f"ONNX export ({graph}) of model_type={model.config.model_type!r} refused: {why}; allowed: save_pruned"
+
+
 # DeepSeek-V2 / V3 and the families whose attention is theirs (same projection names and per-head
 # layout). Each passes the coverage check (docs/coverage.md); DeepSeek-V3.2 and GLM-MoE-DSA (a
 # token indexer inside the attention) are refused in adapters.REFUSED.
