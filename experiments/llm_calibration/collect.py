@@ -34,10 +34,10 @@ ELSEWHERE = {"attention_drop_refit_corpus": HERE.parent / "llm_uneven" / "result
 
 
 def copy_runs(runs: Path, out: Path) -> None:
-    """results/<name>.json for every finished run in `runs` (an export written), `wall.json` as `wall`."""
+    """results/<name>.json for every finished run in `runs` (its export evaluated), `wall.json` as `wall`."""
     for run in sorted(p for p in runs.iterdir() if (p / "results.json").is_file()):
         res = json.loads((run / "results.json").read_text())
-        if "export_dir" not in res.get("final", {}) or split(run.name) is None:
+        if "pruned" not in res.get("evaluation", {}) or split(run.name) is None:
             continue
         if (run / "wall.json").is_file():
             res["wall"] = json.loads((run / "wall.json").read_text())
