@@ -144,6 +144,10 @@ def render(directory: Path = HERE) -> dict[str, str]:
     lines += ["", "## Conditions", ""]
     for r in table:
         wall = r["wall"]
+        if not wall:
+            lines.append(f"- {r['arm']}: no wall.json (the run's process was ended by the out-of-memory killer during the "
+                         "export's evaluation; that stage ran in evaluate_export.py, README.md), 1 torch thread")
+            continue
         lines.append(f"- {r['arm']}: wall {wall.get('wall_seconds', '?')} s, {wall.get('threads', '?')} torch thread(s), "
                      f"load average at the end {wall.get('load_average_end', '?')}")
     return {"results.md": "\n".join(lines) + "\n"}
