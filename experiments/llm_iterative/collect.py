@@ -127,6 +127,21 @@ def kl_speed_from_log(text: str) -> dict:
     return {"seconds_per_step": seconds}
 
 
+def last_word(records: dict[str, dict]) -> list[str]:
+    """Last-word accuracy (results/last_word/<model>.json, written by last_word.py) of the dense
+    model and each arm, with its change against dense."""
+    dense = records["dense"]["last_word_local"]
+    lines = ["| model | last word acc (n) | change vs dense | seconds |", "|---|---:|---:|---:|"]
+    for name in ["dense", *ARMS]:
+        if name not in records:
+            continue
+        scores = records[name]["last_word_local"]
+        change = "–" if name == "dense" else f"{100 * (scores['acc'] - dense['acc']):+.2f} points"
+        lines.append(f"| {name} | {scores['acc']:.4f} ± {scores['acc_stderr']:.4f} ({scores['n']}) | {change} | "
+                     f"{records[name]['seconds']:.0f} |")
+    return lines
+
+
 def render(folder: Path = HERE) -> dict[str, str]:
     """{file name: Markdown} of every table the raw files in `folder` give."""
     out = {}
@@ -134,6 +149,9 @@ def render(folder: Path = HERE) -> dict[str, str]:
     if runs:
         out["results.md"] = "\n".join(table(runs)) + "\n"
         out["answers.md"] = "\n".join(answers(runs)) + "\n"
+    words = {p.stem: json.loads(p.read_text()) for p in sorted((folder / "results" / "last_word").glob("*.json"))}
+    if "dense" in words:
+        out["last_word.md"] = "\n".join(last_word(words)) + "\n"
     speed, log = folder / "kl_speed.json", folder / "kl_speed.log"
     if speed.is_file():
         out["kl_speed.md"] = "\n".join(kl_speed(json.loads(speed.read_text()))) + "\n"
