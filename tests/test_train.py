@@ -111,7 +111,7 @@ def test_a_preset_composes_its_base_and_changes_only_what_it_sets(group, option,
     own = set(OmegaConf.load(CONF / group / f"{option}.yaml")) - {"defaults"}
     if group == "experiment":  # groups it overrides in its defaults are its own too (override /recovery: chain)
         own |= {str(k).removeprefix("override /").strip() for d in OmegaConf.load(CONF / group / f"{option}.yaml")
-                .defaults if isinstance(d, dict) for k in d}
+                .defaults if OmegaConf.is_dict(d) for k in d}
     assert set(base) <= set(preset) and {k for k in preset if preset[k] != base.get(k)} <= own, (group, option)
 
 

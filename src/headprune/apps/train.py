@@ -189,7 +189,8 @@ def _run(cfg: DictConfig, output_dir: Path, setup: Setup) -> dict:
     stages = setup.stages
     results.data["stages"] = stages
     # data.calibration=self|mix: the dense model samples its calibration blocks (or the run dir's cache holds them)
-    calibration = self_calibration.prepare(datamodule, module.model, setup.tokenizer, output_dir)
+    calibration = self_calibration.prepare(datamodule, module.model, setup.tokenizer, output_dir,
+                                          rank_zero=run_dir.is_rank_zero())
     if calibration:
         results.data["calibration"] = calibration
         if "generated" in calibration:

@@ -248,15 +248,14 @@ def check_datamodule(datamodule, model: nn.Module, trains: bool) -> None:
         check_model(model, datamodule.calibration, trains, settings.train_samples)
 
 
-def prepare(datamodule, model: nn.Module, tokenizer, run_dir: Path) -> dict | None:
+def prepare(datamodule, model: nn.Module, tokenizer, run_dir: Path, rank_zero: bool = True) -> dict | None:
     """The run's calibration, put into `datamodule` and returned for results.json `calibration`:
     the corpus record, or (self / mix) the sampled blocks put in (`obtain`: the run dir's cache or
-    the dense `model`) with what made them. None for a data module without calibration blocks."""
-    from headprune.apps.run_dir import is_rank_zero
-
+    the dense `model`) with what made them; `rank_zero`: this process samples and writes the cache
+    (the others read it). None for a data module without calibration blocks."""
     if getattr(datamodule, "calibration", "corpus") == "corpus":
         return datamodule.calibration_record() if hasattr(datamodule, "calibration_record") else None
     score, train = datamodule.generated_counts()
     score_blocks, train_blocks, made = obtain(model, tokenizer, datamodule.self_calibration, score, train,
-                                              datamodule.block_size, run_dir, rank_zero=is_rank_zero())
+                                              datamodule.block_size, run_dir, rank_zero=rank_zero)
     return {**datamodule.use_generated(score_blocks, train_blocks), "generated": made}
