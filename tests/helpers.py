@@ -401,3 +401,16 @@ def tiny_llama(tok, prune: dict | None = None, seed: int = 0, **overrides):
             if p.dim() == 2:
                 p.normal_(0, 0.03)
     return prune_heads(model, prune) if prune else model
+
+
+def tiny_llama_folder(folder):
+    """`folder` holding a config-only tiny Llama (2 layers, 4 query / 2 KV heads, hidden 32, 256
+    positions) and the byte tokenizer with BOS (`tiny_tokenizer`): a `model.pretrained` for CLI runs
+    with `model.random_init=true`."""
+    tok = tiny_tokenizer()
+    tok.save_pretrained(folder)
+    tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                   num_hidden_layers=2, intermediate_size=64, max_position_embeddings=256,
+                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                   pad_token_id=tok.pad_token_id).save_pretrained(folder)
+    return folder

@@ -14,7 +14,7 @@ from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import KVLayout, KVWindows
 from headprune.selection.kv_modes import KVModes, attention_mass, measured_rises
-from tests.helpers import compose_train, tiny_tokenizer
+from tests.helpers import compose_train, tiny_llama_folder
 
 SINK, WINDOW = 2, 6
 
@@ -22,14 +22,7 @@ SINK, WINDOW = 2, 6
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     """A config-only tiny Llama (2 layers, 4 query / 2 KV heads) and a byte tokenizer with BOS."""
-    folder = tmp_path_factory.mktemp("tiny_llama_kv")
-    tok = tiny_tokenizer()
-    tok.save_pretrained(folder)
-    tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                   num_hidden_layers=2, intermediate_size=64, max_position_embeddings=256,
-                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                   pad_token_id=tok.pad_token_id).save_pretrained(folder)
-    return folder
+    return tiny_llama_folder(tmp_path_factory.mktemp("tiny_llama_kv"))
 
 
 def _cli(llama_dir, *overrides):

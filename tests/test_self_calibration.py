@@ -11,20 +11,13 @@ import transformers as tf
 from headprune.apps.train import run
 from headprune.data.language_model import TextLMDataModule
 from headprune.data.self_calibration import CACHE, SelfCalibration, sample_blocks, top_p_filter
-from tests.helpers import compose_train, tiny_llama, tiny_tokenizer
+from tests.helpers import compose_train, tiny_llama, tiny_llama_folder, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     """A config-only tiny Llama (2 layers, 4 query / 2 KV heads) and a byte tokenizer with BOS."""
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    tok = tiny_tokenizer()
-    tok.save_pretrained(folder)
-    tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                   num_hidden_layers=2, intermediate_size=64, max_position_embeddings=256,
-                   bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                   pad_token_id=tok.pad_token_id).save_pretrained(folder)
-    return folder
+    return tiny_llama_folder(tmp_path_factory.mktemp("tiny_llama"))
 
 
 def _cli(llama_dir, *overrides):
