@@ -36,7 +36,8 @@ from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import FULL, KERNELS, KV_LAYOUT_ATTR, REMOVED, WINDOW, KVLayout, KVWindows, window_allowed
-from headprune.tasks import evaluate, is_causal_lm, to_device
+from headprune.selection.measured import first_sequences
+from headprune.tasks import evaluate, is_causal_lm
 
 log = logging.getLogger(__name__)
 CHOICES = ("none", "measured", "attention_mass")
@@ -150,15 +151,7 @@ class KVModes:
 
 def calibration_batches(loader, device, samples: int | None, max_batches: int | None) -> list[dict]:
     """The first `samples` calibration sequences of `loader`, on `device`."""
-    batches, taken = [], 0
-    for i, batch in enumerate(loader):
-        if (max_batches is not None and i >= max_batches) or (samples is not None and taken >= samples):
-            break
-        batch = to_device(batch, device)
-        if samples is not None:
-            batch = {k: v[:samples - taken] for k, v in batch.items()}
-        taken += int(batch["input_ids"].shape[0])
-        batches.append(batch)
+    batches = first_sequences(loader, device, samples, max_batches)
     if not batches:
         raise ValueError("kv_modes got no calibration block to measure on (the scoring slice is empty)")
     return batches

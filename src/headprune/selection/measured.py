@@ -42,6 +42,21 @@ from headprune.tasks import forward_logits, is_causal_lm, target_counts, task_of
 TIE = 1e-9  # value per unit kept: breaks the knapsack's ties towards using the budget
 
 
+def first_sequences(loader, device, samples: int | None, max_batches: int | None) -> list[dict]:
+    """The first `samples` sequences of `loader` (None: all; `max_batches` bounds the batches) on
+    `device`, the last batch cut to size; [] when the loader is empty."""
+    batches, taken = [], 0
+    for i, batch in enumerate(loader):
+        if (max_batches is not None and i >= max_batches) or (samples is not None and taken >= samples):
+            break
+        batch = to_device(batch, device)
+        if samples is not None:
+            batch = {k: v[:samples - taken] for k, v in batch.items()}
+        taken += int(next(iter(batch.values())).shape[0])
+        batches.append(batch)
+    return batches
+
+
 @dataclass
 class Probe:
     """The calibration batches a measured allocation reads, and the model's mean loss on them
@@ -61,15 +76,7 @@ class Probe:
     def of(cls, model: nn.Module, mask: HeadMask, loader, samples: int | None = None,
            max_batches: int | None = None) -> "Probe":
         """The first `samples` sequences of `loader` (None: all; `max_batches` bounds the batches)."""
-        device, batches, taken = mask.mask.device, [], 0
-        for i, batch in enumerate(loader):
-            if (max_batches is not None and i >= max_batches) or (samples is not None and taken >= samples):
-                break
-            batch = to_device(batch, device)
-            if samples is not None:
-                batch = {k: v[:samples - taken] for k, v in batch.items()}
-            taken += int(next(iter(batch.values())).shape[0])
-            batches.append(batch)
+        batches = first_sequences(loader, mask.mask.device, samples, max_batches)
         if not batches:
             raise ValueError("layer_policy=measured got no calibration batch to measure on (the scoring slice is empty)")
         return cls(model, mask, batches, [capture(model, b) for b in batches])
