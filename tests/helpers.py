@@ -5,6 +5,7 @@ Test modules import from here, never from one another; conftest.py holds only fi
 environment it sets before torch is imported."""
 import dataclasses
 import functools
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,6 +15,17 @@ import transformers as tf
 from lightning.pytorch.callbacks import Callback
 
 REPO = Path(__file__).resolve().parent.parent
+EXPERIMENTS = REPO / "experiments"
+
+
+def experiment_script(path: str):
+    """experiments/<path>.py imported as a module (the experiments hold scripts, not a package),
+    fresh on each call, so a test's changes to it stay its own."""
+    file = EXPERIMENTS / f"{path}.py"
+    spec = importlib.util.spec_from_file_location("experiments_" + path.replace("/", "_"), file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 # -- the tiny random-init MiniLM (model=tiny_bert) ----------------------------------------------------
 TINY = dict(num_hidden_layers=3, num_attention_heads=4, hidden_size=32, intermediate_size=64)

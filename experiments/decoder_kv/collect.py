@@ -10,18 +10,13 @@ and copies of every results.json / bench.json under results/ (small files; no ch
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 from pathlib import Path
 
-from headprune.apps.collect import to_csv
-from headprune.atomic import write_text_atomic
 from headprune.plots import plt
-
-
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text())
+from headprune.report import column, read_json as _load, text, to_csv, write
+from headprune.report import markdown as markdown_table
 
 
 def finetune_steps(res: dict) -> int:
@@ -79,23 +74,35 @@ def no_finetune_curve(root: Path) -> list[tuple[float, float]]:
     return [(0.0, res["baseline"]["val"]["ppl"])] + [(r["sparsity"], r["val"]["ppl"]) for r in res["rounds"]]
 
 
+COLUMNS = [
+    text("heads pruned", lambda r: f"{100 * r['sparsity']:.0f}% ({r['heads']} kept)", right=True),
+    text("heads per layer", "heads_per_layer"),
+    column("fine-tune steps", "finetune_steps", "d"),
+    column("val ppl right after the last pruning round", "ppl_after_pruning", ".3f"),
+    column("val ppl after fine-tuning", "ppl_finetuned", ".3f"),
+    column("dense, same fine-tuning", "ppl_dense_control", ".3f", missing="-"),
+    column("attention params", "attention_params", ","),
+    column("KV cache (bytes)", "kv_cache_bytes", ","),
+    column("KV x dense", "kv_ratio", ".3f"),
+    column("per-token decode ms", "per_token_ms", ".3f"),
+    column("decode speed-up", "per_token_x", ".2f", unit="x"),
+    column("prefill speed-up", "prefill_x", ".2f", unit="x"),
+    column("attention share of a decode step", "attention_share", ".0f", scale=100, unit="%")]
+CURVE = [column("heads pruned", lambda p: p[0], ".0f", scale=100, unit="%"), column("val ppl", lambda p: p[1], ".3f")]
+
+
 def markdown(rows: list[dict], curve: list[tuple[float, float]]) -> str:
-    lines = ["| heads pruned | heads per layer | fine-tune steps | val ppl right after the last pruning round "
-             "| val ppl after fine-tuning | dense, same fine-tuning | attention params | KV cache (bytes) | KV x dense "
-             "| per-token decode ms | decode speed-up | prefill speed-up | attention share of a decode step |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        control = f"{r['ppl_dense_control']:.3f}" if r["ppl_dense_control"] is not None else "-"
-        lines.append(f"| {100 * r['sparsity']:.0f}% ({r['heads']} kept) | {r['heads_per_layer']} | {r['finetune_steps']} "
-                     f"| {r['ppl_after_pruning']:.3f} | {r['ppl_finetuned']:.3f} | {control} "
-                     f"| {r['attention_params']:,} | {r['kv_cache_bytes']:,} | {r['kv_ratio']:.3f} "
-                     f"| {r['per_token_ms']:.3f} | {r['per_token_x']:.2f}x | {r['prefill_x']:.2f}x "
-                     f"| {100 * r['attention_share']:.0f}% |")
+    lines = markdown_table(COLUMNS, rows)
     if curve:
         lines += ["", "Without any fine-tuning (25% more heads masked per round, re-scored each round):", "",
-                  "| heads pruned | val ppl |", "|---:|---:|"]
-        lines += [f"| {100 * s:.0f}% | {p:.3f} |" for s, p in curve]
+                  *markdown_table(CURVE, curve)]
     return "\n".join(lines) + "\n"
+
+
+def render(folder: Path) -> dict[str, str]:
+    """results.md and decoder_kv.csv from the runs under `folder`/results (run.sh's runs folder layout)."""
+    rows, curve = table_rows(folder / "results"), no_finetune_curve(folder / "results")
+    return {"results.md": markdown(rows, curve), "decoder_kv.csv": to_csv(rows)}
 
 
 def plot(rows: list[dict], curve: list[tuple[float, float]], path: Path) -> None:
@@ -134,13 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("root", type=Path, help="the runs folder of run.sh")
     parser.add_argument("--out", type=Path, required=True, help="folder for results.md, decoder_kv.csv, the plot")
     args = parser.parse_args(argv)
-    rows, curve = table_rows(args.root), no_finetune_curve(args.root)
-    write_text_atomic(args.out / "decoder_kv.csv", to_csv(rows))
-    write_text_atomic(args.out / "results.md", markdown(rows, curve))
-    plot(rows, curve, args.out / "ppl_vs_sparsity.png")
     copy_small_files(args.root, args.out)
-    print((args.out / "results.md").read_text())
-
+    files = render(args.out)
+    write(args.out, files)
+    plot(table_rows(args.out / "results"), no_finetune_curve(args.out / "results"), args.out / "ppl_vs_sparsity.png")
+    print(files["results.md"])
 
 if __name__ == "__main__":
     main()

@@ -15,8 +15,9 @@ import json
 import shutil
 from pathlib import Path
 
-from headprune.apps.collect import to_csv
-from headprune.atomic import write_text_atomic
+from headprune.report import column, read_json, text, to_csv, write
+from headprune.report import markdown as markdown_table
+
 ARMS = ("iterative", "one_shot")
 
 
@@ -53,17 +54,37 @@ def table_rows(results: Path) -> list[dict]:
     return rows
 
 
+def _heads(r: dict) -> str:
+    return f"{r['heads_kept']} ({r['heads_per_layer']})" if r["heads_per_layer"] else str(r["heads_kept"])
+
+
+def _gain(r: dict) -> float | None:
+    return None if r["acc_baseline"] is None else r["acc_final"] - r["acc_baseline"]
+
+
+COLUMNS = [column("target", "target", "g", scale=100, unit="%"), text("arm"), column("epochs", "epochs", "d"),
+           text("heads kept (per layer)", _heads), column("acc after 2 baseline epochs", "acc_baseline", scale=100),
+           column("lowest acc right after a prune", "acc_worst_after_prune", scale=100),
+           column("final acc", "acc_final", scale=100, bold=True), column("final - baseline", _gain, "+.2f", scale=100)]
+
+
 def markdown(rows: list[dict], dense: dict | None) -> str:
-    lines = ["| target | arm | epochs | heads kept (per layer) | acc after 2 baseline epochs | lowest acc right after a prune "
-             "| final acc | final - baseline |", "|---:|---|---:|---|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {100 * r['target']:g}% | {r['arm']} | {r['epochs']} | {r['heads_kept']} ({r['heads_per_layer']}) | "
-                     f"{100 * r['acc_baseline']:.2f} | {100 * r['acc_worst_after_prune']:.2f} | "
-                     f"**{100 * r['acc_final']:.2f}** | {100 * (r['acc_final'] - r['acc_baseline']):+.2f} |")
     if dense is not None:  # trained as long as the 50% arms, never pruned
-        lines.append(f"| 0% | dense control | {_epochs(dense)} | 72 | – | – | "
-                     f"**{100 * dense['final']['val']['acc']:.2f}** | – |")
-    return "\n".join(lines) + "\n"
+        rows = rows + [{"target": 0, "arm": "dense control", "epochs": _epochs(dense), "heads_kept": 72,
+                        "heads_per_layer": "", "acc_baseline": None, "acc_worst_after_prune": None,
+                        "acc_final": dense["final"]["val"]["acc"]}]
+    return "\n".join(markdown_table(COLUMNS, rows)) + "\n"
+
+
+def render(folder: Path) -> dict[str, str]:
+    """results.md and iterative_vs_one_shot.csv from `folder`/results/*.json."""
+    rows = table_rows(folder / "results")
+    return {"results.md": markdown(rows, _dense(folder)), "iterative_vs_one_shot.csv": to_csv(rows)}
+
+
+def _dense(folder: Path) -> dict | None:
+    path = folder / "results" / "dense_7_epochs.json"
+    return read_json(path) if path.is_file() else None
 
 
 def plot(rows: list[dict], dense: dict | None, path: Path) -> None:
@@ -97,15 +118,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.gather:
         gather(args.gather, args.out)
-    rows = table_rows(args.out / "results")
-    dense_path = args.out / "results" / "dense_7_epochs.json"
-    dense = json.loads(dense_path.read_text()) if dense_path.is_file() else None
-    text = markdown(rows, dense)
-    write_text_atomic(args.out / "results.md", text)
-    write_text_atomic(args.out / "iterative_vs_one_shot.csv", to_csv(rows))
-    plot(rows, dense, args.out / "acc_vs_sparsity.png")
-    print(text)
-
+    files = render(args.out)
+    write(args.out, files)
+    plot(table_rows(args.out / "results"), _dense(args.out), args.out / "acc_vs_sparsity.png")
+    print(files["results.md"])
 
 if __name__ == "__main__":
     main()

@@ -19,99 +19,90 @@ import shutil
 import statistics
 from pathlib import Path
 
+from headprune.report import DASH, Column, change, column, dense_evaluation, gather, load_results, markdown, text, write
+
 HERE = Path(__file__).resolve().parent
 ARMS = [f"{alloc}_{schedule}" for alloc in ("attention_drop", "uniform") for schedule in ("one_shot", "iterative")]
 
 
 def copy_runs(runs: Path, results: Path) -> list[str]:
     """Copy each finished arm's results.json (its export written) into `results`, with wall.json."""
-    results.mkdir(parents=True, exist_ok=True)
-    copied = []
-    for arm in ARMS:
-        source = runs / arm / "results.json"
-        if not source.is_file():
-            continue
-        data = json.loads(source.read_text())
-        if "export_dir" not in data.get("final", {}):
-            continue
-        wall = runs / arm / "wall.json"
-        if wall.is_file():
-            data["wall"] = json.loads(wall.read_text())
-        (results / f"{arm}.json").write_text(json.dumps(data, indent=1) + "\n")
-        copied.append(arm)
-    return copied
+    return gather(runs, results, lambda data: "export_dir" in data.get("final", {}), ARMS)
 
 
 def load(results: Path) -> dict[str, dict]:
-    return {arm: json.loads((results / f"{arm}.json").read_text()) for arm in ARMS
-            if (results / f"{arm}.json").is_file()}
-
-
-def dense_evaluation(runs: dict[str, dict]) -> dict:
-    """The dense model's evaluation block (from the arm that evaluated it), refused when none did."""
-    for data in runs.values():
-        dense = data.get("evaluation", {}).get("dense")
-        if dense:
-            return dense
-    raise ValueError("no run holds evaluation.dense: run one arm with evaluation.dense=true")
+    return load_results(results, ARMS)
 
 
 def _ppl(block: dict, corpus: str, seq: str) -> float:
     return (block["perplexity"] if corpus == "tinyshakespeare" else block["perplexity_other"][corpus])[seq]["ppl"]
 
 
-def _change(value: float, dense: float) -> str:
-    return f"{value:.2f} ({100 * (value / dense - 1):+.1f}%)"
+CELLS = {("tinyshakespeare", "seq2048"): "Tiny Shakespeare, seq 2048", ("sst2", "seq2048"): "SST-2, seq 2048",
+         ("tinyshakespeare", "seq128"): "Tiny Shakespeare, seq 128", ("sst2", "seq128"): "SST-2, seq 128"}
+
+
+def _perplexity(corpus: str, seq: str):
+    """A perplexity cell: the value, and for an arm its change against the dense model of the same runs."""
+    def cell(r: dict) -> str:
+        value, dense = r["ppl"][corpus, seq], r["dense_ppl"][corpus, seq]
+        return f"{value:.2f}" if r["arm"] == "dense" else f"{value:.2f} ({change(value, dense)})"
+    return Column(CELLS[corpus, seq], cell)
+
+
+COLUMNS = [text("arm"), text("KV kept after each round", lambda r: ", ".join(f"{k:.2f}" for k in r["kept"])),
+           text("KL steps (tokens)", lambda r: DASH if r["steps"] is None else f"{r['steps']} ({r['tokens']:,})", right=True),
+           *(_perplexity(*cell) for cell in CELLS), column("train + prune s", "train_and_prune", ".0f"),
+           text("wall s", lambda r: DASH if r["wall"] is None else r["wall"], right=True)]
+
+
+def rows(runs: dict[str, dict]) -> list[dict]:
+    """The dense model (from the arm that evaluated it), then one row per arm."""
+    dense = {cell: _ppl(dense_evaluation(runs), *cell) for cell in CELLS}
+    out = [{"arm": "dense", "kept": [1.0], "steps": None, "tokens": None, "ppl": dense, "dense_ppl": dense,
+            "train_and_prune": None, "wall": None}]
+    for arm, data in runs.items():
+        rounds = data["rounds"]
+        out.append({"arm": arm, "kept": [r["budget"]["predicted_share"] for r in rounds],
+                    "steps": sum(r["distill"]["steps"] for r in rounds),
+                    "tokens": sum(r["distill"]["tokens"] for r in rounds),
+                    "ppl": {cell: _ppl(data["evaluation"]["pruned"], *cell) for cell in CELLS}, "dense_ppl": dense,
+                    "train_and_prune": data["stages"]["train_and_prune"],
+                    "wall": data.get("wall", {}).get("wall_seconds")})
+    return out
 
 
 def table(runs: dict[str, dict]) -> list[str]:
     """One row per arm; perplexities with their change against the dense model of the same runs."""
-    dense = dense_evaluation(runs)
-    cells = [("tinyshakespeare", "seq2048"), ("sst2", "seq2048"), ("tinyshakespeare", "seq128"), ("sst2", "seq128")]
-    lines = ["| arm | KV kept after each round | KL steps (tokens) | Tiny Shakespeare, seq 2048 | SST-2, seq 2048 | "
-             "Tiny Shakespeare, seq 128 | SST-2, seq 128 | train + prune s | wall s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-             "| dense | 1.00 | – | " + " | ".join(f"{_ppl(dense, c, s):.2f}" for c, s in cells) + " | – | – |"]
-    for arm, data in runs.items():
-        rounds = data["rounds"]
-        kept = ", ".join(f"{r['budget']['predicted_share']:.2f}" for r in rounds)
-        steps = sum(r["distill"]["steps"] for r in rounds)
-        tokens = sum(r["distill"]["tokens"] for r in rounds)
-        pruned = data["evaluation"]["pruned"]
-        ppl = " | ".join(_change(_ppl(pruned, c, s), _ppl(dense, c, s)) for c, s in cells)
-        wall = data.get("wall", {}).get("wall_seconds", "–")
-        lines.append(f"| {arm} | {kept} | {steps} ({tokens:,}) | {ppl} | {data['stages']['train_and_prune']:.0f} | "
-                     f"{wall} |")
-    return lines
+    return markdown(COLUMNS, rows(runs))
+
+
+def _answer(answer: str) -> str:
+    return answer.replace("|", "\\|").replace("\n", " ") or "(empty)"
 
 
 def answers(runs: dict[str, dict]) -> list[str]:
     """Per prompt, the dense model's greedy answer and each arm's (every arm asked the same prompts)."""
     dense = dense_evaluation(runs).get("generation") or []
     prompts = [item["prompt"] for item in dense]
-    lines = ["| prompt | dense | " + " | ".join(runs) + " |", "|---|---|" + "---|" * len(runs)]
-    columns = []
+    answered = {"dense": [item["answer"] for item in dense]}
     for arm, data in runs.items():
         generated = data["evaluation"]["pruned"].get("generation") or []
         if [item["prompt"] for item in generated] != prompts:
             raise ValueError(f"{arm} was asked other prompts than the dense model")
-        columns.append([item["answer"] for item in generated])
-    for i, prompt in enumerate(prompts):
-        cells = [dense[i]["answer"], *(column[i] for column in columns)]
-        lines.append(f"| {prompt} | " + " | ".join(c.replace("|", "\\|").replace("\n", " ") or "(empty)"
-                                                   for c in cells) + " |")
-    return lines
+        answered[arm] = [item["answer"] for item in generated]
+    columns = [text("prompt", lambda i: prompts[i])]
+    columns += [text(name, lambda i, name=name: _answer(answered[name][i])) for name in answered]
+    return markdown(columns, range(len(prompts)))
 
 
 def kl_speed(raw: dict) -> list[str]:
     """Median seconds per KL step of each variant and its speed over the pre-issue-38 loop."""
-    seconds = raw["seconds_per_step"]
-    base = statistics.median(seconds["loop_fp32_live"])
-    lines = ["| variant | s / step (median of rounds) | KL steps / s vs the old loop |", "|---|---:|---:|"]
-    for name, values in seconds.items():
-        median = statistics.median(values)
-        lines.append(f"| {name} | {median:.2f} | {base / median:.2f}x |")
-    return lines
+    medians = {name: statistics.median(values) for name, values in raw["seconds_per_step"].items()}
+    base = medians["loop_fp32_live"]
+    return markdown([text("variant"), column("s / step (median of rounds)", "median"),
+                     column("KL steps / s vs the old loop", lambda r: base / r["median"], unit="x")],
+                    [{"variant": name, "median": median} for name, median in medians.items()])
 
 
 def kl_speed_from_log(text: str) -> dict:
@@ -131,15 +122,14 @@ def last_word(records: dict[str, dict]) -> list[str]:
     """Last-word accuracy (results/last_word/<model>.json, written by last_word.py) of the dense
     model and each arm, with its change against dense."""
     dense = records["dense"]["last_word_local"]
-    lines = ["| model | last word acc (n) | change vs dense | seconds |", "|---|---:|---:|---:|"]
-    for name in ["dense", *ARMS]:
-        if name not in records:
-            continue
-        scores = records[name]["last_word_local"]
-        change = "–" if name == "dense" else f"{100 * (scores['acc'] - dense['acc']):+.2f} points"
-        lines.append(f"| {name} | {scores['acc']:.4f} ± {scores['acc_stderr']:.4f} ({scores['n']}) | {change} | "
-                     f"{records[name]['seconds']:.0f} |")
-    return lines
+
+    def points(r: dict) -> str:
+        return DASH if r["name"] == "dense" else f"{100 * (r['acc'] - dense['acc']):+.2f} points"
+    rows = [{"name": name, "seconds": records[name]["seconds"], **records[name]["last_word_local"]}
+            for name in ["dense", *ARMS] if name in records]
+    return markdown([text("model", "name"), text("last word acc (n)", lambda r: f"{r['acc']:.4f} ± {r['acc_stderr']:.4f} "
+                                                  f"({r['n']})", right=True),
+                     text("change vs dense", points, right=True), column("seconds", "seconds", ".0f")], rows)
 
 
 def render(folder: Path = HERE) -> dict[str, str]:
@@ -169,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         print("copied:", ", ".join(copy_runs(args.runs, args.out / "results")) or "nothing")
         if args.out != HERE and (HERE / "kl_speed.json").is_file() and not (args.out / "kl_speed.json").exists():
             shutil.copy(HERE / "kl_speed.json", args.out / "kl_speed.json")
-    for name, text in render(args.out).items():
-        (args.out / name).write_text(text)
+    files = render(args.out)
+    write(args.out, files)
+    for name in files:
         print(f"wrote {args.out / name}")
     return 0
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
-from headprune.apps.collect import curve_table, plot, to_csv
-from headprune.atomic import write_json_atomic, write_text_atomic
+from headprune.apps.collect import curve_table, plot
+from headprune.atomic import write_json_atomic
+from headprune.report import column, spread, text, to_csv, write
+from headprune.report import markdown as markdown_table
 
 ARMS = {"one_shot_short": "(a) one-shot, then 1 epoch", "one_shot_long": "(b) one-shot, then 1 epoch per round",
         "iterative": "(c) iterative, 1 epoch per round", "distill": "(d) iterative + distillation",
@@ -82,30 +83,36 @@ def run_rows(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def _spread(values: list[float], scale: float = 100.0, digits: int = 2) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "–"
-    mean = f"{scale * statistics.fmean(values):.{digits}f}"
-    return mean if len(values) == 1 else f"{mean} ± {scale * statistics.stdev(values):.{digits}f}"
+def _wall(group: list[dict]) -> str:
+    walls = [r["wall_seconds"] / 60 if r["wall_seconds"] else None for r in group]
+    return spread(walls, digits=1) if any(walls) else "– (reused)"
+
+
+COLUMNS = [column("target", lambda g: g[0]["target"], "g", scale=100, unit="%"),
+           text("arm", lambda g: ARMS[g[0]["arm"]]), text("seeds", lambda g: ",".join(str(r["seed"]) for r in g), right=True),
+           text("epochs", lambda g: g[0]["epochs"], right=True),
+           text("acc after the 2 baseline epochs",
+                lambda g: "–" if g[0]["arm"] == "dense" else spread([r["acc_baseline"] for r in g], scale=100), right=True),
+           text("lowest acc right after a prune", lambda g: spread([r["acc_lowest_after_prune"] for r in g], scale=100),
+                right=True),
+           text("final acc", lambda g: f"**{spread([r['acc_final'] for r in g], scale=100)}**", right=True),
+           text("wall min", _wall, right=True)]
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| target | arm | seeds | epochs | acc after the 2 baseline epochs | lowest acc right after a prune "
-             "| final acc | wall min |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for target in sorted({r["target"] for r in rows}):
-        for arm, name in ARMS.items():
-            group = [r for r in rows if r["target"] == target and r["arm"] == arm]
-            if not group:
-                continue
-            walls = [r["wall_seconds"] / 60 if r["wall_seconds"] else None for r in group]
-            wall = _spread(walls, scale=1.0, digits=1) if any(walls) else "– (reused)"
-            baseline = "–" if arm == "dense" else _spread([r["acc_baseline"] for r in group])
-            lines.append(f"| {100 * target:g}% | {name} | {','.join(str(r['seed']) for r in group)} "
-                         f"| {group[0]['epochs']} | {baseline} "
-                         f"| {_spread([r['acc_lowest_after_prune'] for r in group])} "
-                         f"| **{_spread([r['acc_final'] for r in group])}** | {wall} |")
-    return "\n".join(lines) + "\n"
+    """One line per target and arm (in ARMS' order): each figure's mean ± sample std over the seeds."""
+    groups = [[r for r in rows if r["target"] == target and r["arm"] == arm]
+              for target in sorted({r["target"] for r in rows}) for arm in ARMS]
+    return "\n".join(markdown_table(COLUMNS, [g for g in groups if g])) + "\n"
+
+
+def render(folder: Path) -> dict[str, str]:
+    """results.md, recovery.csv and curves.md from `folder`/results/*.json."""
+    runs = load(folder / "results")
+    rows = run_rows(runs)
+    pruned = [r for r in runs if r["arm"] != "dense"]
+    return {"recovery.csv": to_csv(rows), "results.md": markdown(rows),
+            "curves.md": curve_table(pruned, ["arm", "target"], mean_over=["seed"])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,15 +123,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.runs is not None:
         gather(args.runs, args.reuse, args.out)
-    runs = load(args.out / "results")
-    rows = run_rows(runs)
-    write_text_atomic(args.out / "recovery.csv", to_csv(rows))
-    write_text_atomic(args.out / "results.md", markdown(rows))
-    pruned = [r for r in runs if r["arm"] != "dense"]
-    write_text_atomic(args.out / "curves.md", curve_table(pruned, ["arm", "target"], mean_over=["seed"]))
+    files = render(args.out)
+    write(args.out, files)
+    pruned = [r for r in load(args.out / "results") if r["arm"] != "dense"]
     plot(pruned, args.out / "acc_vs_sparsity.png", ["arm", "target"], mean_over=["seed"])
-    print((args.out / "results.md").read_text())
-
+    print(files["results.md"])
 
 if __name__ == "__main__":
     main()

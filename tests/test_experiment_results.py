@@ -1,0 +1,31 @@
+"""The committed experiment tables are what each experiment's collect.py renders of its committed raw
+files (`render(folder) -> {file: text}`, built with headprune.report), byte for byte, so a table
+cannot drift from the runs behind it; and the READMEs and the site quote those tables as rendered.
+One parametrized test per experiment; headprune.report itself is tested on synthetic runs
+(tests/test_report.py), each script's own arithmetic in tests/test_experiment_tables.py."""
+import pytest
+
+from headprune.report import stale
+from tests.helpers import EXPERIMENTS, REPO, experiment_script
+
+# experiment -> the files its collect.py renders
+RENDERED = {
+    "decoder_kv": {"results.md", "decoder_kv.csv"},
+    "iterative_vs_one_shot": {"results.md", "iterative_vs_one_shot.csv"},
+    "recovery": {"results.md", "recovery.csv", "curves.md"},
+    "llm_iterative": {"results.md", "answers.md", "last_word.md", "kl_speed.md"},
+}
+# experiment -> {page that quotes tables (relative to the repo): the rendered files it quotes}
+QUOTED = {
+    "recovery": {"experiments/recovery/README.md": ["results.md"]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RENDERED))
+def test_committed_tables_are_what_collect_renders_of_the_raw_files(name):
+    files = experiment_script(f"{name}/collect").render(EXPERIMENTS / name)
+    assert set(files) == RENDERED[name]
+    assert stale(EXPERIMENTS / name, files) == [], f"run python experiments/{name}/collect.py"
+    for page, quoted in QUOTED.get(name, {}).items():
+        for file in quoted:
+            assert files[file] in (REPO / page).read_text(), (page, file)
