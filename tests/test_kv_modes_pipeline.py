@@ -160,3 +160,25 @@ def test_the_experiment_preset_composes():
     assert (cfg.budget.target, cfg.budget.seq, cfg.data.block_size) == (0.34, 4096, 4096)
     assert cfg.recovery._target_.endswith("NoRecovery") and cfg.evaluation.passkey_lengths == [4096]
     KVModes(**{k: v for k, v in cfg.kv_modes.items() if k != "_target_"})
+
+
+@pytest.mark.parametrize("choice,metric", [("measured", "magnitude"), ("attention_mass", "fisher")])
+def test_removal_last_removes_nothing_while_every_unit_windowed_fits(choice, metric, tmp_path, llama_dir, data_dir):
+    """kv_modes.removal=last: with every unit windowed within the budget (here 8 / 32 of a full unit's
+    bytes, budget 0.26) the layout removes no unit and still fits; removal=any removes some on the
+    same values (so the restriction is what keeps them)."""
+    removed = {}
+    for removal in ("any", "last"):
+        out = tmp_path / removal
+        run(compose_train(out, data_dir, *_cli(llama_dir, f"kv_modes={choice}", f"kv_modes.removal={removal}",
+                                               "budget.target=0.26", f"metric={metric}")))
+        final = json.loads((out / "results.json").read_text())["final"]
+        removed[removal] = sum(layer.count("removed") for layer in final["kv_layout"]["modes"])
+        assert final["cost_share"] <= 0.26 + 1e-9
+    assert removed["last"] == 0 and removed["any"] > 0, removed
+
+
+def test_removal_last_is_refused_without_kv_modes(tmp_path, llama_dir, data_dir):
+    with pytest.raises(ValueError, match=r"kv_modes.removal=last .* allowed: kv_modes.removal=any with kv_modes=none"):
+        run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "kv_modes=none", "kv_modes.removal=last")))
+    assert not (tmp_path / "results.json").exists()

@@ -18,8 +18,14 @@ What a unit is worth, two ways:
   scores, shifted to be non-negative, as the cost budgets rank units).
 
 The layer policy's caps bound the removed units per layer (windows are not removal); its
-`unit_scores` are what `attention_mass` reads. A run with kv modes is one round without
-training and without a repair (refused otherwise, before any work: `check`).
+`unit_scores` are what `attention_mass` reads. `removal=last` removes no unit when every unit
+windowed fits the budget (the knapsack then chooses only between full and windowed): the two
+values above come from different scales (a metric's unit score, a share of attention) or from
+single-unit probes that do not add up, and removing a unit the scale calls cheap can cost far more
+than windowing it (experiments/llm_kv_modes); with `any` the knapsack weighs all three.
+
+A run with kv modes is one round without training and without a repair (refused otherwise,
+before any work: `check`).
 """
 from __future__ import annotations
 
@@ -41,23 +47,33 @@ from headprune.tasks import evaluate, is_causal_lm
 
 log = logging.getLogger(__name__)
 CHOICES = ("none", "measured", "attention_mass")
+REMOVALS = ("any", "last")
 
 
 @dataclass
 class KVModes:
     """`kv_modes:` settings. `choice`: none (removal only, the budget's own allocation), measured
     or attention_mass (module docstring); `sink` + `window`: what a windowed unit keeps;
-    `samples`: calibration blocks measured on (null: every one)."""
+    `samples`: calibration blocks measured on (null: every one); `removal`: any (the knapsack
+    weighs removal like the other two) or last (no unit removed while every unit windowed fits the
+    budget)."""
 
     choice: str = "none"
     sink: int = 64
     window: int = 448
     samples: Optional[int] = 1
+    removal: str = "any"
 
     def __post_init__(self) -> None:
         if self.choice not in CHOICES:
             raise ValueError(f"kv_modes.choice={self.choice!r} is not allowed; allowed: {', '.join(CHOICES)}")
         KVLayout((), self.sink, self.window)  # the sizes' own checks
+        if self.removal not in REMOVALS:
+            raise ValueError(f"kv_modes.removal={self.removal!r} is not allowed; allowed: any (the knapsack weighs "
+                             "removal with full and windowed), last (no unit removed while every unit windowed fits)")
+        if self.removal != "any" and not self.active:
+            raise ValueError(f"kv_modes.removal={self.removal} chooses between windows and removal, which "
+                             "kv_modes=none does not do; allowed: kv_modes.removal=any with kv_modes=none")
         if self.samples is not None and (isinstance(self.samples, bool) or self.samples < 1):
             raise ValueError(f"kv_modes.samples={self.samples!r} must be an integer >= 1 or null (every calibration "
                              "block)")
@@ -67,7 +83,8 @@ class KVModes:
         return self.choice != "none"
 
     def record(self) -> dict:
-        return {"choice": self.choice, "sink": self.sink, "window": self.window, "samples": self.samples}
+        return {"choice": self.choice, "sink": self.sink, "window": self.window, "samples": self.samples,
+                "removal": self.removal}
 
     def check(self, schedule, layer_policy, recovery, budget, *, block_size: int | None, rearrange: bool,
               world_size: int = 1, resuming: bool = False) -> None:
@@ -142,7 +159,11 @@ class KVModes:
         caps = layer_policy.caps(mask.alive())
         choices = [sorted(k for k in costs.cost[l] if len(units) - sum(k) <= caps[l] // group)
                    for l in range(len(costs.cost))]
+        windows_fit = all_windowed_fits(costs, len(units), share)
+        if self.removal == "last" and windows_fit:
+            choices = [[k for k in ks if sum(k) == len(units)] for ks in choices]
         layout, report = allocate_modes(full, windowed, costs, share, self.sink, self.window, choices=choices)
+        report["all_windowed_fits"] = windows_fit
         report["kv_modes"] = {**self.record(), "tokens": sum(int(b["input_ids"].numel()) for b in batches),
                               "seq": int(batches[0]["input_ids"].shape[1]), "full_value": full,
                               "window_value": windowed, **measured, "seconds": round(time.perf_counter() - start, 3)}
@@ -155,6 +176,13 @@ def calibration_batches(loader, device, samples: int | None, max_batches: int | 
     if not batches:
         raise ValueError("kv_modes got no calibration block to measure on (the scoring slice is empty)")
     return batches
+
+
+def all_windowed_fits(costs: LayerCosts, n_units: int, share: float) -> bool:
+    """Whether every unit of every layer windowed costs at most `share` of the dense cost."""
+    from headprune.selection.budgets import cost_limit
+
+    return sum(layer[(0, n_units)] for layer in costs.cost) <= cost_limit(costs, share)
 
 
 def unit_values(scores: torch.Tensor, units: list[list[int]]) -> list[list[float]]:
