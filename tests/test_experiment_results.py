@@ -14,6 +14,7 @@ RENDERED = {
     "iterative_vs_one_shot": {"results.md", "iterative_vs_one_shot.csv"},
     "recovery": {"results.md", "recovery.csv", "curves.md"},
     "llm_iterative": {"results.md", "answers.md", "last_word.md", "kl_speed.md"},
+    "llm_kv_modes": {"results.md"},
 }
 # experiment -> {page that quotes tables (relative to the repo): the rendered files it quotes}
 QUOTED = {
