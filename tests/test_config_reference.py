@@ -41,7 +41,12 @@ def test_every_option_file_has_a_section_and_the_defaults_are_marked(rendered):
     for path in conf.rglob("*.yaml"):
         if path.parent != conf:
             group = path.parent.relative_to(conf).as_posix()
-            assert f"### `{group}={path.stem}`" in rendered, (group, path.stem)
+            top = group.split("/")[0]
+            if top in config_reference.GLOBAL_GROUPS:  # an experiment's arm: experiment=llm_kv/fisher
+                group, option = top, path.relative_to(conf / top).with_suffix("").as_posix()
+            else:
+                option = path.stem
+            assert f"### `{group}={option}`" in rendered, (group, option)
     listed = OmegaConf.to_container(OmegaConf.load(conf / "train.yaml").defaults)
     defaults = {k.removeprefix("override "): v for e in listed if isinstance(e, dict) for k, v in e.items() if v}
     marked = dict(re.findall(r"^### `([\w/]+)=(\w+)` \(default\)$", rendered, re.M))

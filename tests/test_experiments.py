@@ -313,3 +313,14 @@ def test_llm_uneven_gguf_rows():
            "| 40.00 |" in lines
     assert "| attention drop (He et al. 2024) | bias compensation | refused: layer 4 keeps no heads but ... |" in "\n".join(lines)
     assert collect.gguf_table({"models": {}}, group) == []
+
+
+def test_llm_kv_arms_are_configs_and_collect_names_each():
+    """experiments/llm_kv's arms are conf/experiment/llm_kv/<arm>.yaml (run.sh lists that folder);
+    collect.py names each (random_s0..2 as the random arm's seeds), and each composes as
+    experiment=llm_kv/<arm> (tests/test_train.py composes every config)."""
+    collect = experiment_script("llm_kv/collect")
+    arms = {p.stem for p in (REPO / "conf" / "experiment" / "llm_kv").glob("*.yaml")}
+    assert {collect.split_name(f"{arm}_kv67")[0] for arm in arms} == set(collect.ARMS)
+    run_sh = (EXP / "llm_kv" / "run.sh").read_text()
+    assert "conf/experiment/llm_kv" in run_sh and "experiment=llm_kv/$arm" in run_sh and "ARM[" not in run_sh

@@ -39,14 +39,17 @@ TYPED = {"schedule": SCHEDULES, "layer_policy": LAYER_POLICIES, "recovery": RECO
 
 
 def _options(group):
+    if group == "experiment":  # with the experiments' arms: conf/experiment/llm_kv/fisher.yaml is llm_kv/fisher
+        return sorted(p.relative_to(CONF / group).with_suffix("").as_posix() for p in (CONF / group).rglob("*.yaml"))
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
 def _base(group, option):
     """The option another option presets (its `defaults` name a sibling file, as budget/kv67 names
-    kv), else None."""
+    kv, or an option of its group by path, as experiment/llm_kv/fisher names /experiment/llm_kv), else None."""
     defaults = OmegaConf.load(CONF / group / f"{option}.yaml").get("defaults") or []
-    siblings = [d for d in defaults if isinstance(d, str) and (CONF / group / f"{d}.yaml").is_file()]
+    names = [d.removeprefix(f"/{group}/") for d in defaults if isinstance(d, str)]
+    siblings = [d for d in names if (CONF / group / f"{d}.yaml").is_file()]
     return siblings[0] if siblings else None
 
 
@@ -99,12 +102,26 @@ def test_every_config_composes(group, option, composed):
 PRESETS = [(g, o) for g in GROUPS for o in _options(g) if _base(g, o) is not None]
 
 
+@pytest.fixture(scope="module")
+def composed_alone(tmp_path_factory, data_dir):
+    """composed_alone("group=option"): the train config with that one override, composed once for
+    this module (a base, experiment=llm_kv, serves each of its 19 arms)."""
+    cache, out = {}, tmp_path_factory.mktemp("presets")
+
+    def get(override):
+        if override not in cache:
+            cache[override] = compose_train(out, data_dir, override)
+        return cache[override]
+    return get
+
+
 @pytest.mark.parametrize("group,option", PRESETS)
-def test_a_preset_composes_its_base_and_changes_only_what_it_sets(group, option, cfg_factory):
-    """A preset (budget=kv67: budget=kv at target 0.67) is its base option with its own keys set,
-    so a change to the base reaches it: no copy of the base's other settings to drift."""
+def test_a_preset_composes_its_base_and_changes_only_what_it_sets(group, option, composed_alone):
+    """A preset (budget=kv67: budget=kv at target 0.67; an experiment's arm, experiment=llm_kv/fisher:
+    experiment=llm_kv with its metric and recovery) is its base option with its own keys set, so a
+    change to the base reaches it: no copy of the base's other settings to drift."""
     def composed(o):  # an experiment is a global package: the whole config (its own keys are top-level)
-        cfg = OmegaConf.to_container(cfg_factory(f"{group}={o}"), resolve=False)
+        cfg = OmegaConf.to_container(composed_alone(f"{group}={o}"), resolve=False)
         return cfg if group == "experiment" else cfg[group]
 
     preset, base = composed(option), composed(_base(group, option))

@@ -39,12 +39,20 @@ KEY = re.compile(r"^(\s*)([A-Za-z_][\w]*)\s*:(.*)$")
 
 # -- reading conf/ ------------------------------------------------------------------------------
 def groups(conf: Path) -> dict[str, list[str]]:
-    """{group (`hydra/sweeper` for nested ones): its option names}, from the yaml files."""
+    """{group (`hydra/sweeper` for nested ones): its option names}, from the yaml files. A folder
+    inside a global group holds an option's variants (an experiment's arms, conf/experiment/llm_kv/
+    fisher.yaml): options of that group, named by their path (`experiment=llm_kv/fisher`)."""
     found: dict[str, list[str]] = {}
     for path in sorted(conf.rglob("*.yaml")):
-        if path.parent != conf:
-            found.setdefault(path.parent.relative_to(conf).as_posix(), []).append(path.stem)
-    return found
+        if path.parent == conf:
+            continue
+        group = path.parent.relative_to(conf).as_posix()
+        top = group.split("/")[0]
+        if top in GLOBAL_GROUPS:
+            found.setdefault(top, []).append(path.relative_to(conf / top).with_suffix("").as_posix())
+        else:
+            found.setdefault(group, []).append(path.stem)
+    return {group: sorted(names) for group, names in found.items()}  # an option before its arms
 
 
 def default_options(conf: Path) -> dict[str, str]:
