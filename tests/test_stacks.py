@@ -1,6 +1,7 @@
 """Models with several attention stacks (heads/stacks.py): Whisper (encoder self-attention, decoder
-self- and cross-attention) and T5 (the same three, plus a per-head relative position bias the first
-layer of each stack computes for every layer). Heads are named {"encoder": {layer: heads},
+self- and cross-attention), T5 (the same three, plus a per-head relative position bias the first
+layer of each stack computes for every layer) and UMT5 (a position bias of its own in every
+self-attention layer). Heads are named {"encoder": {layer: heads},
 "decoder": ..., "cross": ...}; masks, scores and layouts have one row per site in that order. Each
 family: removal equals masking (eager and sdpa; uneven heads, a layer left without heads in every
 stack), generate() with the KV cache equals the masked model's and the uncached one's, save_pruned /
@@ -50,7 +51,22 @@ def tiny_t5(attn: str = "eager", seed: int = 0):
     return model
 
 
-BUILD = {"whisper": tiny_whisper, "t5": tiny_t5}
+def tiny_umt5(attn: str = "eager", seed: int = 0):
+    torch.manual_seed(seed)
+    config = tf.UMT5Config(vocab_size=64, d_model=D_MODEL, d_kv=8, d_ff=32, num_layers=LAYERS,
+                           num_decoder_layers=LAYERS, num_heads=HEADS, decoder_start_token_id=0, pad_token_id=0,
+                           eos_token_id=1, relative_attention_num_buckets=8, initializer_factor=2.0,
+                           tie_word_embeddings=False)
+    model = tf.UMT5ForConditionalGeneration._from_config(config, attn_implementation=attn).eval()
+    with torch.no_grad():  # position biases that decide where heads look; logits of ~10 (as tiny_t5)
+        for stack in (model.encoder, model.decoder):
+            for block in stack.block:
+                block.layer[0].SelfAttention.relative_attention_bias.weight.mul_(3.0)
+        model.lm_head.weight.mul_(0.1)
+    return model
+
+
+BUILD = {"whisper": tiny_whisper, "t5": tiny_t5, "umt5": tiny_umt5}
 
 
 def batch_for(family: str, seed: int = 0) -> dict:
@@ -137,7 +153,7 @@ def test_removal_equals_masking(family, attn):
     assert [a.get_submodule(q).weight.shape[0] for a in attns] == [0, 16, 24, 0, 24, 16, 0, 16, 24]
     kept = 9 * HEADS - sum(len(h) for stack in SPEC.values() for h in stack.values())
     assert count_params(dense)["attention"] - count_params(model)["attention"] == \
-        (9 * HEADS - kept) * 8 * 4 * D_MODEL + (0 if family == "t5" else (9 * HEADS - kept) * 8 * 2)  # q, v biases
+        (9 * HEADS - kept) * 8 * 4 * D_MODEL + (0 if "t5" in family else (9 * HEADS - kept) * 8 * 2)  # q, v biases
 
 
 def test_t5_position_bias_columns_go_with_the_stack_heads():
@@ -170,6 +186,35 @@ def test_t5_position_bias_columns_go_with_the_stack_heads():
     mask.prune({"encoder": {2: [0]}})
     assert mask.heads_per_layer() == [0, 2, 2, 0, 3, 2, 0, 2, 3]
     batch = batch_for("t5")
+    torch.testing.assert_close(logits(model, batch), logits(reference, batch), atol=1e-5, rtol=0)
+
+
+def test_umt5_position_bias_columns_go_with_each_layers_heads():
+    """UMT5's self-attention layers each own an Embedding(num_buckets, heads): a layer keeps its kept
+    heads' columns (cross-attention has none); a second request slices by position, not by id."""
+    from headprune.heads.surgery import Sliced
+
+    dense = tiny_umt5()
+    sliced: list[Sliced] = []
+    model = prune_heads(copy.deepcopy(dense), SPEC, sliced=sliced)
+    for stack in ("encoder", "decoder"):
+        for layer, gone in SPEC[stack].items():
+            kept = [h for h in range(HEADS) if h not in gone]
+            new = getattr(model, stack).block[layer].layer[0].SelfAttention.relative_attention_bias
+            old = getattr(dense, stack).block[layer].layer[0].SelfAttention.relative_attention_bias
+            assert new.embedding_dim == len(kept)
+            torch.testing.assert_close(new.weight, old.weight[:, kept], atol=0, rtol=0)
+    assert [s.index.tolist() for s in sliced
+            if s.new is model.encoder.block[1].layer[0].SelfAttention.relative_attention_bias.weight] == [[0, 2]]
+    prune_heads(model, {"encoder": {1: [0]}})  # layer 1 keeps 0, 2 -> 2: the second of its two columns
+    bias = model.encoder.block[1].layer[0].SelfAttention.relative_attention_bias.weight
+    before = dense.encoder.block[1].layer[0].SelfAttention.relative_attention_bias.weight
+    torch.testing.assert_close(bias, before[:, [2]])
+    reference = copy.deepcopy(dense)
+    mask = HeadMask.for_model(reference)
+    mask.prune(SPEC)
+    mask.prune({"encoder": {1: [0]}})
+    batch = batch_for("umt5")
     torch.testing.assert_close(logits(model, batch), logits(reference, batch), atol=1e-5, rtol=0)
 
 
@@ -281,17 +326,20 @@ def test_exports_are_refused_with_the_reason(family, tmp_path):
     assert "no Llama-style decoder" in gguf_refusal(model)
 
 
-@pytest.mark.parametrize("model_type", ["whisper", "t5", "mt5", "bart"])
+@pytest.mark.parametrize("model_type", ["whisper", "t5", "mt5", "bart", "umt5", "switch_transformers"])
 def test_the_coverage_check_passes(model_type):
     """The coverage table's check (coverage.check_model_type): its own tiny config, every stack pruned
     (a layer without heads, one head, the last group), eager and sdpa, generate, reload. BART's family
-    shares Whisper's layout."""
+    shares Whisper's layout; Switch Transformers T5's (transformers offers it eager attention only)."""
     from headprune.deploy.coverage import check_model_type, model_types
 
     row = check_model_type(model_type, model_types()[model_type])
     assert row["status"] == "passes", row
     assert row["task"] in ("seq2seq_lm", "speech_seq2seq")
     checks = row["checks"]
+    if model_type == "switch_transformers":
+        assert checks.pop("sdpa").startswith("not offered") and "generate (sdpa)" not in checks
+        checks |= {"sdpa": "passes", "generate (sdpa)": "passes"}
     assert checks["eager"] == checks["sdpa"] == checks["reload"] == "passes"
     assert checks["generate (eager)"] == checks["generate (sdpa)"] == "passes"
     assert checks["plain"].startswith("layout file")

@@ -88,6 +88,12 @@ OVERRIDES = {
 
 # T5's config class has no decoder_start_token_id field (its checkpoints' config.json say 0, the pad id)
 OVERRIDES["t5"] = {"decoder_start_token_id": 0}
+# DeBERTa's config classes default to absolute positions only: check the disentangled attention its
+# checkpoints use (deberta-v3-base: p2c|c2p through the shared query/key projections, log buckets,
+# normed relative embeddings; deberta-base: c2p|p2c through pos_proj / pos_q_proj)
+OVERRIDES["deberta-v2"] = {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "share_att_key": True,
+                           "position_buckets": 16, "norm_rel_ebd": "layer_norm", "position_biased_input": False}
+OVERRIDES["deberta"] = {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "position_biased_input": False}
 
 
 # -- tiny configs ------------------------------------------------------------------------------------

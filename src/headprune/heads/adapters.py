@@ -144,6 +144,27 @@ class ArchAdapter:
     features to attention and the KV cache. Exact, at a cost: the Q and K projections' parameters
     and FLOPs do not shrink (V, O, the attention itself and the KV cache do). Per-head norms (over
     head_dim, Qwen3's and Gemma 3's) need nothing: slicing heads leaves them alone.
+
+    `position_projections` names projections (from the attention module) that map the relative
+    position embeddings to head_dim features per query head, in the heads' order, whose products
+    with the heads' queries and keys are added to the attention scores (DeBERTa-v2's `pos_key_proj`
+    (c2p) and `pos_query_proj` (p2c) when `share_att_key` is False): their rows go with the heads
+    (head_rows part named by the path); a path the layer does not have (the config leaves c2p or p2c
+    out, or shares Q's and K's projections with the positions) is skipped.
+
+    `head_vectors` names parameters of the core with head_dim entries per head along dim 0, in the
+    heads' order, that the forward adds to a head's queries or values (DeBERTa's `q_bias` / `v_bias`
+    beside its bias-free fused `in_proj`): kept with their heads. Families without grouped-query
+    attention only (refused at registration otherwise).
+
+    `head_columns` names modules of the core whose weight holds one column per head along dim 1 and whose
+    `embedding_dim` counts them (UMT5's per-layer relative position bias, Embedding(num_buckets, heads),
+    in every self-attention layer): a layer keeps its kept heads' columns; a layer without the module
+    (cross-attention) is skipped. Families without grouped-query attention only, as `head_vectors`.
+
+    `refused_settings` lists (config attribute, reason): a model whose config sets the attribute
+    (truthy) is refused by `get_adapter` with the reason, before any work (DeBERTa's `talking_head`
+    mixes the heads' attention logits, so removing a head would change the kept heads).
     """
 
     name: str
@@ -165,6 +186,20 @@ class ArchAdapter:
     sub_config: str = ""  # the sub-config holding the head counts (CLIP's vision_config), "" for the config itself
     head_params: tuple[str, ...] = ()  # the core's parameters with one entry per query head (attention sinks)
     gates: tuple[str, ...] = ()  # projections with head_dim outputs per query head gating its context (AFMoE)
+    position_projections: tuple[str, ...] = ()  # per-head projections of relative positions (DeBERTa-v2)
+    head_vectors: tuple[str, ...] = ()  # the core's parameters with head_dim entries per head (DeBERTa's q_bias)
+    head_columns: tuple[str, ...] = ()  # the core's modules with one weight column per head (UMT5's position bias)
+    refused_settings: tuple[tuple[str, str], ...] = ()  # (config attribute, why a model that sets it is refused)
+
+    def present_position_projections(self, attn: nn.Module) -> dict[str, nn.Module]:
+        """{path: module} of the `position_projections` this attention module has."""
+        out = {}
+        for path in self.position_projections:
+            try:
+                out[path] = attn.get_submodule(path)
+            except AttributeError:
+                continue
+        return out
 
     def config_of(self, config):
         """The (sub-)config the head counts are read from: `config.<sub_config>` where it has one."""
@@ -177,6 +212,9 @@ class ArchAdapter:
         for name, quantity in (*self.size_attrs, *self.config_attrs):
             if quantity not in quantities:
                 raise ValueError(f"ArchAdapter {self.name!r}: {name} has quantity {quantity!r}; allowed: {quantities}")
+        if (self.head_vectors or self.head_columns) and self.kv_heads_attr is not None:
+            raise ValueError(f"ArchAdapter {self.name!r}: head_vectors / head_columns are per head, without "
+                             "grouped-query attention (kv_heads_attr must be None)")
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         paths = (self.layers_path,) if isinstance(self.layers_path, str) else self.layers_path
@@ -264,9 +302,11 @@ class ArchAdapter:
         d = self.head_dim(model.config)
         kv_kept = list(self.kv_groups(model.config, kept))  # KV heads the layer holds, in order
         q, k, v, o = (attn.get_submodule(path) for path in (self.q, self.k, self.v, self.o))
+        positions = self.present_position_projections(attn)
         if self.fused_qkv and self.qkv_layout == "per_head":  # [q_h | k_h | v_h] per head (no GQA)
             return {head: {part: Rows(q, True, (3 * pos + i) * d, (3 * pos + i + 1) * d)
                            for i, part in enumerate(("q", "k", "v"))} | {"o": Rows(o, False, pos * d, (pos + 1) * d)}
+                    | {p: Rows(m, True, pos * d, (pos + 1) * d) for p, m in positions.items()}
                     for pos, head in enumerate(kept)}
         k_offset = len(kept) * d if self.fused_qkv else 0
         v_offset = k_offset + len(kv_kept) * d if self.fused_qkv else 0
@@ -279,7 +319,8 @@ class ArchAdapter:
                           "k": Rows(k, True, k_offset + k_at * d, k_offset + (k_at + 1) * d),
                           "v": Rows(v, True, v_offset + kv * d, v_offset + (kv + 1) * d),
                           "o": Rows(o, False, pos * d, (pos + 1) * d),
-                          **{g: Rows(attn.get_submodule(g), True, pos * d, (pos + 1) * d) for g in self.gates}}
+                          **{g: Rows(attn.get_submodule(g), True, pos * d, (pos + 1) * d) for g in self.gates},
+                          **{p: Rows(m, True, pos * d, (pos + 1) * d) for p, m in positions.items()}}
         return rows
 
     def qk_output_features(self, model: nn.Module, layer: int) -> dict[nn.Module, torch.Tensor]:
@@ -429,6 +470,29 @@ register_adapter(ArchAdapter(
     name="modernbert_decoder", model_types=("modernbert-decoder",), layers_path="layers", attn_path="attn",
     q="q_proj", k="k_proj", v="v_proj", o="Wo",
 ))
+# DeBERTa-v2 / v3: BERT's layout (attention.self, attention.output.dense) with disentangled attention:
+# the relative position embeddings go through query_proj / key_proj (share_att_key) or through
+# pos_key_proj (c2p) / pos_query_proj (p2c), each viewed per head by the forward with the layer's
+# num_attention_heads, so their rows go with the heads. The score scale sqrt(head_dim x (1 + number of
+# pos_att_type terms)) does not depend on the head count.
+register_adapter(ArchAdapter(
+    name="deberta_v2", model_types=("deberta-v2",), layers_path="encoder.layer", attn_path="attention",
+    q="self.query_proj", k="self.key_proj", v="self.value_proj", o="output.dense", core="self",
+    size_attrs=(("num_attention_heads", "heads"), ("all_head_size", "width")),
+    position_projections=("self.pos_key_proj", "self.pos_query_proj"),
+))
+# DeBERTa (v1): fused in_proj viewed (B, T, H, 3 * D), i.e. [q_h | k_h | v_h] per head, without bias; the
+# forward adds q_bias / v_bias (head_dim entries per head) and projects the relative positions per head
+# with pos_proj (c2p) / pos_q_proj (p2c).
+register_adapter(ArchAdapter(
+    name="deberta", model_types=("deberta",), layers_path="encoder.layer", attn_path="attention",
+    q="self.in_proj", k="self.in_proj", v="self.in_proj", o="output.dense", core="self", qkv_layout="per_head",
+    size_attrs=(("num_attention_heads", "heads"), ("all_head_size", "width")),
+    position_projections=("self.pos_proj", "self.pos_q_proj"), head_vectors=("q_bias", "v_bias"),
+    refused_settings=(("talking_head", "talking-head attention mixes every head's attention logits and weights "
+                                       "(head_logits_proj / head_weights_proj), so removing a head changes the kept "
+                                       "heads (not done)"),),
+))
 # Vision encoders (transformers 5 gives ViT, DeiT and DINOv2 the q_proj..o_proj layout too).
 register_adapter(ArchAdapter(
     name="vit", model_types=("vit", "deit", "dinov2"), layers_path=("layers", "encoder.layers", "encoder.layer"),
@@ -467,8 +531,8 @@ REFUSED: dict[str, str] = {
                                 "with the cache gave other tokens than the masked model's (not done)"),
     "glm_moe_dsa": _INDEXER + ("its attention returns the indexer's output as a third value, which a layer left "
                                "without heads does not give (not done)"),
-    **dict.fromkeys(("mvp", "prophetnet", "bigbird_pegasus", "umt5", "longt5", "switch_transformers",
-                     "trocr", "moshi", "musicgen", "musicgen_melody"), _STACKS),
+    **dict.fromkeys(("mvp", "prophetnet", "bigbird_pegasus", "longt5", "trocr", "moshi", "musicgen",
+                     "musicgen_melody"), _STACKS),
     **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), _SINKS),
     "laguna": "head counts that vary per layer (num_attention_heads_per_layer) and a per-head output gate (not done)",
     "dory": "an RMSNorm over the concatenated heads' contexts (attn_sub_norm) before o_proj (not done)",
@@ -489,10 +553,6 @@ REFUSED: dict[str, str] = {
     **dict.fromkeys(("gemma4_text", "gemma4_unified_text"),
                     "head_dim and head counts vary per layer (per-layer config attributes; not done)"),
     "big_bird": "block-sparse attention reshapes with the config's head count (not done)",
-    "deberta-v2": "disentangled attention: the relative-position projections (pos_key_proj / pos_query_proj, or "
-                  "query_proj / key_proj applied to the position embeddings) and the c2p / p2c scores are per head, "
-                  "read with the config's head count (not done)",
-    "deberta": "disentangled attention: fused in_proj and per-head relative-position terms (not done)",
 }
 
 
@@ -507,7 +567,12 @@ def get_adapter(model: nn.Module) -> ArchAdapter:
             f"{supported}. To add one, register an ArchAdapter naming the block list and the Q/K/V/O "
             "projections (see docs/adding_an_architecture.md)."
         )
-    return ADAPTERS[model_type].for_model(model)
+    adapter = ADAPTERS[model_type].for_model(model)
+    for attr, why in adapter.refused_settings:
+        if getattr(adapter.config_of(model.config), attr, None):
+            raise NotImplementedError(f"headprune cannot prune model_type={model_type!r} with {attr}="
+                                      f"{getattr(adapter.config_of(model.config), attr)!r}: {why}")
+    return adapter
 
 
 def missing(model: nn.Module) -> str:

@@ -13,12 +13,14 @@ from headprune.heads.adapters import get_adapter
 def head_parameter_slices(model: nn.Module, layer: int, head: int) -> list[tuple[nn.Parameter, int, slice]]:
     """(parameter, dim, slice) triples covering head `head` (original id) of `layer`: its Q rows
     (and K/V rows where the head owns its key/value head, i.e. no GQA sharing), with biases, and
-    its output-projection columns. Empty if the head was physically removed."""
+    its output-projection columns, and its rows of per-head position projections (DeBERTa-v2).
+    Empty if the head was physically removed."""
     adapter = get_adapter(model)
     parts = adapter.head_rows(model, layer).get(head)
     if parts is None:
         return []
     owned = ("q", "o") if adapter.group_size(model.config) > 1 else ("q", "k", "v", "o")
+    owned += tuple(part for part in parts if part in adapter.position_projections)  # DeBERTa-v2's, per query head
     return [s for part in owned for s in parts[part].param_slices()]
 
 

@@ -24,6 +24,8 @@ later layer, whose head h adds map h. So the Embedding's column h is removed wit
 every layer of that stack has lost head h (it holds the union of the stack's kept heads), and each
 layer picks its own heads' maps from it (`_StackBias`). Exact, at the cost of those few columns
 (num_buckets per head). Cross-attention has no bias (zeros, one map per head, made per layer).
+UMT5 instead gives every self-attention layer an Embedding of its own, which that layer computes:
+a plain per-layer slice (`ArchAdapter.head_columns`), nothing passed along the stack.
 """
 from __future__ import annotations
 
@@ -374,12 +376,24 @@ register_adapter(StackedAdapter(
     heads_attr="encoder_attention_heads", size_attrs=(("num_heads", "heads"),), stacks=_BART_STACKS,
 ))
 # T5: every stack's layers hold [self-attention, (cross-attention,) feed-forward]; q/k/v/o without bias;
-# the first self-attention layer of each stack owns the relative position bias of every layer.
+# the first self-attention layer of each stack owns the relative position bias of every layer. Switch
+# Transformers is T5 with mixture-of-experts feed-forwards (outside the heads).
 register_adapter(StackedAdapter(
-    name="t5", model_types=("t5", "mt5"), layers_path="", attn_path="", q="q", k="k", v="v", o="o",
+    name="t5", model_types=("t5", "mt5", "switch_transformers"), layers_path="", attn_path="",
+    q="q", k="k", v="v", o="o",
     heads_attr="num_heads", size_attrs=(("n_heads", "heads"), ("inner_dim", "width")),
     position_bias="relative_attention_bias",
     stacks=(Stack("encoder", "encoder.block", "layer.0.SelfAttention", "num_heads", position_bias=True),
             Stack("decoder", "decoder.block", "layer.0.SelfAttention", "num_heads", position_bias=True),
+            Stack("cross", "decoder.block", "layer.1.EncDecAttention", "num_heads", cross=True)),
+))
+# UMT5: T5's layout, but every self-attention layer owns its relative position bias (an Embedding(num_buckets,
+# heads) of its own, column h for head h) and computes it itself: each layer keeps its kept heads' columns.
+register_adapter(StackedAdapter(
+    name="umt5", model_types=("umt5",), layers_path="", attn_path="", q="q", k="k", v="v", o="o",
+    heads_attr="num_heads", size_attrs=(("n_heads", "heads"), ("inner_dim", "width")),
+    head_columns=("relative_attention_bias",),
+    stacks=(Stack("encoder", "encoder.block", "layer.0.SelfAttention", "num_heads"),
+            Stack("decoder", "decoder.block", "layer.0.SelfAttention", "num_heads"),
             Stack("cross", "decoder.block", "layer.1.EncDecAttention", "num_heads", cross=True)),
 ))

@@ -120,13 +120,15 @@ def heads_of_kv_groups(model: nn.Module, groups: Mapping[int, Iterable[int]]) ->
 
 
 def count_params(model: nn.Module) -> dict[str, int]:
-    """{"attention": parameters of every Q/K/V/O projection, "total": all parameters}."""
+    """{"attention": parameters of every Q/K/V/O projection (and per-head position projection,
+    DeBERTa-v2's), "total": all parameters}."""
     adapter = get_adapter(model)
     attention = {}
     for block in adapter.blocks(model):
         attn = adapter.attention(block)
-        for path in (adapter.q, adapter.k, adapter.v, adapter.o):
-            attention.update({id(p): p.numel() for p in attn.get_submodule(path).parameters()})
+        projections = [attn.get_submodule(path) for path in (adapter.q, adapter.k, adapter.v, adapter.o)]
+        for module in projections + list(adapter.present_position_projections(attn).values()):
+            attention.update({id(p): p.numel() for p in module.parameters()})
     return {"attention": sum(attention.values()), "total": sum(p.numel() for p in model.parameters())}
 
 
@@ -220,6 +222,10 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
             _keep(module, torch.tensor(sorted(index), dtype=torch.long), outputs, sliced)
         if adapter.head_params:
             _keep_head_params(model, adapter, core, layer_heads(model, layer), after, sliced)
+        if adapter.head_vectors:
+            _keep_head_vectors(adapter, core, layer_heads(model, layer), after, d, sliced)
+        if adapter.head_columns:
+            _keep_head_columns(adapter, core, layer_heads(model, layer), after, sliced)
 
     groups = adapter.kv_groups(model.config, after)
     kv_after, per_group = list(groups), max((len(heads) for heads in groups.values()), default=0)
@@ -272,6 +278,37 @@ def _keep_head_params(model: nn.Module, adapter: ArchAdapter, core: nn.Module, b
         setattr(core, name, new)
         if sliced is not None:
             sliced.append(Sliced(old, new, 0, index))
+
+
+def _keep_head_vectors(adapter: ArchAdapter, core: nn.Module, before: list[int], after: list[int], d: int,
+                       sliced: list[Sliced] | None) -> None:
+    """Keep the kept heads' head_dim entries of the core's per-head vectors (`ArchAdapter.head_vectors`,
+    DeBERTa's q_bias / v_bias), which hold the heads of `before` side by side."""
+    index = torch.tensor([before.index(h) * d + j for h in after for j in range(d)], dtype=torch.long)
+    for name in adapter.head_vectors:
+        old = getattr(core, name)
+        kept = old.detach().index_select(0, index.to(old.device))
+        new = nn.Parameter(kept, requires_grad=old.requires_grad and kept.numel() > 0)
+        setattr(core, name, new)
+        if sliced is not None:
+            sliced.append(Sliced(old, new, 0, index))
+
+
+def _keep_head_columns(adapter: ArchAdapter, core: nn.Module, before: list[int], after: list[int],
+                       sliced: list[Sliced] | None) -> None:
+    """Keep the kept heads' columns of the core's per-head Embeddings (`ArchAdapter.head_columns`, UMT5's
+    relative position bias in each self-attention layer), whose columns are the heads of `before`."""
+    index = torch.tensor([before.index(h) for h in after], dtype=torch.long)
+    for name in adapter.head_columns:
+        module = getattr(core, name, None)
+        if module is None:  # a layer without it (cross-attention)
+            continue
+        old = module.weight
+        kept = old.detach().index_select(1, index.to(old.device))
+        module.weight = nn.Parameter(kept, requires_grad=old.requires_grad and kept.numel() > 0)
+        module.embedding_dim = len(after)
+        if sliced is not None:
+            sliced.append(Sliced(old, module.weight, 1, index))
 
 
 class LayerConfig:
