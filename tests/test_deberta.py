@@ -229,3 +229,21 @@ def test_talking_heads_are_refused_before_any_work():
             attempt()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.slow  # 12-25 s each (torch.onnx export)
+@pytest.mark.parametrize("positions", ["own_c2p_p2c", "v1_c2p_p2c"])
+def test_a_pruned_deberta_exports_to_onnx(positions, tmp_path):
+    """The pruned classifier (a layer without heads, uneven heads) exported at one shape agrees with
+    PyTorch at another (ONNX Runtime); a weight changed after the export is flagged."""
+    from headprune.deploy.onnx import check_onnx, export_onnx, judge
+
+    v1 = positions in POSITIONS_V1
+    model = prune_heads(tiny_deberta(positions, tf.DebertaForSequenceClassification if v1 else
+                                     tf.DebertaV2ForSequenceClassification), UNEVEN)
+    path = export_onnx(model, tmp_path / "model.onnx")
+    figures = check_onnx(model, path)
+    assert judge(figures) == [] and figures["logits_shape"] == [3, 2], figures
+    with torch.no_grad():
+        model.classifier.weight.mul_(2.0)
+    assert judge(check_onnx(model, path))
