@@ -5,7 +5,6 @@ Test modules import from here, never from one another; conftest.py holds only fi
 environment it sets before torch is imported."""
 import dataclasses
 import functools
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -19,13 +18,11 @@ EXPERIMENTS = REPO / "experiments"
 
 
 def experiment_script(path: str):
-    """experiments/<path>.py imported as a module (the experiments hold scripts, not a package),
-    fresh on each call, so a test's changes to it stay its own."""
-    file = EXPERIMENTS / f"{path}.py"
-    spec = importlib.util.spec_from_file_location("experiments_" + path.replace("/", "_"), file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """experiments/<path>.py imported as a module (headprune.report.script), fresh on each call, so
+    a test's changes to it stay its own."""
+    from headprune.report import script
+
+    return script(EXPERIMENTS / f"{path}.py")
 
 # -- the tiny random-init MiniLM (model=tiny_bert) ----------------------------------------------------
 TINY = dict(num_hidden_layers=3, num_attention_heads=4, hidden_size=32, intermediate_size=64)

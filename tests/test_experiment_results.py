@@ -15,10 +15,13 @@ RENDERED = {
     "recovery": {"results.md", "recovery.csv", "curves.md"},
     "llm_iterative": {"results.md", "answers.md", "last_word.md", "kl_speed.md"},
     "llm_kv_modes": {"results.md"},
+    "llm_uneven": {"results.md", "targets.md", "summary.md", "answers.md", "llm_uneven.csv"},
 }
 # experiment -> {page that quotes tables (relative to the repo): the rendered files it quotes}
 QUOTED = {
     "recovery": {"experiments/recovery/README.md": ["results.md"]},
+    "llm_uneven": {"experiments/llm_uneven/README.md": ["results.md", "targets.md"],
+                   "docs/guide_uneven_gguf.md": ["summary.md"]},
 }
 
 

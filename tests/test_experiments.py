@@ -189,24 +189,6 @@ def test_llm_decode_tables_are_what_table_py_prints_of_the_bench_files():
         assert table.table(str(EXP / "llm_kv" / "decode" / folder / "bench.json")) in readme, folder
 
 
-def test_llm_uneven_tables_match_results(tmp_path, monkeypatch):
-    """experiments/llm_uneven: results.md, targets.md, summary.md, answers.md and llm_uneven.csv are what
-    collect.py makes of the committed result files (and experiments/llm_kv's uniform runs and bench.json);
-    its README quotes the first two, the site's uneven-layouts guide (docs/guide_uneven_gguf.md) summary.md."""
-    collect = _script(EXP / "llm_uneven" / "collect.py")
-    shutil.copytree(EXP / "llm_uneven" / "results", tmp_path / "results")
-    if (EXP / "llm_uneven" / "gguf.json").is_file():
-        shutil.copy(EXP / "llm_uneven" / "gguf.json", tmp_path / "gguf.json")
-    monkeypatch.setattr(sys, "argv", ["collect.py", "--runs", str(tmp_path / "no_runs"), "--out", str(tmp_path),
-                                      "--no-plot"])
-    collect.main()
-    for name in ("results.md", "targets.md", "summary.md", "answers.md", "llm_uneven.csv"):
-        assert (tmp_path / name).read_text() == (EXP / "llm_uneven" / name).read_text(), name
-    readme = (EXP / "llm_uneven" / "README.md").read_text()
-    assert (tmp_path / "results.md").read_text() in readme and (tmp_path / "targets.md").read_text() in readme
-    assert (tmp_path / "summary.md").read_text() in (REPO / "docs" / "guide_uneven_gguf.md").read_text()  # the guide's table
-
-
 def test_llm_uneven_targets_take_each_allocations_best_repair():
     """experiments/llm_uneven: a run name carries its repair (`<arm>[_refit|_refit_kl]_<budget>`),
     checked against the raw run, and targets.md judges every allocation by its best repaired row
@@ -271,6 +253,10 @@ def test_llm_uneven_decode_rows_are_checked_against_each_allocations_layout():
     assert [line.split(" | ")[0] for line in body] == ["| dense", "| uniform (Fisher + rearrangement)",
                                                         "| measured (cost curves, knapsack, greedy correction)"]
     assert "| measured (cost curves, knapsack, greedy correction) | deci | 1 | 7.0 | 7.0 | 1.50 | 1.40 | 1.07 | 0.556 | True |" in lines
+    with pytest.raises(ValueError, match="no dense row"):  # a KV head's bytes are read from the dense model's
+        collect.decode_table({"llamacpp": [r for r in rows if r["variant"] != "dense"]}, group, "kv67")
+    wide = [{**r, "kv_layer_bytes_per_token": [2 * b for b in r["kv_layer_bytes_per_token"]]} for r in rows]
+    assert collect.decode_table({"llamacpp": wide, "meta": {"commit": "abc"}}, group, "kv67") == lines  # head size 2x
     not_benched = [{**group[0], "arm": "global"}]  # no global_kv34 row in the bench
     assert collect.decode_table({"llamacpp": rows}, not_benched, "kv34") == []
     rows[1]["kv_layer_bytes_per_token"] = [768, 256, 512]  # the bench ran another layout
@@ -324,3 +310,21 @@ def test_llm_kv_arms_are_configs_and_collect_names_each():
     assert {collect.split_name(f"{arm}_kv67")[0] for arm in arms} == set(collect.ARMS)
     run_sh = (EXP / "llm_kv" / "run.sh").read_text()
     assert "conf/experiment/llm_kv" in run_sh and "experiment=llm_kv/$arm" in run_sh and "ARM[" not in run_sh
+
+
+def test_llamacpp_decode_layouts_read_layers_and_kv_groups_from_the_models_config():
+    """experiments/llm_kv/decode/llamacpp/exports.py: kv67 / kv34 remove the first third / two thirds
+    of each layer's KV groups and drop10 all of them in its layers, for the model's layer and group
+    counts; an llm_uneven layout of another depth, or drop10 past the last layer, is refused."""
+    from types import SimpleNamespace
+
+    exports = experiment_script("llm_kv/decode/llamacpp/exports")
+    smollm2 = exports.layouts(SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3))
+    assert smollm2["kv67"] == {layer: [0] for layer in range(30)} and smollm2["kv34"] == {l: [0, 1] for l in range(30)}
+    assert smollm2["drop10"] == {layer: [0, 1, 2] for layer in exports.DROP10}
+    assert all(len(groups) < 3 or layer in smollm2["drop10"] or name != "drop10" for name, layout in smollm2.items()
+               for layer, groups in layout.items())
+    six = exports.layouts(SimpleNamespace(num_hidden_layers=30, num_key_value_heads=6))
+    assert six["kv67"][0] == [0, 1] and six["kv34"][29] == [0, 1, 2, 3] and six["drop10"][4] == list(range(6))
+    with pytest.raises(ValueError, match="drop10 names layer 29; the model has layers 0..19"):
+        exports.layouts(SimpleNamespace(num_hidden_layers=20, num_key_value_heads=3))

@@ -92,6 +92,12 @@ def plot(sens: dict, profile: dict, shape: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def kv_group(head: int, group_size: int) -> int:
+    """The KV group query head `head` reads: `group_size` consecutive query heads share one (HF's
+    repeat_kv; the adapters' `kv_head`). `group_size`: heads.json's, checked against model.json."""
+    return head // group_size
+
+
 def head_sets(heads: dict) -> dict:
     """Sink heads and sink groups per threshold (calibration blocks; BOS-first for heads), near-duplicate
     pairs and the groups holding them, and each head's JS distance to the closest head of another
@@ -106,15 +112,16 @@ def head_sets(heads: dict) -> dict:
             out[f"sinks_{name}_{t}"] = {(l, h) for l, row in enumerate(sh) for h, x in enumerate(row) if x >= t}
         groups = {}
         for l, h in out[f"sinks_calib_{t}"]:
-            groups[(l, h // g)] = groups.get((l, h // g), 0) + 1
+            key = (l, kv_group(h, g))
+            groups[key] = groups.get(key, 0) + 1
         out[f"sink_groups_{t}"] = {k for k, n in groups.items() if 2 * n > g}  # most of its heads
         out[f"sink_groups_any_{t}"] = set(groups)
     pairs = [(p["layer"], *p["heads"]) for p in heads["diagnostics"]["redundancy"]["near_duplicates"]]
     out["pairs"] = pairs
-    out["pairs_cross"] = [(l, i, j) for l, i, j in pairs if i // g != j // g]
+    out["pairs_cross"] = [(l, i, j) for l, i, j in pairs if kv_group(i, g) != kv_group(j, g)]
     out["dup_heads"] = {(l, h) for l, i, j in pairs for h in (i, j)}
-    out["dup_groups"] = {(l, h // g) for l, h in out["dup_heads"]}
-    out["cross_js"] = [[min(js[l][h][k] for k in range(len(row)) if k // g != h // g) for h in range(len(row))]
+    out["dup_groups"] = {(l, kv_group(h, g)) for l, h in out["dup_heads"]}
+    out["cross_js"] = [[min(js[l][h][k] for k in range(len(row)) if kv_group(k, g) != kv_group(h, g)) for h in range(len(row))]
                        for l, row in enumerate(js)]
     return out
 
@@ -138,7 +145,7 @@ COLUMNS = [  # (header, key in removal_stats, set in head_sets it is a share of)
 def removal_stats(removed: set, sets: dict, g: int) -> dict:
     """Share of each set of heads (or groups) removed; mean sink share and cross-group JS distance of
     the removed and the kept heads."""
-    groups_removed = {(l, h // g) for l, h in removed}
+    groups_removed = {(l, kv_group(h, g)) for l, h in removed}
     out = {"removed": len(removed)}
     for _, key in COLUMNS:
         items = sets[key]

@@ -23,13 +23,12 @@ and repair without a uniform run here reads experiments/llm_kv's (`UNIFORM`).
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
 import json
 from pathlib import Path
 
-from headprune.apps.collect import to_csv
-from headprune.atomic import write_json_atomic, write_text_atomic
+from headprune.report import DASH, Column, column, gather as gather_runs, markdown, number, read_json, script, text
+from headprune.report import change
+from headprune.report import to_csv, write
 
 HERE = Path(__file__).resolve().parent
 KL_STEPS = 50  # the KL recovery's steps (recovery=chain's distill stage), as experiments/llm_kv's
@@ -50,16 +49,7 @@ OTHER = "sst2"  # the corpus not used for calibration
 ALLOCATION = ("measured", "attention_drop")  # the budget report's key of a measuring policy
 LLM_KV = HERE.parent / "llm_kv" / "results"
 DECODE = HERE.parent / "llm_kv" / "decode" / "llamacpp" / "bench.json"  # its run.sh benches these layouts
-KV_HEAD_BYTES = 2 * 2 * 64  # K and V, F16 cache, head size 64: llama.cpp's bytes per token per KV head
-
-
-@functools.cache
-def _script(path: Path):
-    """Another experiment's script as a module, loaded once (its tables: one rendering, not a copy here)."""
-    spec = importlib.util.spec_from_file_location(path.parent.name + "_" + path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+MODEL = HERE.parent / "llm_kv" / "model.json"  # the model's layers, query heads and KV heads (layers.py shape)
 UNIFORM = {"uniform_kv67": LLM_KV / "fisher_re_bias_kv67.json", "uniform_kv34": LLM_KV / "fisher_re_bias_kv34.json",
            "uniform_refit_kv67": LLM_KV / "fisher_re_refit_kv67.json",
            "uniform_refit_kv34": LLM_KV / "fisher_re_refit_kv34.json",
@@ -67,15 +57,10 @@ UNIFORM = {"uniform_kv67": LLM_KV / "fisher_re_bias_kv67.json", "uniform_kv34": 
            "uniform_refit_kl_kv34": LLM_KV / "fisher_re_refit_kl_kv34.json"}
 
 
-def gather(runs: Path, out: Path) -> None:
-    (out / "results").mkdir(parents=True, exist_ok=True)
-    for run in sorted(p for p in runs.iterdir() if p.is_dir() and (p / "results.json").is_file()):
-        res = json.loads((run / "results.json").read_text())
-        if "export_dir" not in res.get("final", {}) or "pruned" not in res.get("evaluation", {}):
-            continue  # unfinished
-        if (run / "wall.json").is_file():
-            res["wall"] = json.loads((run / "wall.json").read_text())
-        write_json_atomic(out / "results" / f"{run.name}.json", res)
+def gather(runs: Path, out: Path) -> list[str]:
+    """Copy each finished run (its export written and evaluated) to `out`/results, with wall.json."""
+    return gather_runs(runs, out / "results",
+                       lambda res: "export_dir" in res.get("final", {}) and "pruned" in res.get("evaluation", {}))
 
 
 def split(stem: str) -> tuple[str, str, str]:
@@ -134,16 +119,8 @@ def load(results: Path) -> tuple[dict, list[dict]]:
     return dense, rows
 
 
-def _fmt(x, digits=2):
-    return "–" if x is None else f"{x:.{digits}f}"
-
-
 def _change(x, base):
     return None if x is None or base is None else 100 * (x / base - 1)
-
-
-def _pct(x):
-    return "–" if x is None else f"{x:+.1f}%"
 
 
 def dense_ppl(dense: dict) -> dict:
@@ -161,18 +138,34 @@ def gguf_table(gguf: dict, group: list[dict]) -> list[str]:
     if not any(n != "dense" for n, _, _ in names):
         return []
     lines = [f"GGUF files (gguf.py: `headprune-export --gguf`; llama.cpp, flash attention, F16 KV cache, 1 thread, "
-             f"{gguf['windows']} windows of {gguf['seq']} held-out Tiny Shakespeare tokens):", "",
-             "| allocation | repair | arch | F16 MB | Q8_0 MB | ppl F16 (llama.cpp) | ppl Q8_0 (llama.cpp) | Q8_0 cost "
-             "| ppl (PyTorch) |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for name, arm, repair in names:
-        g = models[name]
-        if "refused" in g:
-            lines.append(f"| {arm} | {repair} | refused: {g['refused']} | – | – | – | – | – | – |")
-            continue
-        lines.append(f"| {arm} | {repair} | {g['arch']} | {g['f16']['gguf_bytes'] / 1e6:.1f} "
-                     f"| {g['q8_0']['gguf_bytes'] / 1e6:.1f} | {g['f16']['ppl']:.2f} | {g['q8_0']['ppl']:.2f} "
-                     f"| {_pct(100 * g['q8_0_ppl_cost'])} | {g['pytorch_ppl']:.2f} |")
-    return lines + [""]
+             f"{gguf['windows']} windows of {gguf['seq']} held-out Tiny Shakespeare tokens):", ""]
+    rows = [{"allocation": arm, "repair": repair, **models[name]} for name, arm, repair in names]
+
+    def size(kind):  # MB of the F16 / Q8_0 file; a refused layout has none
+        return lambda g: g[kind]["gguf_bytes"] / 1e6 if kind in g else None
+    columns = [text("allocation"), text("repair"), text("arch", lambda g: g.get("arch") or f"refused: {g['refused']}"),
+               column("F16 MB", size("f16"), ".1f"), column("Q8_0 MB", size("q8_0"), ".1f"),
+               column("ppl F16 (llama.cpp)", lambda g: g["f16"]["ppl"] if "f16" in g else None),
+               column("ppl Q8_0 (llama.cpp)", lambda g: g["q8_0"]["ppl"] if "q8_0" in g else None),
+               column("Q8_0 cost", lambda g: 100 * g["q8_0_ppl_cost"] if "q8_0_ppl_cost" in g else None, "+.1f",
+                      unit="%"),
+               column("ppl (PyTorch)", lambda g: g.get("pytorch_ppl"))]
+    return lines + markdown(columns, rows) + [""]
+
+
+def kv_head_bytes(rows: list[dict], model: Path = MODEL) -> int:
+    """llama.cpp's KV-cache bytes per token of one KV head (K and V, its cache type, the model's head
+    size): the dense model's bytes per token of a layer over the model's KV heads (model.json), both
+    as measured, so no head size or cache type is assumed here."""
+    dense = next((r for r in rows if r["variant"] == "dense"), None)
+    if dense is None:
+        raise ValueError(f"{DECODE}: no dense row to read a KV head's bytes per token from")
+    kv_heads = read_json(model)["kv_heads"]
+    per_layer = set(dense["kv_layer_bytes_per_token"])
+    if len(per_layer) != 1 or min(per_layer) % kv_heads:
+        raise ValueError(f"{DECODE}: the dense model's KV bytes per layer {sorted(per_layer)} are not one multiple "
+                         f"of {model.name}'s {kv_heads} KV heads")
+    return per_layer.pop() // kv_heads
 
 
 def decode_table(bench: dict, group: list[dict], budget: str) -> list[str]:
@@ -187,10 +180,11 @@ def decode_table(bench: dict, group: list[dict], budget: str) -> list[str]:
     rows = [r for r in rows if r["variant"] in names]
     if not any(r["variant"] != "dense" for r in rows):
         return []
+    head_bytes = kv_head_bytes(rows)
     for r in rows:
         if r["variant"] == "dense":
             continue
-        benched = [b // KV_HEAD_BYTES for b in r["kv_layer_bytes_per_token"]]
+        benched = [b // head_bytes for b in r["kv_layer_bytes_per_token"]]
         kept = ordered(group, names[r["variant"]])[0]["kept_units_per_layer"]
         if benched != kept:
             raise ValueError(f"{DECODE}: {r['variant']} keeps {benched} KV heads per layer, the {names[r['variant']]} "
@@ -201,39 +195,42 @@ def decode_table(bench: dict, group: list[dict], budget: str) -> list[str]:
     lines = [f"Decode in llama.cpp (experiments/llm_kv/decode/llamacpp: structural exports of these layouts, F16 GGUF, "
              f"flash attention, F16 KV cache, {rows[0]['new_tokens']} tokens per round, commit {meta.get('commit')}, "
              f"load average before {meta.get('load_before')}):", ""]
-    tables = _script(DECODE.parent / "tables.py")
+    tables = script(DECODE.parent / "tables.py")
     lines += tables.decode_lines(rows, "allocation", lambda v: "dense" if v == "dense" else ARMS[names[v]], kv_digits=3)
     return lines + [""]
+
+
+def _ratio(r: dict) -> float | None:
+    return r["allocation_seconds"] / r["score_seconds"] if r["allocation_seconds"] is not None and r["score_seconds"] \
+        else None
+
+
+def table_columns(d: dict) -> list[Column]:
+    """results.md's columns; changes against the dense perplexities `d` (dense_ppl)."""
+    return [text("allocation", lambda r: ARMS[r["arm"]]), text("repair"), column("KV kept", "kv_share", ".3f"),
+            column("layers without attention", "attention_free_layers", "d"), column("TS ppl 128", "ppl128"),
+            column("TS ppl 2048", "ppl2048"), text("change", lambda r: change(r["ppl2048"], d["ppl2048"]), right=True),
+            column("SST-2 ppl 128", "other128"), column("SST-2 ppl 2048", "other2048"),
+            text("change", lambda r: change(r["other2048"], d["other2048"]), right=True),
+            column("zero-shot SST-2", "sst2_acc", ".3f"), column("last word", "last_word_acc", ".3f"),
+            column("score s", "score_seconds", ".0f"), column("allocation s", "allocation_seconds", ".0f"),
+            column("allocation / score", _ratio),
+            text("passes (moves)", lambda r: DASH if r["passes"] is None else f"{r['passes']} ({r['moves']})", right=True),
+            column("profile tokens", "allocation_tokens", "")]
 
 
 def table(dense: dict, rows: list[dict], gguf: dict | None = None, bench: dict | None = None) -> str:
     d = dense_ppl(dense)
     zero = dense.get("zero_shot", {})
     lines = [f"Dense: Tiny Shakespeare perplexity {d['ppl128']:.2f} (seq 128), {d['ppl2048']:.2f} (seq 2048); "
-             f"SST-2 sentences {_fmt(d['other128'])} (seq 128), {_fmt(d['other2048'])} (seq 2048); zero-shot SST-2 "
-             f"{_fmt((zero.get('sst2_local') or {}).get('acc'), 3)}, last word "
-             f"{_fmt((zero.get('last_word_local') or {}).get('acc'), 3)}.", ""]
+             f"SST-2 sentences {number(d['other128'])} (seq 128), {number(d['other2048'])} (seq 2048); zero-shot SST-2 "
+             f"{number((zero.get('sst2_local') or {}).get('acc'), '.3f')}, last word "
+             f"{number((zero.get('last_word_local') or {}).get('acc'), '.3f')}.", ""]
     for budget, title in BUDGETS.items():
         group = [r for r in rows if r["budget"] == budget]
         if not group:
             continue
-        lines += [f"### {title}", "",
-                  "| allocation | repair | KV kept | layers without attention | TS ppl 128 | TS ppl 2048 | change | SST-2 ppl 128 "
-                  "| SST-2 ppl 2048 | change | zero-shot SST-2 | last word | score s | allocation s | allocation / score "
-                  "| passes (moves) | profile tokens |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for arm, name in ARMS.items():
-            for r in ordered(group, arm):
-                ratio = (r["allocation_seconds"] / r["score_seconds"]
-                         if r["allocation_seconds"] is not None and r["score_seconds"] else None)
-                passes = "–" if r["passes"] is None else f"{r['passes']} ({r['moves']})"
-                lines.append(
-                    f"| {name} | {r['repair']} | {r['kv_share']:.3f} | {r['attention_free_layers']} | {r['ppl128']:.2f} "
-                    f"| {r['ppl2048']:.2f} | {_pct(_change(r['ppl2048'], d['ppl2048']))} | {_fmt(r['other128'])} "
-                    f"| {_fmt(r['other2048'])} | {_pct(_change(r['other2048'], d['other2048']))} "
-                    f"| {_fmt(r['sst2_acc'], 3)} | {_fmt(r['last_word_acc'], 3)} | {_fmt(r['score_seconds'], 0)} "
-                    f"| {_fmt(r['allocation_seconds'], 0)} | {_fmt(ratio, 2)} | {passes} "
-                    f"| {'–' if r['allocation_tokens'] is None else r['allocation_tokens']} |")
+        lines += [f"### {title}", "", *markdown(table_columns(d), [r for arm in ARMS for r in ordered(group, arm)])]
         lines += ["", "KV groups kept per layer (layer 0 first):", ""]
         for arm in ARMS:
             runs = ordered(group, arm)
@@ -259,46 +256,51 @@ def targets(dense: dict, rows: list[dict]) -> str:
     row (`TRAINED`); each rise against the target (hit or miss, and by how many percentage points),
     and the other corpus's rise against 1.5x the in-domain one. Each target's best allocation is in bold."""
     d = dense_ppl(dense)
-    lines = ["| budget | training | target (seq 2048) | allocation | repair | TS change | hit | by (points) "
-             "| SST-2 change | within 1.5x of TS change |", "|---|---|---:|---|---|---:|---|---:|---:|---|"]
+    judged = []
     for budget in BUDGETS:
         for trained, limits in ((False, TARGETS), (True, KL_TARGETS)):
             group = [r for r in rows if r["budget"] == budget and r["trained"] == trained]
             if not group:
                 continue
-            limit = limits[budget]
             bests = [min(runs, key=lambda r: r["ppl2048"]) for runs in (ordered(group, a) for a in ARMS) if runs]
             top = min(bests, key=lambda r: r["ppl2048"])
-            for best in bests:
-                ts, other = _change(best["ppl2048"], d["ppl2048"]), _change(best["other2048"], d["other2048"])
-                within = "–" if other is None else ("yes" if other <= 1.5 * ts else "no")
-                name = f"**{ARMS[best['arm']]}**" if best is top else ARMS[best["arm"]]
-                lines.append(f"| {BUDGETS[budget]} | {f'{KL_STEPS} KL steps' if trained else 'none'} "
-                             f"| <= +{limit:.0f}% | {name} | {best['repair']} | {_pct(ts)} "
-                             f"| {'yes' if ts <= limit else 'no'} | {ts - limit:+.1f} | {_pct(other)} | {within} |")
-    return "\n".join(lines)
+            judged += [{**best, "limit": limits[budget], "top": best is top, "ts": _change(best["ppl2048"], d["ppl2048"]),
+                        "other": _change(best["other2048"], d["other2048"])} for best in bests]
+
+    def within(r):
+        return DASH if r["other"] is None else ("yes" if r["other"] <= 1.5 * r["ts"] else "no")
+    columns = [text("budget", lambda r: BUDGETS[r["budget"]]), _training(),
+               text("target (seq 2048)", lambda r: f"<= +{r['limit']:.0f}%", right=True),
+               text("allocation", lambda r: f"**{ARMS[r['arm']]}**" if r["top"] else ARMS[r["arm"]]), text("repair"),
+               column("TS change", "ts", "+.1f", unit="%"), text("hit", lambda r: "yes" if r["ts"] <= r["limit"] else "no"),
+               column("by (points)", lambda r: r["ts"] - r["limit"], "+.1f"),
+               column("SST-2 change", "other", "+.1f", unit="%"), text("within 1.5x of TS change", within)]
+    return "\n".join(markdown(columns, judged))
+
+
+def _training() -> Column:
+    return text("training", lambda r: f"{KL_STEPS} KL steps" if r["trained"] else "none")
 
 
 def summary(dense: dict, rows: list[dict]) -> str:
     """Per budget, without and with training (`TRAINED`): the uniform layout's best row (lowest
     perplexity at seq 2048) and the best row of any uneven allocation."""
     d = dense_ppl(dense)
-    lines = ["| budget | training | layout | allocation | repair | KV kept | layers without attention | TS ppl 2048 "
-             "| change | SST-2 change | last word |", "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for budget, title in BUDGETS.items():
+    best = []
+    for budget in BUDGETS:
         for trained in (False, True):
             group = [r for r in rows if r["budget"] == budget and r["trained"] == trained]
             for layout, runs in (("uniform", [r for r in group if r["arm"] == "uniform"]),
                                  ("uneven", [r for r in group if r["arm"] != "uniform"])):
-                if not runs:
-                    continue
-                best = min(runs, key=lambda r: r["ppl2048"])
-                lines.append(f"| {title} | {f'{KL_STEPS} KL steps' if trained else 'none'} | {layout} "
-                             f"| {ARMS[best['arm']]} | {best['repair']} | {best['kv_share']:.3f} "
-                             f"| {best['attention_free_layers']} | {best['ppl2048']:.2f} "
-                             f"| {_pct(_change(best['ppl2048'], d['ppl2048']))} "
-                             f"| {_pct(_change(best['other2048'], d['other2048']))} | {_fmt(best['last_word_acc'], 3)} |")
-    return "\n".join(lines)
+                if runs:
+                    best.append({**min(runs, key=lambda r: r["ppl2048"]), "layout": layout})
+    columns = [text("budget", lambda r: BUDGETS[r["budget"]]), _training(), text("layout"),
+               text("allocation", lambda r: ARMS[r["arm"]]), text("repair"), column("KV kept", "kv_share", ".3f"),
+               column("layers without attention", "attention_free_layers", "d"), column("TS ppl 2048", "ppl2048"),
+               text("change", lambda r: change(r["ppl2048"], d["ppl2048"]), right=True),
+               text("SST-2 change", lambda r: change(r["other2048"], d["other2048"]), right=True),
+               column("last word", "last_word_acc", ".3f")]
+    return "\n".join(markdown(columns, best))
 
 
 def dense_answers() -> list[dict]:
@@ -323,7 +325,7 @@ def answers(dense: list[dict], results: Path) -> str:
             if [a["prompt"] for a in generation] != prompts:
                 raise ValueError(f"{path}: its chat prompts are not experiments/llm_kv's dense model's {prompts}")
             runs[path.stem] = generation
-    return _script(HERE.parent / "llm_kv" / "collect.py").answers_table({"generation": dense}, runs)
+    return script(HERE.parent / "llm_kv" / "collect.py").answers_table({"generation": dense}, runs)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -354,6 +356,20 @@ def plot(rows: list[dict], path: Path) -> None:
     close(fig)
 
 
+def render(folder: Path) -> dict[str, str]:
+    """results.md, targets.md, summary.md, answers.md and llm_uneven.csv from `folder`/results (and
+    `folder`/gguf.json, experiments/llm_kv's decode bench.json, when there)."""
+    dense, rows = load(folder / "results")
+    gguf = folder / "gguf.json"  # gguf.py's sizes and llama.cpp perplexities, when measured
+    gguf = read_json(gguf) if gguf.is_file() else None
+    bench = read_json(DECODE) if DECODE.is_file() else None
+    return {"results.md": table(dense, rows, gguf, bench) + "\n", "targets.md": targets(dense, rows) + "\n",
+            "summary.md": summary(dense, rows) + "\n",
+            "answers.md": answers(dense_answers(), folder / "results") + "\n",
+            "llm_uneven.csv": to_csv([{**r, "kept_units_per_layer": "".join(str(k) for k in r["kept_units_per_layer"])}
+                                      for r in rows])}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=Path, default=HERE.parent.parent.parent / "llmruns" / "llm_uneven",
@@ -363,19 +379,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs is not None and args.runs.is_dir():
         gather(args.runs, args.out)
-    dense, rows = load(args.out / "results")
-    gguf = args.out / "gguf.json"  # gguf.py's sizes and llama.cpp perplexities, when measured
-    gguf = json.loads(gguf.read_text()) if gguf.is_file() else None
-    bench = json.loads(DECODE.read_text()) if DECODE.is_file() else None
-    write_text_atomic(args.out / "results.md", table(dense, rows, gguf, bench) + "\n")
-    write_text_atomic(args.out / "targets.md", targets(dense, rows) + "\n")
-    write_text_atomic(args.out / "summary.md", summary(dense, rows) + "\n")
-    write_text_atomic(args.out / "answers.md", answers(dense_answers(), args.out / "results") + "\n")
-    write_text_atomic(args.out / "llm_uneven.csv", to_csv([{**r, "kept_units_per_layer": "".join(
-        str(k) for k in r["kept_units_per_layer"])} for r in rows]))
+    write(args.out, render(args.out))
     if not args.no_plot:
-        plot(rows, args.out / "layouts.png")
-
+        plot(load(args.out / "results")[1], args.out / "layouts.png")
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ table has one shape (a heading row, an alignment row, a line a row), a missing v
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import json
 import statistics
@@ -101,6 +102,17 @@ def to_csv(rows: list[dict]) -> str:
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
+
+
+def script(path: Path):
+    """A script (an experiment's collect.py, another's table code) imported as a module, fresh on each
+    call: experiments hold scripts, not a package, and one experiment's tables reuse another's
+    rendering this way rather than copying it."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def read_json(path: Path) -> Any:
