@@ -41,6 +41,7 @@ def test_extending_examples_run(tokenizer):
     import torch
 
     from headprune import HeadMask
+    from headprune.tasks import CLASSIFICATION
     from headprune.models import build_model
 
     blocks = _blocks("extending.md")
@@ -56,7 +57,7 @@ def test_extending_examples_run(tokenizer):
     assert {layer for layer, _ in picked} == {5, 4} and sum(layer == 5 for layer, _ in picked) == 11
     recovery = scope["SmoothedFinetune"](smoothing=0.2)
     batch = scope["train_loader"][0]
-    logits, loss = recovery.training_loss(model, batch)
+    logits, loss = recovery.training_loss(model, batch, CLASSIFICATION)
     expected = torch.nn.functional.cross_entropy(logits, batch["labels"], label_smoothing=0.2, reduction="none")
     assert torch.allclose(loss, expected)
     exec(blocks[3], scope)  # noqa: S102

@@ -1,4 +1,4 @@
-"""The `evaluation:` block of a causal-LM run (apps/evaluations.py): perplexity on another corpus
+"""The `evaluation:` block of a causal-LM run (evaluation/llm_suite.py): perplexity on another corpus
 beside the calibration corpus's (same windows, seqs, token count, BOS rule), its schema in
 results.json, and settings refused before any work."""
 import json
@@ -7,10 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from headprune.apps.evaluations import EvaluationSettings, evaluate_llm, header
+from headprune.evaluation.llm_suite import EvaluationSettings, evaluate_llm, header
 from headprune.apps.train import run
 from headprune.evaluation import Windows, perplexity
 from headprune.models.byte_tokenizer import ByteTokenizer
+from headprune.tasks import CAUSAL_LM
 from tests.helpers import compose_train
 from tests.test_llm_pipeline import TINY_LM
 from tests.helpers import tiny_byte_llama
@@ -101,7 +102,7 @@ def test_window_lengths_that_do_not_divide_the_token_count_cover_the_same_tokens
     tok, model = ByteTokenizer(), tiny_byte_llama()
     options = EvaluationSettings(enabled=True, perplexity_seqs=[64, 96], perplexity_tokens=1100, zero_shot_tasks=[],
                                  generate=False)
-    options.check("causal_lm")
+    options.check(CAUSAL_LM)
     out = evaluate_llm(model, tok, datamodule(data_dir, torch.arange(2000) % 200), options, str(data_dir))
     assert [out["perplexity"][k]["tokens"] for k in ("seq64", "seq96")] == [960, 960]
     assert (out["perplexity"]["seq64"]["windows"], out["perplexity"]["seq96"]["windows"]) == (15, 10)
@@ -112,7 +113,7 @@ def test_window_lengths_with_no_common_token_count_are_refused():
     options = EvaluationSettings(enabled=True, perplexity_seqs=[100, 127], perplexity_tokens=150)
     with pytest.raises(ValueError, match=r"evaluation.perplexity_tokens=150 holds no whole number of windows of every "
                                          r"length in evaluation.perplexity_seqs \[100, 127\].*allowed: .*12700"):
-        options.check("causal_lm")
+        options.check(CAUSAL_LM)
 
 
 @pytest.mark.parametrize("override,pattern", [
@@ -135,7 +136,7 @@ def test_settings_that_failed_late_fail_before_any_work(override, pattern, tmp_p
 
 
 def test_local_task_data_is_checked_before_anything_is_written(tmp_path, data_dir, monkeypatch):
-    import headprune.apps.evaluations as evaluations
+    import headprune.evaluation.llm_suite as evaluations
 
     def no_evaluation(*args, **kwargs):
         raise AssertionError("the evaluation started before its data was checked")

@@ -120,11 +120,11 @@ def test_evaluation_numbers_are_bit_identical_to_the_earlier_implementation(bos)
 
 
 def test_val_is_the_same_implementation_on_bos_free_windows_of_the_held_out_part(data_dir):
-    """`val` (tasks.evaluate over the data module's validation blocks) equals `perplexity` over
+    """`val` (CausalLM.evaluate over the data module's validation blocks) equals `perplexity` over
     `Windows.cut` of the held-out tokens at block_size without BOS, and the data module's
     val_windows() says so in the keys of a perplexity record."""
     from headprune.data.language_model import TextLMDataModule, held_out_start
-    from headprune.tasks import evaluate
+    from headprune.tasks import CAUSAL_LM
 
     tok = ByteTokenizer()
     dm = TextLMDataModule(tok, file="tinyshakespeare/input.txt", data_dir=str(data_dir), block_size=32,
@@ -133,7 +133,7 @@ def test_val_is_the_same_implementation_on_bos_free_windows_of_the_held_out_part
     text = (data_dir / "tinyshakespeare" / "input.txt").read_bytes()
     assert dm.held_out_ids.tolist() == list(text[held_out_start(len(text), 0.1):])
     model = tiny_byte_llama()
-    val = evaluate(model, dm.val_dataloader())
+    val = CAUSAL_LM.evaluate(model, dm.val_dataloader())
     record = perplexity(model, Windows.cut(dm.held_out_ids, 32, max_tokens=6 * 32), batch_size=4)
     assert val == {"loss": record["loss"], "ppl": record["ppl"]}
     assert dm.val_windows() == {k: record[k] for k in ("seq", "windows", "tokens", "targets", "bos")}

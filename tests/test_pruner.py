@@ -156,7 +156,7 @@ def test_the_teacher_is_the_pruners_one_dense_copy(tmp_path, tokenizer):
                     GlobalPolicy(), FlopsBudget(target=0.6, batch=2, seq=8), distill, results=RunResults(tmp_path))
     pruner.step(0, _loaders(tokenizer))
     assert pruner.dense is distill.state.model and (tmp_path / "teacher" / "config.json").is_file()
-    logits, loss = distill.training_loss(pruner.model, tiny_batch(tokenizer))
+    logits, loss = distill.training_loss(pruner.model, tiny_batch(tokenizer), pruner.task)
     assert loss.shape == (6,) and distill.take_train_stats()["teacher_seconds"] > 0
 
 

@@ -6,7 +6,7 @@ from headprune import HeadMask, prune_heads, prune_round
 from headprune.scoring.taylor import taylor_importance
 from headprune.selection.layer_policies import GlobalPolicy, SensitivityPolicy
 from headprune.selection.schedules import Iterative
-from headprune.tasks import forward_logits, per_example_loss
+from headprune.tasks import forward_logits, task_of
 from tests.helpers import tiny_batch, tiny_bert
 
 
@@ -22,7 +22,7 @@ def test_hand_written_prune_and_finetune_loop(tokenizer):
                         loader, round_no=k + 1, eval_loader=loader)
         rounds.append(r)
         for batch in loader:  # one epoch of fine-tuning with the mask in place
-            loss = per_example_loss(model, forward_logits(model.train(), batch), batch).mean()
+            loss = task_of(model).loss(forward_logits(model.train(), batch), batch).mean()
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()

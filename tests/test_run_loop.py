@@ -126,6 +126,11 @@ def test_the_export_is_evaluated_from_its_saved_folder(tmp_path, data_dir, monke
     monkeypatch.setattr(train_app, "save_pruned", broken_save)
     bad = run(compose_train(tmp_path / "bad", data_dir, *TINY_LM, "logger=none"))
     assert bad["final"]["val"] == good["final"]["val"]  # the in-memory model is the same
+    # results.json says which number is which: final.val of the masked model in memory, the
+    # evaluation blocks of the dense model in memory and of the saved export
+    assert good["final"]["val_source"] == "in_memory_masked"
+    assert {w: good["evaluation"][w]["source"] for w in ("dense", "pruned")} == {"dense": "in_memory_dense",
+                                                                                 "pruned": "export"}
     ppl = {name: r["evaluation"]["pruned"]["perplexity"]["seq64"]["ppl"] for name, r in (("good", good), ("bad", bad))}
     assert ppl["good"] != pytest.approx(ppl["bad"], rel=1e-4)
     assert good["evaluation"]["pruned"]["model"] == str(tmp_path / "good" / "export")

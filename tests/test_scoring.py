@@ -11,7 +11,7 @@ from headprune.heads.adapters import get_adapter
 from headprune.heads.hard_concrete import HardConcreteGates
 from headprune.heads.mask import HeadMask
 from headprune.lightning.module import HeadPruneModule
-from headprune.tasks import forward_logits, per_example_loss
+from headprune.tasks import forward_logits, task_of
 from headprune.scoring import METRIC_INFO, METRICS, metric_name, score_heads
 from headprune.scoring.attention import confidence_importance, entropy_importance
 from headprune.scoring.fisher import fisher_importance
@@ -178,7 +178,7 @@ def test_fisher_matches_direct_per_example_gradients(tokenizer):
             contexts = []
             hooks = [adapter.out_proj(block).register_forward_pre_hook(lambda m, args: contexts.append(args[0]))
                      for block in adapter.blocks(model)]
-            loss = per_example_loss(model, forward_logits(model, one), one).sum()
+            loss = task_of(model).loss(forward_logits(model, one), one).sum()
             for h in hooks:
                 h.remove()
             for layer, (c, g) in enumerate(zip(contexts, torch.autograd.grad(loss, contexts))):
@@ -361,7 +361,7 @@ def test_l0_penalty_in_the_lightning_module(tokenizer):
     torch.manual_seed(0)
     loss = module.training_step(batch, 0)
     torch.manual_seed(0)  # the same dropout and gate noise
-    ce = per_example_loss(module.model, module(batch), batch).mean()
+    ce = module.task.loss(module(batch), batch).mean()
     torch.testing.assert_close(loss, ce + 0.05 * gates.expected_l0())
     with torch.no_grad():  # in training the gates are sampled
         torch.manual_seed(1)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 def test_sensitivity_profile_masks_the_weakest_heads_of_one_layer(tokenizer):
-    from headprune.tasks import evaluate
+    from headprune.tasks import CLASSIFICATION
     from headprune.heads.mask import HeadMask
     from headprune.selection.sensitivity import layer_sensitivity, sensitivity_profile
     from tests.helpers import tiny_batch, tiny_bert
@@ -18,11 +18,11 @@ def test_sensitivity_profile_masks_the_weakest_heads_of_one_layer(tokenizer):
     rows = sensitivity_profile(model, mask, scores, batches, shares=[0.25, 1.0])
     assert [(r["layer"], r["share"], r["heads_masked"]) for r in rows] == [
         (None, 0.0, 0), (0, 0.25, 1), (0, 1.0, 4), (1, 0.25, 1), (1, 1.0, 4), (2, 0.25, 1), (2, 1.0, 3)]
-    base = evaluate(model, batches)
+    base = CLASSIFICATION.evaluate(model, batches)
     trial = mask.mask.clone()
     trial[1, 3] = 0.0
     with mask.override(trial):
-        masked = evaluate(model, batches)
+        masked = CLASSIFICATION.evaluate(model, batches)
     assert rows[0]["loss"] == pytest.approx(base["loss"])
     assert rows[3]["loss"] == pytest.approx(masked["loss"])
     assert rows[3]["loss_change"] == pytest.approx(masked["loss"] - base["loss"])

@@ -2,7 +2,7 @@ import torch
 
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
-from headprune.tasks import forward_logits, per_example_loss
+from headprune.tasks import forward_logits, task_of
 from headprune.scoring import score_heads
 from headprune.scoring.taylor import taylor_importance
 from tests.helpers import tiny_batch, tiny_bert
@@ -21,7 +21,7 @@ def _direct_taylor(model, batch) -> torch.Tensor:
         contexts = []
         hooks = [adapter.out_proj(block).register_forward_pre_hook(
             lambda m, args: contexts.append(args[0])) for block in adapter.blocks(model)]
-        loss = per_example_loss(model, forward_logits(model, one), one).sum()
+        loss = task_of(model).loss(forward_logits(model, one), one).sum()
         for h in hooks:
             h.remove()
         grads = torch.autograd.grad(loss, contexts)

@@ -29,7 +29,7 @@ from headprune.recovery import RECOVERIES, Recovery
 from headprune.selection.budgets import BUDGETS, Budget
 from headprune.selection.layer_policies import LAYER_POLICIES, LayerPolicy
 from headprune.selection.schedules import SCHEDULES, Schedule
-from headprune.tasks import evaluate
+from headprune.tasks import CAUSAL_LM
 from tests.helpers import TINY_LM_MODEL, compose_train, tiny_batch, tiny_bert, train_cli
 
 CONF = config_dir()
@@ -492,7 +492,7 @@ def test_pruned_export_reloads_with_the_trained_models_logits(cfg_factory, tmp_p
     dm = TextLMDataModule(ByteTokenizer(), file="tinyshakespeare/input.txt", data_dir=res["config"]["data"]["data_dir"],
                           block_size=32, score_samples=16, max_validation_samples=16, eval_batch_size=8)
     dm.setup()
-    assert evaluate(loaded, dm.val_dataloader())["ppl"] == pytest.approx(res["final"]["val"]["ppl"], rel=1e-5)
+    assert CAUSAL_LM.evaluate(loaded, dm.val_dataloader())["ppl"] == pytest.approx(res["final"]["val"]["ppl"], rel=1e-5)
 
 
 @pytest.mark.parametrize("metric", ["taylor", "fisher", "lrp", "entropy", "confidence", "magnitude", "l0_gates"])

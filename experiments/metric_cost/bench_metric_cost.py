@@ -21,14 +21,14 @@ import torch
 from headprune.heads.mask import HeadMask
 from headprune.data.classification import TextClassificationDataModule
 from headprune.models import build_model, load_tokenizer
-from headprune.tasks import forward_logits, per_example_loss
+from headprune.tasks import CLASSIFICATION, forward_logits
 from headprune.scoring import METRIC_INFO
 
 
 def plain_pass(model, batches) -> None:
     model.eval()
     for batch in batches:
-        per_example_loss(forward_logits(model, batch), batch).mean().backward()
+        CLASSIFICATION.loss(forward_logits(model, batch), batch).mean().backward()
     model.zero_grad(set_to_none=True)
 
 

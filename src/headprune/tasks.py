@@ -2,22 +2,31 @@
 their evaluation, and how a per-position quantity becomes a per-example one.
 
 The single list of tasks (`TASKS`) lives here. A run's task is chosen once: from config
-(`model.task`, checked against the data and the model by `headprune-train`), and everywhere
-below the app from the model itself (`task_of(model)`: its head), never from the shape of the
-logits. Training, evaluation between rounds and the gradient-based metrics all use it, so they
-agree on every number:
+(`model.task`, `get_task`) by `headprune-train`, which checks the data and the loaded model
+against it (`check_model_task`) before any work, and hands that Task to everything below it:
+the Pruner, the LightningModule, the RecoveryContext, the metrics and policies that compute a
+loss, and the evaluations. Objects built by hand through the Python API without a Task read it
+once, when they are built, from the model's head (`checked_task`; plain functions called without
+one: `task_for`, once per call); `task_of(model)` is otherwise only a check of a loaded model
+against the Task it was given (`check_model_task`), never a decision. Training,
+evaluation between rounds and the gradient-based metrics all use the one Task, so they agree on
+every number:
 - classification: cross-entropy of (B, C) logits; validation {"acc", "loss"} (mean per example);
 - causal_lm: mean next-token cross-entropy over each example's real tokens; validation
   {"loss", "ppl"}: the mean loss per token and its exponential, the perplexity;
 - seq2seq_lm (encoder-decoders: Whisper, T5): the decoder's cross-entropy against `labels` (-100
-  unscored), position t predicting labels t; validation {"loss", "ppl"} as causal_lm. It is read
-  from the model (`task_of`) for scoring and evaluation through the Python API; `model.task` (the
+  unscored), position t predicting labels t; validation {"loss", "ppl"} as causal_lm. Through
+  the Python API only (a Task given, or read from the model by `task_for`); `model.task` (the
   training app) does not offer it: its data modules make no encoder-decoder batches.
 
-Perplexity has one implementation, `evaluate` (its causal-LM branch sums `next_token_loss_sum`):
-`val` runs it on the data module's validation blocks (fed as trained on: no BOS, the first
-token of each block unscored), and headprune.evaluation.perplexity runs it on fixed windows of
-held-out text with BOS stated; the two differ only in the windows and the BOS rule they name.
+Validation has one implementation per task, `Task.batch_sums` (a batch's (loss sum, count,
+correct) as a tensor) and `Task.metrics` (the metrics of their totals): `Task.evaluate` sums them
+over a loader (the Pruner's `val`, `headprune.evaluation.perplexity`'s windows), and the
+LightningModule sums them over its validation epoch and its ranks. Perplexity is the causal-LM
+Task's: `val` runs it on the data module's validation blocks (fed as trained on: no BOS, the
+first token of each block unscored), and headprune.evaluation.perplexity runs it on fixed
+windows of held-out text with BOS stated; the two differ only in the windows and the BOS rule
+they name.
 """
 from __future__ import annotations
 
@@ -64,7 +73,7 @@ def batch_size(batch: dict) -> int:
 def next_token_loss_sum(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, int]:
     """(summed next-token cross-entropy, number of targets) of a causal-LM batch: position t
     predicts token t+1 wherever t+1 is real and labelled (`target_weights`), so the first token
-    of every row is context only. The perplexity rule of `evaluate`, which sums these over batches."""
+    of every row is context only. The perplexity rule (`CausalLM.batch_sums`, summed by `Task.evaluate`)."""
     targets = batch.get("labels", batch["input_ids"])[:, 1:]  # (B, T-1)
     if "attention_mask" in batch:
         targets = targets.masked_fill(batch["attention_mask"][:, 1:] == 0, -100)
@@ -74,7 +83,7 @@ def next_token_loss_sum(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor
 
 def target_counts(batch: dict) -> torch.Tensor:
     """(B,) number of next-token targets each causal-LM example's loss averages over, so that
-    sum(per_example_loss * target_counts) / sum(target_counts) is the per-token mean loss."""
+    sum(CausalLM.loss * target_counts) / sum(target_counts) is the per-token mean loss."""
     return target_weights(batch).sum(1)
 
 
@@ -141,23 +150,26 @@ class Task:
     @torch.no_grad()
     def evaluate(self, model: nn.Module, dataloader, device: torch.device | str = "cpu",
                  max_batches: int | None = None) -> dict[str, float]:
-        """`val_metrics` over `dataloader`, in eval mode."""
+        """`val_metrics` over `dataloader`, in eval mode: `batch_sums` summed in float64, then `metrics`."""
         was_training = model.training
         model.eval()
-        totals = [0.0, 0.0, 0.0]  # loss sum, count, correct
+        totals = None  # (3,) float64: loss sum, count, correct
         try:
             for i, batch in enumerate(dataloader):
                 if max_batches is not None and i >= max_batches:
                     break
                 batch = to_device(batch, device)
-                self.accumulate(forward_logits(model, batch, **self.forward_options), batch, totals)
+                sums = self.batch_sums(forward_logits(model, batch, **self.forward_options), batch).double()
+                totals = sums if totals is None else totals + sums
         finally:
             model.train(was_training)
-        if totals[1] == 0:
+        if totals is None or float(totals[1]) == 0:
             raise ValueError("evaluate() got an empty dataloader")
-        return self.metrics(*totals)
+        return self.metrics(*totals.tolist())
 
-    def accumulate(self, logits: torch.Tensor, batch: dict, totals: list[float]) -> None:
+    def batch_sums(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        """(3,) this batch's (loss sum, count, correct) on the logits' device, without a host sync:
+        what `metrics` turns into `val_metrics` once summed over batches (and data-parallel ranks)."""
         raise NotImplementedError
 
     def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
@@ -176,10 +188,10 @@ class Classification(Task):
     def weights(self, batch: dict) -> torch.Tensor:
         return torch.ones(batch["input_ids"].shape[0], device=batch["input_ids"].device)
 
-    def accumulate(self, logits: torch.Tensor, batch: dict, totals: list[float]) -> None:
-        totals[0] += float(self.loss(logits, batch).sum())
-        totals[1] += batch["labels"].shape[0]
-        totals[2] += int((logits.argmax(-1) == batch["labels"]).sum())
+    def batch_sums(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        loss = self.loss(logits, batch).detach()  # (B,)
+        correct = (logits.detach().argmax(-1) == batch["labels"]).sum()
+        return torch.stack([loss.sum(), loss.new_tensor(float(loss.numel())), correct.to(loss.dtype)])
 
     def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
         return {"acc": correct / count, "loss": loss_sum / count}
@@ -209,10 +221,10 @@ class CausalLM(Task):
         weights = target_weights(batch)  # (B, T-1)
         return (values * weights).sum(1) / weights.sum(1).clamp_min(1.0)
 
-    def accumulate(self, logits: torch.Tensor, batch: dict, totals: list[float]) -> None:
-        loss, targets = next_token_loss_sum(logits, batch)  # summed over tokens: a per-token mean
-        totals[0] += loss.item()
-        totals[1] += targets
+    def batch_sums(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        loss = next_token_loss_sum(logits, batch)[0].detach()  # summed over tokens: a per-token mean
+        targets = target_weights(batch).sum()
+        return torch.stack([loss, targets.to(loss.dtype), loss.new_zeros(())])
 
     def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
         loss = loss_sum / count
@@ -241,9 +253,10 @@ class Seq2SeqLM(Task):
         weights = (batch["labels"] != -100).float()  # (B, T)
         return (values * weights).sum(1) / weights.sum(1).clamp_min(1.0)
 
-    def accumulate(self, logits: torch.Tensor, batch: dict, totals: list[float]) -> None:
-        totals[0] += float((self.loss(logits, batch) * self.weights(batch)).sum())
-        totals[1] += float(self.weights(batch).sum())
+    def batch_sums(self, logits: torch.Tensor, batch: dict) -> torch.Tensor:
+        weights = self.weights(batch)  # (B,)
+        loss = (self.loss(logits, batch).detach() * weights).sum()
+        return torch.stack([loss, weights.sum().to(loss.dtype), loss.new_zeros(())])
 
     def metrics(self, loss_sum: float, count: float, correct: float) -> dict[str, float]:
         loss = loss_sum / count
@@ -266,27 +279,51 @@ def check_task(name: str) -> str:
     return get_task(name).name
 
 
-def task_of(model: nn.Module) -> Task:
-    """The task a model's head does: causal LM when its architectures (else its class) end in
-    ForCausalLM / LMHeadModel, seq2seq LM for an encoder-decoder's ForConditionalGeneration,
-    classification otherwise. The one place a model's task is read."""
-    names = model.config.architectures or [type(model).__name__]
-    if getattr(model.config, "is_encoder_decoder", False) and any(a.endswith("ForConditionalGeneration")
-                                                                  for a in names):
+def task_of(model) -> Task:
+    """The task a loaded model's head does (a model, or its config): causal LM when its
+    architectures (else its class) end in ForCausalLM / LMHeadModel, seq2seq LM for an
+    encoder-decoder's ForConditionalGeneration, classification otherwise. A check only
+    (`check_model_task`, `task_for`): code below the app is handed its Task, never reads it here."""
+    names = _architectures(model)
+    config = getattr(model, "config", model)
+    if getattr(config, "is_encoder_decoder", False) and any(a.endswith("ForConditionalGeneration") for a in names):
         return SEQ2SEQ_LM
     return CAUSAL_LM if any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in names) else CLASSIFICATION
 
 
-def is_causal_lm(model: nn.Module) -> bool:
-    return task_of(model) is CAUSAL_LM
+def _architectures(model) -> list[str]:
+    """The architectures a model's (or config's) config names, else the model's class name."""
+    config = getattr(model, "config", model)
+    names = list(getattr(config, "architectures", None) or [])
+    return names or ([type(model).__name__] if hasattr(model, "config") else [])
 
 
-def per_example_loss(model: nn.Module, logits: torch.Tensor, batch: dict) -> torch.Tensor:
-    """(B,) the loss of each example, by the task of `model`."""
-    return task_of(model).loss(logits, batch)
+def check_model_task(model, task: Task, setting: str = "model.task") -> Task:
+    """`task` once the loaded `model` (or its config) is seen to have a head for it; a ValueError
+    naming `setting`, the model's head and the allowed values otherwise (before any work)."""
+    found = task_of(model)
+    if found is not task:
+        head = ", ".join(_architectures(model)) or "a config naming no architectures"
+        names = ", ".join(TASKS)
+        raise ValueError(f"{setting}={task.name} does not fit the model: its head ({head}) does {found.name}; allowed: "
+                         f"{setting}={found.name} for this model ({setting} takes {names}), or a model with a "
+                         f"{task.name} head")
+    return task
 
 
-def evaluate(model: nn.Module, dataloader, device: torch.device | str = "cpu",
-             max_batches: int | None = None) -> dict[str, float]:
-    """Validation metrics of `model`'s task over `dataloader` (`Task.evaluate`)."""
-    return task_of(model).evaluate(model, dataloader, device, max_batches)
+def task_for(model, task: Task | str | None = None) -> Task:
+    """The Task a function below the app computes with: `task` as given (a Task: the run's, checked
+    where it was built; a name: `get_task`'s), else the model's head's (`task_of`), which a
+    Python-API caller that passed none gets, read once per call."""
+    if task is None:
+        return task_of(model)
+    return get_task(task) if isinstance(task, str) else task
+
+
+def checked_task(model, task: Task | str | None = None, setting: str = "task") -> Task:
+    """The Task an object built on `model` keeps for its life (the Pruner, the LightningModule),
+    decided once when it is built: `task` (a Task, or a name `get_task` knows) checked against the
+    model's head (`check_model_task`, naming `setting`); without one, the model's head's."""
+    if task is None:
+        return task_of(model)
+    return check_model_task(model, task_for(model, task), setting)

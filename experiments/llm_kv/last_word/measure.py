@@ -60,7 +60,7 @@ def main(argv: list[str]) -> None:
     from headprune.evaluation import zero_shot
     from headprune.models.build import build_model, load_tokenizer
     from headprune.selection.layer_policies import UniformPolicy
-    from headprune.tasks import evaluate
+    from headprune.tasks import CAUSAL_LM
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -103,7 +103,7 @@ def main(argv: list[str]) -> None:
         extra = {"pruned_heads": report["round"]["pruned"],
                  "same_heads_as_committed": report["round"]["pruned"] == committed["rounds"][0]["pruned"]}
         if args.val:
-            extra |= {"val": evaluate(model, dm.val_dataloader()), "committed_round_val": committed["rounds"][0]["val"],
+            extra |= {"val": CAUSAL_LM.evaluate(model, dm.val_dataloader()), "committed_round_val": committed["rounds"][0]["val"],
                       "committed_final_val": committed["final"]["val"]}
         measure(name, model, extra)
     from headprune.deploy.hf import load_pruned
@@ -117,7 +117,7 @@ def main(argv: list[str]) -> None:
         extra = {"export": str(Path(args.runs) / name / "export"), "heads_per_layer": heads, "kv_heads_per_layer": kv,
                  "same_heads_per_layer_as_committed": heads == committed["final"]["heads_per_layer"]}
         if args.val:
-            extra |= {"val": evaluate(model, dm.val_dataloader()), "committed_final_val": committed["final"]["val"]}
+            extra |= {"val": CAUSAL_LM.evaluate(model, dm.val_dataloader()), "committed_final_val": committed["final"]["val"]}
         measure(name, model, extra)
 
 

@@ -1,7 +1,7 @@
 """Perplexity on a corpus not calibrated on (SST-2's validation sentences) beside Tiny Shakespeare's
 held-out part, for SmolLM2-135M dense and pruned as experiment=llm_kv's arms (issue 30's overfitting
 guard): the same windows as evaluation.perplexity_other (seq 2048, the first 8,192 tokens, BOS),
-through the same code (headprune.apps.evaluations.evaluate_llm, perplexity only). The main-corpus
+through the same code (headprune.evaluation.llm_suite.evaluate_llm, perplexity only). The main-corpus
 numbers of each arm are compared with its committed llm_kv result (a reproduction check: the
 committed ones were measured on the saved export, these on the masked model in memory).
 
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> None:
     import torch
 
     from headprune import HeadMask, prune_to_budget
-    from headprune.apps.evaluations import EvaluationSettings, evaluate_llm
+    from headprune.evaluation.llm_suite import EvaluationSettings, evaluate_llm
     from headprune.data.language_model import TextLMDataModule
     from headprune.models.build import build_model, load_tokenizer
     from headprune.selection.layer_policies import UniformPolicy

@@ -2,7 +2,7 @@
 was saved (the machine's out-of-memory killer ended the refit runs of 2026-12-01 during their
 evaluation): the saved export is loaded as the app loads it (`load_pruned`, float32, CPU), the
 data module is rebuilt from the run's own `.hydra/config.yaml`, and the same code as the app
-(`headprune.apps.evaluations.evaluate_llm`, the run's evaluation settings) evaluates it. The
+(`headprune.evaluation.llm_suite.evaluate_llm`, the run's evaluation settings) evaluates it. The
 run's results.json gains `evaluation` (header + pruned) and `finished_by` (this command, when,
 why); nothing else in it changes.
 
@@ -22,7 +22,7 @@ def main(run: Path) -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from headprune.apps import evaluations
+    from headprune.evaluation import llm_suite as evaluations
     from headprune.apps.components import build
     from headprune.apps.config_schema import register_schemas
     from headprune.deploy.hf import load_pruned

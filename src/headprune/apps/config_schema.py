@@ -20,6 +20,7 @@ from typing import Any, List, Optional, Union
 from hydra.core.config_store import ConfigStore
 
 METRIC_POSITIONAL = 3  # a metric's inputs: (model, mask, dataloader)
+METRIC_RUN_INPUTS = ("task",)  # what the run hands a metric (its Task, scoring.score), never a config field
 
 
 def _omegaconf_type(annotation: Any) -> Any:
@@ -52,7 +53,8 @@ def schema_for_function(name: str, fn, n_positional: int):
     fields = [("_target_", str, dataclasses.field(default=f"{fn.__module__}.{fn.__name__}")),
               ("_partial_", bool, dataclasses.field(default=True))]
     for i, param in enumerate(inspect.signature(fn).parameters.values()):
-        if i < n_positional or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL):
+        if i < n_positional or param.kind in (param.VAR_KEYWORD, param.VAR_POSITIONAL) or \
+                param.name in METRIC_RUN_INPUTS:
             continue
         default = None if param.default is inspect.Parameter.empty else param.default
         fields.append((param.name, _omegaconf_type(hints.get(param.name, Any)), _field(default)))
@@ -69,7 +71,7 @@ def schema_for_class(name: str, cls, kind: str):
 
 def register_schemas() -> None:
     """Store every schema in Hydra's ConfigStore (idempotent)."""
-    from headprune.apps.evaluations import EvaluationSettings
+    from headprune.evaluation.llm_suite import EvaluationSettings
     from headprune.data.self_calibration import SelfCalibration
     from headprune.recovery import RECOVERIES
     from headprune.selection.budgets import BUDGETS

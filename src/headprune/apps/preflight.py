@@ -6,11 +6,12 @@ from omegaconf import DictConfig
 
 from headprune.apps.objectives import OBJECTIVES
 from headprune.engine.offload import check_dense_device
+from headprune.tasks import Task, check_model_task
 
 
-def check_settings(cfg: DictConfig, schedule, layer_policy, recovery, budget) -> None:
+def check_settings(cfg: DictConfig, schedule, layer_policy, recovery, budget, task: Task) -> None:
     """What the config alone can tell (the recovery and the budget check their own fit with the
-    schedule and the policy)."""
+    schedule and the policy); `task`: the run's Task (model.task)."""
     for name in ("max_epochs", "min_epochs", "max_steps"):
         if cfg.trainer.get(name) not in (None, -1):
             raise ValueError(f"trainer.{name}={cfg.trainer.get(name)} is not allowed: the schedule sets the number of "
@@ -33,21 +34,23 @@ def check_settings(cfg: DictConfig, schedule, layer_policy, recovery, budget) ->
     if "latency_share" in names and "latency" not in budget.reports:
         raise ValueError("objectives: latency_share is measured under budget=latency only; allowed: kept_share, or "
                          "budget=latency")
-    task = cfg.model.get("task", "classification")
-    for name, needs in (("val_acc", "classification"), ("val_ppl", "causal_lm")):
-        if name in names and task != needs:
-            raise ValueError(f"objectives: {name} is not reported by a model.task={task} run")
+    for name in names:
+        if name.startswith("val_") and name.removeprefix("val_") not in task.val_metrics:
+            raise ValueError(f"objectives: {name} is not reported by a model.task={task.name} run; allowed: "
+                             f"{', '.join('val_' + m for m in task.val_metrics)} or a task-free objective")
 
 
-def check_model(model, schedule, layer_policy, budget) -> None:
-    """What needs the model's shape: the budget fits the model (a head remains, the sequence fits
-    the positions, a KV cache exists), the policy's floor fits a layer."""
+def check_model(model, schedule, layer_policy, budget, task: Task) -> None:
+    """What needs the model's shape: its head does the run's `task` (model.task), the budget fits
+    the model (a head remains, the sequence fits the positions, a KV cache exists), the policy's
+    floor fits a layer."""
     from headprune.heads.adapters import model_shape
 
     from headprune.heads.hybrid import blockwise_refusal
 
+    check_model_task(model, task, "model.task")
     layers, heads = model_shape(model)
-    budget.check_model(model, schedule)
+    budget.check_model(model, schedule, task)
     refusal = getattr(layer_policy, "measures_layout", False) and blockwise_refusal(
         model, f"layer_policy={layer_policy.name}", "layer_policy=global, uniform, depth_prior or sensitivity")
     if refusal:

@@ -19,8 +19,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from omegaconf import DictConfig, OmegaConf
 
 from headprune.apps.components import build, instantiate_group
-from headprune.apps import evaluations, run_dir
-from headprune.apps.evaluations import EvaluationSettings
+from headprune.apps import run_dir
 from headprune.apps.config_paths import config_dir
 from headprune.apps.config_schema import register_schemas
 from headprune.apps.objectives import objectives
@@ -29,6 +28,8 @@ from headprune.apps.resume import check_resume
 from headprune.data import self_calibration
 from headprune.deploy.fold import fold
 from headprune.engine import FitPlan, Runtime, UnavailableRuntime
+from headprune.evaluation import llm_suite
+from headprune.evaluation.llm_suite import EvaluationSettings
 from headprune.deploy.hf import load_pruned, save_pruned
 from headprune.heads.hybrid import layer_report
 from headprune.heads.surgery import count_params
@@ -41,7 +42,7 @@ from headprune.models import load_tokenizer
 from headprune.selection.kv_modes import KVModes
 from headprune.selection.pruner import Pruner
 from headprune.scoring.attention import end_of_sentence_ids
-from headprune.tasks import VAL_METRICS, check_task, headline, max_positions
+from headprune.tasks import Task, get_task, headline, max_positions
 
 log = logging.getLogger(__name__)
 register_schemas()
@@ -60,14 +61,14 @@ def run(cfg: DictConfig) -> dict:
         layer_policy = build(cfg.layer_policy)
         recovery = build(cfg.recovery)
         budget = build(cfg.budget)
-        task = _task(cfg)
-        schedule.check_metrics(VAL_METRICS[task], task)
-        check_settings(cfg, schedule, layer_policy, recovery, budget)
+        task = _task(cfg)  # the run's Task, built once here and handed to everything below
+        schedule.check_metrics(task.val_metrics, task.name)
+        check_settings(cfg, schedule, layer_policy, recovery, budget, task)
         runtime = Runtime.of(cfg.trainer)  # a GPU, device count or precision this machine lacks: refused here
         kv_modes = build(cfg.kv_modes) if cfg.get("kv_modes") else KVModes()
         kv_modes.check(schedule, layer_policy, recovery, budget, block_size=cfg.data.get("block_size"),
                        rearrange=bool(cfg.pruning.rearrange), world_size=runtime.world_size, resuming=bool(ckpt_path))
-        evaluation = evaluations.settings(cfg)
+        evaluation = llm_suite.settings(cfg)
         evaluation.check(task)
         run_dir.refuse_to_overwrite(output_dir, resuming=bool(ckpt_path), overwrite=bool(cfg.get("overwrite", False)))
         if ckpt_path:
@@ -124,10 +125,11 @@ def _launch(runtime: Runtime) -> None:
     runtime.rank, runtime.world_size = fabric.global_rank, fabric.world_size
 
 
-def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, recovery, budget, task: str,
+def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, recovery, budget, task: Task,
            runtime: Runtime | None = None, kv_modes: KVModes | None = None) -> Setup:
-    """Data, model (and teacher) loaded and checked against the settings; the run's objects built.
-    A run without a Trainer places the model where `runtime` says (a Trainer places it itself)."""
+    """Data, model (and teacher) loaded and checked against the settings (first of all, the model's
+    head against `task`); the run's objects built, each given `task`. A run without a Trainer places
+    the model where `runtime` says (a Trainer places it itself)."""
     runtime = runtime or Runtime()
     trains = _trains(cfg, schedule)
     L.seed_everything(cfg.seed, workers=True)
@@ -136,11 +138,11 @@ def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, re
     datamodule = build(cfg.data, tokenizer=tokenizer, **select)
     datamodule.setup("fit")
     model = instantiate(cfg.model)(num_labels=datamodule.num_labels)
+    check_model(model, schedule, layer_policy, budget, task)  # its head does model.task, before any work
     if not trains:
         runtime.place(model)
-    check_model(model, schedule, layer_policy, budget)
     kv_modes = kv_modes or KVModes()
-    kv_modes.check_model(model)
+    kv_modes.check_model(model, task)
     recovery.check_model(model)
     self_calibration.check_datamodule(datamodule, model, trains=trains or recovery.needs_train_data)
     metric = _with_eos_ids(metric, cfg.metric, model, tokenizer)
@@ -165,7 +167,7 @@ def _setup(cfg: DictConfig, output_dir: Path, schedule, metric, layer_policy, re
                                            "(never the validation set reported in val)")
     pruner = Pruner(model, metric, schedule, layer_policy, budget, recovery, mask=module.head_mask,
                     rearrange=bool(cfg.pruning.rearrange), results=results, kv_modes=kv_modes,
-                    dense_device=cfg.pruning.get("dense_device", "run"),
+                    dense_device=cfg.pruning.get("dense_device", "run"), task=task,
                     dense_factory=lambda: runtime.place(instantiate(cfg.model)(num_labels=datamodule.num_labels)))
     pruning = HeadPruning(pruner, diagnostics=_diagnostics_options(cfg),
                           check_consistency=bool(cfg.get("check_consistency", False)),
@@ -255,12 +257,14 @@ def _load_export(directory: Path, model) -> object:
 
 
 def _evaluate(results: RunResults, which: str, setup: Setup, cfg: DictConfig, model, sink: LogSink) -> None:
-    """results.json `evaluation.<which>`: the LLM evaluations of `model` (the dense model, or the
-    export loaded from its folder), also sent to the loggers."""
+    """results.json `evaluation.<which>`: the LLM evaluations of `model` (the dense model in memory,
+    or the export loaded from its folder: `source` says which, `llm_suite.SOURCES`), also sent to
+    the loggers."""
     start = time.perf_counter()
-    block = results.data.setdefault("evaluation", evaluations.header(setup.evaluation, setup.datamodule))
-    block[which] = evaluations.evaluate_llm(model, setup.tokenizer, setup.datamodule, setup.evaluation,
-                                            cfg.data.get("data_dir"))
+    block = results.data.setdefault("evaluation", llm_suite.header(setup.evaluation, setup.datamodule))
+    block[which] = {"source": llm_suite.SOURCES[which],
+                    **llm_suite.evaluate_llm(model, setup.tokenizer, setup.datamodule, setup.evaluation,
+                                             cfg.data.get("data_dir"))}
     if which == "pruned":
         block[which]["model"] = str(results.data["final"].get("export_dir"))
     setup.stages[f"evaluate_{which}"] = round(time.perf_counter() - start, 3)
@@ -288,15 +292,17 @@ def _name_labels(model, datamodule) -> dict | None:
     return {"label2id": {raw: i for i, raw in id2label.items()}, "id2label": {str(i): raw for i, raw in id2label.items()}}
 
 
-def _task(cfg: DictConfig) -> str:
-    """model.task, checked against the data config: a causal-LM data module sets `task: causal_lm`
-    in its class, text classification has none."""
-    task = check_task(cfg.model.get("task", "classification"))
+def _task(cfg: DictConfig) -> Task:
+    """The run's Task, from model.task, checked against the data config (a causal-LM data module
+    sets `task: causal_lm` in its class, text classification has none); the model is checked
+    against it once loaded (`preflight.check_model`)."""
+    task = get_task(cfg.model.get("task", "classification"))
     target = get_class(cfg.data._target_)
-    data_task = getattr(target, "task", "classification")
-    if data_task != task:
-        raise ValueError(f"model.task={task} does not fit data={cfg.data.get('name') or cfg.data._target_}, which "
-                         f"holds {data_task} data; allowed: model.task={data_task}, or a {task} data config")
+    data_task = get_task(getattr(target, "task", "classification"))
+    if data_task is not task:
+        raise ValueError(f"model.task={task.name} does not fit data={cfg.data.get('name') or cfg.data._target_}, which "
+                         f"holds {data_task.name} data; allowed: model.task={data_task.name}, or a {task.name} data "
+                         "config")
     return task
 
 

@@ -24,6 +24,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import List
 
 import torch
@@ -38,7 +39,7 @@ from headprune.costs.flops import model_attention_flops
 from headprune.costs.timing import Case, interleaved
 from headprune.deploy.hf import load_pruned
 from headprune.heads.adapters import get_adapter
-from headprune.tasks import is_causal_lm, max_positions
+from headprune.tasks import CAUSAL_LM, check_model_task, max_positions, task_of
 
 log = logging.getLogger(__name__)
 TOLERANCE = 0.05  # target: per-token speed-up at the longest prompt within 5% of its bound, either side
@@ -71,7 +72,7 @@ def check_causal_lm(pruned_dir: str, setting: str) -> None:
     """The export's config names a causal-LM class (read from config.json, before any load)."""
     config = json.loads((Path(pruned_dir).expanduser() / "config.json").read_text())
     architectures = list(config.get("architectures") or [])
-    if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+    if task_of(SimpleNamespace(architectures=architectures)) is not CAUSAL_LM:
         raise ValueError(f"{setting}={pruned_dir} holds no causal LM ({', '.join(architectures) or 'no architectures'}"
                          "); allowed: exports of a causal LM (an encoder's export: bench.pruned_dir with "
                          "bench.llm.enabled=false)")
@@ -95,8 +96,7 @@ def run(inputs: SectionInputs) -> list[dict]:
     settings, dirs, dense_name = inputs.bench.llm, exports(inputs.bench), origin(inputs.bench)
     models = [load_pruned(d, dtype=inputs.dtype).eval().to(inputs.device) for d in dirs]
     for d, m in zip(dirs, models):
-        if not is_causal_lm(m):
-            raise ValueError(f"bench.llm.pruned_dirs: {d} holds no causal LM; allowed: exports of a causal LM")
+        check_model_task(m, CAUSAL_LM, f"bench.llm (of the export {d}) task")
     dense = load_dense(dense_name, models[0], dirs[0], inputs.device, inputs.dtype)
     variants = exported_variants(dense, models[0], [])[:1]
     for d, m in zip(dirs, models):

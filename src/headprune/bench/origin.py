@@ -18,7 +18,7 @@ from torch import nn
 from headprune.deploy.hf import read_origin
 from headprune.heads.adapters import head_layout
 from headprune.models.build import resolve_pretrained
-from headprune.tasks import is_causal_lm
+from headprune.tasks import CAUSAL_LM, task_for
 
 
 def check_export(pruned_dir: str, setting: str = "bench.pruned_dir") -> None:
@@ -52,7 +52,7 @@ def load_dense(origin: str, exported: nn.Module, pruned_dir: str, device: torch.
     """The dense `origin` as the export's model class (same head: LM or classifier), on `device`,
     checked to have the export's layers, width and vocabulary."""
     config = exported.config
-    extra = {} if is_causal_lm(exported) else {"num_labels": config.num_labels}
+    extra = {} if task_for(exported) is CAUSAL_LM else {"num_labels": config.num_labels}  # the export's head
     dense = type(exported).from_pretrained(resolve_pretrained(origin), dtype=dtype,
                                            attn_implementation=config._attn_implementation, **extra)
     for name, a, b in (("layers", len(head_layout(dense)), len(head_layout(exported))),

@@ -5,7 +5,7 @@ Random-init Llama-family models built from config (`bench.scale.shapes`: SmolLM2
 each called through headprune's own functions, on `samples` x `seq` random calibration tokens:
 
     load        `models.build_model` of the saved checkpoint (what `model=<folder>` does)
-    dense_eval  `tasks.evaluate` (perplexity) of the dense model on the calibration blocks
+    dense_eval  `CausalLM.evaluate` (perplexity) of the dense model on the calibration blocks
     scoring     `get_metric("fisher")`: the Fisher information of the head mask
     allocation  `prune_round` under `budget=kv` (`kv_target` of the dense KV bytes) with
                 `layer_policy=measured` (cost curves, knapsack, corrections), on the scores above
@@ -80,7 +80,7 @@ from headprune.selection.layer_policies import MeasuredPolicy
 from headprune.selection.pruner import Loaders
 from headprune.selection.rounds import prune_round
 from headprune.selection.schedules import OneShot
-from headprune.tasks import evaluate
+from headprune.tasks import CAUSAL_LM
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class _Load(_Stage):
 
 class _DenseEval(_Stage):
     def run(self, state):
-        return evaluate(state["model"], blocks(state["job"], seed=0), "cpu")
+        return CAUSAL_LM.evaluate(state["model"], blocks(state["job"], seed=0), "cpu")
 
 
 class _Scoring(_Stage):
@@ -248,7 +248,7 @@ class _Refit(_Stage):
     def run(self, state):
         record = {"round": 1}
         ctx = RecoveryContext(state["model"], state["mask"], Loaders(score=blocks(state["job"], seed=0)),
-                              dense=state["dense"])
+                              dense=state["dense"], task=CAUSAL_LM)
         state["refit"].after_round(ctx, record)
         report = record["refit"]
         return {"tokens": report["tokens"], "block_runs": report["block_runs"]}
@@ -265,7 +265,7 @@ class _KL(_Stage):
         distill = Distill(steps=job["kl_steps"], alpha=1.0, temperature=1.0, teacher_logits=job["teacher_logits"])
         distill.check_model(student)
         ctx = RecoveryContext(student, mask, Loaders(score=blocks(job, seed=0), train=blocks(job, seed=1)),
-                              dense=teacher)
+                              dense=teacher, task=CAUSAL_LM)
         distill.before_first_round(ctx)
         if not distill.keeps_dense:  # a cached teacher: the run frees its dense copy (Pruner._start)
             ctx.dense = None

@@ -21,7 +21,7 @@ from torch import nn
 from headprune.bench.origin import load_dense, origin_of
 from headprune.bench.variants import KINDS, Variant, build_variants, exported_variants
 from headprune.costs.timing import Clock
-from headprune.tasks import is_causal_lm
+from headprune.tasks import CAUSAL_LM, task_for
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ class SectionInputs:
 
     @property
     def exported_is_lm(self) -> bool:
-        return self.exported is not None and is_causal_lm(self.exported)
+        return self.exported is not None and task_for(self.exported) is CAUSAL_LM  # the loaded export's head
 
     def exported_variants(self, kinds) -> tuple[str, list[Variant]]:
         """(model name, variants) around the exported model, against the dense model it was pruned

@@ -49,6 +49,7 @@ from torch import nn
 from headprune.atomic import staged_file
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.windows import windows_refusal
+from headprune.tasks import CAUSAL_LM, task_of
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +108,8 @@ def gguf_refusal(model: nn.Module) -> str | None:
             f"model_type={model_type!r}"
         return (f"{kind} has no Llama-style decoder with rotary positions in the layout llama.cpp's llama/deci "
                 f"architectures compute; allowed model_types: {', '.join(FAMILIES)}")
-    if not hasattr(model, "lm_head"):
-        return f"{type(model).__name__} is no causal LM (no lm_head); allowed: *ForCausalLM models"
+    if task_of(model) is not CAUSAL_LM:  # a check of the model's head
+        return f"{type(model).__name__} is no causal LM (its head does {task_of(model).name}); allowed: *ForCausalLM models"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"hidden_act={config.hidden_act!r}: llama.cpp's llama/deci FFN is SiLU-gated; allowed: silu"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}

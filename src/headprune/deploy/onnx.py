@@ -26,16 +26,16 @@ from torch import nn
 from headprune.heads.stacks import stacked
 from headprune.heads.latent import onnx_refusal
 from headprune.heads.windows import windows_refusal
-from headprune.tasks import is_causal_lm
+from headprune.tasks import CAUSAL_LM, Task, task_for
 
 
 class _Logits(nn.Module):
     """The model as a function of tensors to logits (no cache, no output dataclass)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, task: Task):
         super().__init__()
         self.model = model
-        self.extra = {"use_cache": False} if is_causal_lm(model) else {}
+        self.extra = dict(task.forward_options)  # a causal LM runs without its KV cache
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,7 +62,8 @@ def example_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 
 
 
 def export_onnx(model: nn.Module, path: str | Path, batch: int = 2, seq: int = 16) -> Path:
-    """Write `model` as ONNX to `path` (dynamic batch and sequence axes); returns the path."""
+    """Write `model` as ONNX to `path` (dynamic batch and sequence axes); returns the path. The
+    graph runs the forward of the task the saved model's head does (`task_for`, read once here)."""
     windowed = windows_refusal(model, "this ONNX export (torch.export does not trace the per-head window masks)")
     if windowed:
         raise ValueError(windowed)
@@ -78,7 +79,7 @@ def export_onnx(model: nn.Module, path: str | Path, batch: int = 2, seq: int = 1
     path.parent.mkdir(parents=True, exist_ok=True)
     names = input_names(model)
     example = example_inputs(model, batch, seq)
-    wrapper = _Logits(model.eval()).eval()
+    wrapper = _Logits(model.eval(), task_for(model)).eval()
     dynamic = {name: {0: "batch", 1: "seq"} for name in names}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
@@ -167,7 +168,7 @@ def check_onnx(model: nn.Module, path: str | Path, batch: int = 3, seq: int = 11
     got = torch.from_numpy(session.run(None, {k: v.cpu().numpy() for k, v in example.items()})[0])
     shape = list(got.shape)
     want = model.eval()(**example).logits.float().cpu()
-    if is_causal_lm(model):
+    if task_for(model) is CAUSAL_LM:  # the export of a saved model: its head says what it computes
         real = example["attention_mask"].bool().cpu()
         got, want = got[real], want[real]
     return {**agreement(got, want), "batch": batch, "seq": seq, "logits_shape": shape}

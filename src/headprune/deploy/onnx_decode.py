@@ -36,6 +36,7 @@ from transformers.cache_utils import DynamicCache
 from headprune.heads.headless import HeadlessCacheLayer
 from headprune.heads.latent import onnx_refusal
 from headprune.heads.windows import windows_refusal
+from headprune.tasks import CAUSAL_LM, task_of
 
 DECODE_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
@@ -51,7 +52,7 @@ def present_names(layers: int) -> list[str]:
 def decode_problem(config) -> str | None:
     """Why a model with this config cannot get a decode graph; None when it can."""
     architectures = list(getattr(config, "architectures", None) or [])
-    if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+    if task_of(config) is not CAUSAL_LM:  # a check of the saved model's head
         return (f"the model ({', '.join(architectures) or 'no architectures in its config'}) is not a causal LM: "
                 "the decode graph (past key/values) is for decoders (ForCausalLM / LMHeadModel); "
                 "export an encoder with --onnx alone")

@@ -11,7 +11,7 @@ tokens of the window are scored (the first one given BOS alone); with `bos=False
 is fed as is and its first token, which has no context, is not scored (`seq - 1` targets).
 The result records which ("bos") and how many predictions the loss averages over ("targets").
 
-One implementation: `perplexity` runs `headprune.tasks.evaluate` (what `val` runs on the data
+One implementation: `perplexity` runs `CausalLM.evaluate` (headprune.tasks; what `val` runs on the data
 module's validation blocks, which are `bos=False` windows of data.block_size from the held-out
 part's first token) on the windows' inputs, so `val` and `evaluation` differ only in the windows
 and the BOS rule each record names.
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from headprune.data.language_model import held_out_start
-from headprune.tasks import evaluate
+from headprune.tasks import CAUSAL_LM, check_model_task
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,8 @@ def perplexity(model: nn.Module, windows: Windows, batch_size: int = 8) -> dict:
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1")
+    check_model_task(model, CAUSAL_LM, "perplexity's task")
     device = next(model.parameters()).device
-    val = evaluate(model, [{"input_ids": batch} for batch in windows.inputs().split(batch_size)], device)
+    val = CAUSAL_LM.evaluate(model, [{"input_ids": batch} for batch in windows.inputs().split(batch_size)], device)
     return {"seq": windows.seq, "windows": windows.ids.shape[0], "tokens": windows.ids.numel(),
             "targets": windows.targets, "bos": windows.bos, **val}

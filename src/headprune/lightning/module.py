@@ -1,7 +1,9 @@
 """The LightningModule: an HF model with a HeadMask, trained with a per-example loss.
 
-Sequence classification logs accuracy and loss; a causal LM logs the per-token loss and the
-perplexity (its exponential), the same numbers `headprune.tasks.evaluate` reports.
+Validation is the run's Task's (headprune.tasks): each batch's `Task.batch_sums`, summed over the
+epoch and the data-parallel ranks, then `Task.metrics`, logged as `val/<metric>`: accuracy and
+loss for sequence classification, the per-token loss and the perplexity for a causal LM, the same
+numbers `Task.evaluate` reports.
 """
 from __future__ import annotations
 
@@ -10,15 +12,13 @@ from typing import Callable
 import lightning as L
 import torch
 from torch import nn
-from torchmetrics import MeanMetric
-from torchmetrics.classification import MulticlassAccuracy
 
 from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.hard_concrete import HardConcreteGates
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import apply_layout
 from headprune.recovery.base import Recovery
-from headprune.tasks import CAUSAL_LM, CLASSIFICATION, forward_logits, get_task
+from headprune.tasks import CLASSIFICATION, Task, checked_task, forward_logits
 
 
 class HeadPruneModule(L.LightningModule):
@@ -30,18 +30,19 @@ class HeadPruneModule(L.LightningModule):
     `metric=l0_gates metric.finetune=true` sets it to `metric.penalty`): gates are sampled in
     training, deterministic at evaluation, `l0_penalty` x the expected number of open heads is
     added to the loss, and the gates train at learning rate `l0_lr` (`metric.lr`).
-    `task` (model.task): "classification" (needs `num_labels`) or "causal_lm".
+    `task`: the run's Task, or its name (model.task: "classification", which needs `num_labels`, or
+    "causal_lm"), checked against the model's head; None: the head's, read once here.
     `recovery`: its `training_loss` is every training step's loss (the task loss, or under
     `recovery=distill` the mix with the teacher's, once the Pruner gave it a teacher).
     """
 
     def __init__(self, model: nn.Module, num_labels: int | None, optimizer: Callable | None = None,
                  scheduler: Callable | None = None, l0_penalty: float = 0.0, l0_lr: float = 0.1,
-                 task: str = "classification", recovery: Recovery | None = None):
+                 task: Task | str | None = None, recovery: Recovery | None = None):
         super().__init__()
-        if get_task(task) is CLASSIFICATION and not num_labels:
+        self.task = checked_task(model, task, "model.task")  # a Task (tasks.py): loss, weights, metrics
+        if self.task is CLASSIFICATION and not num_labels:
             raise ValueError(f"model.task=classification needs the number of classes, got num_labels={num_labels!r}")
-        self.task = get_task(task)  # a Task (tasks.py): loss, weights, metrics
         self.recovery = recovery if recovery is not None else Recovery()
         self.nonfinite_loss: float | None = None
         self.model = model.train()  # from_pretrained returns eval mode; fine-tuning wants dropout
@@ -53,10 +54,7 @@ class HeadPruneModule(L.LightningModule):
         self.l0_penalty, self.l0_lr = l0_penalty, l0_lr
         if l0_penalty > 0:
             self.head_mask.stochastic = HardConcreteGates(self.head_mask.num_layers, self.head_mask.num_heads)
-        if task == "classification":
-            self.val_acc = MulticlassAccuracy(num_classes=num_labels, average="micro")
-        else:
-            self.val_token_loss = MeanMetric()  # per-token mean over the epoch (and ranks)
+        self._val_sums: torch.Tensor | None = None  # (3,) this rank's epoch so far: Task.batch_sums
 
     def forward(self, batch: dict) -> torch.Tensor:
         return forward_logits(self.model, batch)
@@ -72,7 +70,7 @@ class HeadPruneModule(L.LightningModule):
             apply_layout(self.model, checkpoint[LAYOUT_ATTR])
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        logits, losses = self.recovery.training_loss(self.model, batch)
+        logits, losses = self.recovery.training_loss(self.model, batch, self.task)
         loss = losses.mean()
         if self._any_rank(not bool(torch.isfinite(loss))):
             # the pruning callback stops the run on every rank, rolls the weights back and says where
@@ -106,15 +104,9 @@ class HeadPruneModule(L.LightningModule):
         """Accumulates only. `on_validation_epoch_end` reduces across ranks, on every rank at the same
         point, and logs plain tensors: nothing the progress bar reads (on rank 0 alone) can start a
         collective that the other ranks never join (Lightning issue 21264: DDP hangs)."""
-        logits = self(batch)
-        losses = self.task.loss(logits, batch)  # (B,)
-        if self.task is CAUSAL_LM:
-            self.val_token_loss.update(losses, weight=self.task.weights(batch))
-            return
-        self.val_acc.update(logits.argmax(-1), batch["labels"])
-        sums = torch.stack([losses.detach().sum(), losses.new_tensor(float(losses.numel()))])
-        previous = getattr(self, "_val_loss_sums", None)  # (loss sum, examples) of this rank's epoch so far
-        self._val_loss_sums = sums if previous is None else previous + sums
+        logits = forward_logits(self.model, batch, **self.task.forward_options)
+        sums = self.task.batch_sums(logits, batch).double()  # (3,) loss sum, count, correct
+        self._val_sums = sums if self._val_sums is None else self._val_sums + sums
 
     def on_validation_epoch_end(self) -> None:
         """Every rank computes the epoch's metrics here (the collectives run on all ranks together) and
@@ -126,21 +118,13 @@ class HeadPruneModule(L.LightningModule):
         warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('(val|train)/",
                                 category=PossibleUserWarning)  # val/* are reduced already; train/acc is
         # this rank's on purpose (sync_dist would make it a collective the progress bar starts alone)
-        if self.task is CAUSAL_LM:
-            loss = self.val_token_loss.compute()
-            self.val_token_loss.reset()
-            self.log("val/loss", loss, prog_bar=True)
-            self.log("val/ppl", loss.exp(), prog_bar=True)
-            return
-        sums = getattr(self, "_val_loss_sums", None)
+        sums, self._val_sums = self._val_sums, None
         if sums is None:  # no validation batch on this run
             return
-        self._val_loss_sums = None
         if self._trainer is not None and self._trainer.world_size > 1:
             sums = self._trainer.strategy.reduce(sums, reduce_op="sum")
-        self.log("val/loss", sums[0] / sums[1], prog_bar=True)
-        self.log("val/acc", self.val_acc.compute(), prog_bar=True)
-        self.val_acc.reset()
+        for name, value in self.task.metrics(*sums.tolist()).items():  # the Task's val_metrics
+            self.log(f"val/{name}", value, prog_bar=True)
 
     def configure_optimizers(self):
         if self.optimizer_factory is None:

@@ -14,7 +14,8 @@ Hooks, in the order a run meets them:
 - `resume(ctx)`: instead of the above, when a run continues after round 1; returns the unpruned
   model when it restores one (a saved teacher), for the run to keep as its dense copy;
 - `after_round(ctx, record)`: after each round's heads are masked (tuning, step training);
-- `training_loss(model, batch)`: the per-example loss of every fine-tuning step.
+- `training_loss(model, batch, task)`: the per-example loss of every fine-tuning step, `task`
+  being the run's Task (the Pruner's, the LightningModule's: one object for the run).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from torch import nn
 
 from headprune.engine.step_fit import FitPlan
 from headprune.heads.mask import HeadMask
-from headprune.tasks import evaluate, forward_logits, per_example_loss
+from headprune.tasks import Task, forward_logits, task_for
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,9 @@ class RecoveryContext:
     copy when the recovery (or the budget) needs one; `run_dir` is None outside a run folder;
     `writer` is False on the data-parallel ranks that must not write files; `fit`: where and how a
     step budget trains (the run's device, precision, strategy, checkpoints, loggers; None: one process
-    where the model is, no checkpoints)."""
+    where the model is, no checkpoints); `task`: the run's Task, whose loss a recovery trains on and
+    whose metrics `evaluate` reports (a context built by hand without one reads the model's head
+    once, here)."""
 
     model: nn.Module
     mask: HeadMask
@@ -55,11 +58,16 @@ class RecoveryContext:
     writer: bool = True
     max_batches: int | None = None
     fit: FitPlan | None = None
+    task: Task | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            self.task = task_for(self.model, self.task)
 
     def evaluate(self, loader: Iterable | None) -> dict | None:
         if loader is None:
             return None
-        return evaluate(self.model, loader, self.mask.mask.device, max_batches=self.max_batches)
+        return self.task.evaluate(self.model, loader, self.mask.mask.device, max_batches=self.max_batches)
 
 
 class Recovery:
@@ -94,10 +102,10 @@ class Recovery:
     def after_round(self, ctx: RecoveryContext, record: dict) -> None:
         pass
 
-    def training_loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, per-example loss (B,)) of one training batch."""
+    def training_loss(self, model: nn.Module, batch: dict, task: Task) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, per-example loss (B,)) of one training batch: `task`'s loss (the run's Task)."""
         logits = forward_logits(model, batch)
-        return logits, per_example_loss(model, logits, batch)
+        return logits, task.loss(logits, batch)
 
     def take_train_stats(self) -> dict:
         """Extra per-round training figures (e.g. the teacher's forward time), reset after reading."""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from headprune.recovery.base import AFTER_RECOVERY, Recovery, RecoveryContext
+from headprune.tasks import Task
 
 DONE = "chain_done"  # a round's record while its chain runs: the stages already finished
 
@@ -134,12 +135,12 @@ class Chain(Recovery):
         del record[DONE]
         record["chain"] = list(self.names)
 
-    def training_loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def training_loss(self, model: nn.Module, batch: dict, task: Task) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss of the stage that trains in the schedule's epochs (the task loss when none does)."""
         for part in self.parts:
             if part.trains:
-                return part.training_loss(model, batch)
-        return super().training_loss(model, batch)
+                return part.training_loss(model, batch, task)
+        return super().training_loss(model, batch, task)
 
     def take_train_stats(self) -> dict:
         stats: dict = {}

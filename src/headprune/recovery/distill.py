@@ -210,7 +210,7 @@ class Distilling(Recovery):
     def build_cache(self, ctx: RecoveryContext) -> None:
         """teacher_logits=cached: the teacher's top-k over the training text, once; the teacher is let go."""
         self.state.cache = build_teacher_cache(self.state.model, training_loader(ctx.loaders, self.record_key),
-                                               task_of(ctx.model), self.temperature, self.topk)
+                                               ctx.task, self.temperature, self.topk)
         self.state.model = None
 
     def resume(self, ctx: RecoveryContext) -> nn.Module | None:
@@ -235,7 +235,7 @@ class Distilling(Recovery):
             extra.update(teacher=f"cached top-{self.topk}", teacher_cache_seconds=self.state.cache.seconds)
         plan = ctx.fit if ctx.fit is not None else FitPlan(seed=record["round"])
         plan.checkpoint_every = self.checkpoint_every
-        report = fit_steps(ctx.model, train, lambda model, batch: self.training_loss(model, batch)[1].mean(),
+        report = fit_steps(ctx.model, train, lambda model, batch: self.training_loss(model, batch, ctx.task)[1].mean(),
                            self.steps, self.lr, self.max_grad_norm, plan=plan,
                            label=f"round {record['round']}: {self.record_key}")
         report.update(extra, **self.take_train_stats(), seconds=round(time.perf_counter() - start, 3))
@@ -245,16 +245,15 @@ class Distilling(Recovery):
         log.info("round %d: %s, %d steps in %.1f s, loss %.4f -> %.4f; val %s", record["round"], self.record_key,
                  self.steps, report["seconds"], report["loss_first"], report["loss_last"], record.get(AFTER_RECOVERY))
 
-    def training_loss(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The task loss until a teacher is in; then the mix of the module docstring."""
-        task = task_of(model)
+    def training_loss(self, model: nn.Module, batch: dict, task: Task) -> tuple[torch.Tensor, torch.Tensor]:
+        """`task`'s loss (the run's Task) until a teacher is in; then the mix of the module docstring."""
         if self.state.cache is not None and EXAMPLE_INDEX in batch:  # no teacher forward: its cached top-k
             logits, _ = forward_outputs(model, batch)
             kd = cached_kd_loss(logits, self.state.cache, batch, self.temperature, task)
             return logits, self.alpha * kd + (1 - self.alpha) * task.loss(logits, batch)
         teacher = self.state.model
         if teacher is None:
-            return super().training_loss(model, batch)
+            return super().training_loss(model, batch, task)
         device = batch["input_ids"].device
         if compute_device(teacher) != device and offload_of(teacher) is None:  # a streamed copy stays in host memory
             teacher.to(device)
@@ -293,7 +292,7 @@ def load_teacher(folder: Path, student: nn.Module, hidden_weight: float, setting
         teacher = load_pruned(folder)
     except (OSError, ValueError, RuntimeError) as err:
         raise ValueError(f"{setting} cannot be loaded: {err}") from None
-    if task_of(teacher) is not task_of(student):
+    if task_of(teacher) is not task_of(student):  # a check of two loaded models' heads
         raise ValueError(f"{setting} is a {type(teacher).__name__}, the model being pruned "
                          f"a {type(student).__name__}: a teacher must do the same task")
     for name in ("vocab_size", "num_labels"):

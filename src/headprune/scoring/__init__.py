@@ -1,8 +1,11 @@
 """Head-importance metrics. Every metric is a plain function
 `fn(model, mask, dataloader, **options) -> (layers, heads) tensor`, higher = more important,
-with pruned heads scored 0 (selection never ranks them again)."""
+with pruned heads scored 0 (selection never ranks them again). A metric that computes a task's
+loss or logits (taylor, fisher, lrp, l0_gates) has a `task` parameter: a run passes it its Task
+(`score`); called by hand without one, it reads the model's head once per call."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -64,6 +67,22 @@ def get_metric(name: str) -> Callable[..., torch.Tensor]:
     if name not in METRICS:
         raise ValueError(f"metric={name!r} is not a known metric; allowed: {', '.join(sorted(METRICS))}")
     return METRICS[name]
+
+
+def takes_task(fn: Callable) -> bool:
+    """Whether metric `fn` (a function or a partial of one) has a `task` parameter."""
+    try:
+        return "task" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+
+
+def score(metric: Callable, model, mask, dataloader, task=None, **options) -> torch.Tensor:
+    """`metric`'s scores, given the run's `task` when the metric has a `task` parameter (a metric
+    that computes no loss has none and needs none)."""
+    if task is not None and takes_task(metric):
+        options["task"] = task
+    return metric(model, mask, dataloader, **options)
 
 
 def score_heads(model, dataloader, metric: str = "taylor", mask=None, **options) -> torch.Tensor:

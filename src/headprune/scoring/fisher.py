@@ -14,21 +14,24 @@ import torch
 from torch import nn
 
 from headprune.heads.mask import HeadMask
+from headprune.tasks import Task
 from headprune.scoring.reduce import finish_scores, mean_over_ranks, per_example_gate_grads
 
 
 def fisher_importance(model: nn.Module, mask: HeadMask, dataloader,
-                      max_batches: int | None = None) -> torch.Tensor:
-    """(layers, heads) mean squared per-example gate gradient; pruned heads score 0."""
+                      max_batches: int | None = None, task: Task | None = None) -> torch.Tensor:
+    """(layers, heads) mean squared per-example gate gradient of `task`'s loss (the run's Task;
+    None: the model's head's); pruned heads score 0."""
     total = torch.zeros_like(mask.mask, dtype=torch.float64)
     count = 0
-    for grad in per_example_gate_grads(model, mask, dataloader, max_batches):  # (B, L, H)
+    for grad in per_example_gate_grads(model, mask, dataloader, max_batches, task):  # (B, L, H)
         total += grad.pow(2).sum(0)
         count += grad.shape[0]
     return finish_scores(mean_over_ranks(total, count), mask)
 
 
-def fisher_blocks(model: nn.Module, mask: HeadMask, dataloader, max_batches: int | None = None) -> torch.Tensor:
+def fisher_blocks(model: nn.Module, mask: HeadMask, dataloader, max_batches: int | None = None,
+                  task: Task | None = None) -> torch.Tensor:
     """(layers, heads, heads) the block-diagonal empirical Fisher of the head mask: per layer,
     E_x g g^T with g the per-example gradient of the loss w.r.t. that layer's head gates (Kwon et
     al.'s per-layer Fisher, which lets mask rearrangement see how heads of a layer interact). Its
@@ -36,7 +39,7 @@ def fisher_blocks(model: nn.Module, mask: HeadMask, dataloader, max_batches: int
     total = torch.zeros(mask.num_layers, mask.num_heads, mask.num_heads, dtype=torch.float64,
                         device=mask.mask.device)
     count = 0
-    for grad in per_example_gate_grads(model, mask, dataloader, max_batches):  # (B, L, H)
+    for grad in per_example_gate_grads(model, mask, dataloader, max_batches, task):  # (B, L, H)
         total += torch.einsum("blh,blg->lhg", grad, grad)
         count += grad.shape[0]
     blocks = mean_over_ranks(total, count)

@@ -26,18 +26,21 @@ from torch import nn
 from headprune.distributed import all_reduce_sum, rank_and_world
 from headprune.heads.hard_concrete import HardConcreteGates
 from headprune.heads.mask import HeadMask
-from headprune.tasks import forward_logits, per_example_loss, to_device
+from headprune.tasks import Task, forward_logits, task_for, to_device
 from headprune.scoring.reduce import finish_scores, scoring_mode
 
 
 def train_gates(model: nn.Module, mask: HeadMask, dataloader, steps: int = 100, lr: float = 0.05,
-                penalty: float = 0.01, seed: int = 0, max_batches: int | None = None) -> HardConcreteGates:
-    """Fresh Hard-Concrete gates trained on `dataloader` with the model's weights untouched."""
+                penalty: float = 0.01, seed: int = 0, max_batches: int | None = None,
+                task: Task | None = None) -> HardConcreteGates:
+    """Fresh Hard-Concrete gates trained on `dataloader` with the model's weights untouched, on
+    `task`'s loss (the run's Task; None: the model's head's)."""
     for field, value in (("steps", steps), ("lr", lr)):
         if not value > 0:
             raise ValueError(f"metric.{field}={value!r} must be > 0")
     if penalty < 0:
         raise ValueError(f"metric.penalty={penalty!r} must be >= 0")
+    task = task_for(model, task)
     batches = list(islice(dataloader, max_batches))
     if not batches:
         raise ValueError("l0_gates got an empty scoring dataloader (data.score_samples=0?)")
@@ -50,7 +53,7 @@ def train_gates(model: nn.Module, mask: HeadMask, dataloader, steps: int = 100, 
         with scoring_mode(model), gates.sampling(generator):
             for step in range(int(steps)):
                 batch = to_device(batches[step % len(batches)], device)
-                loss = per_example_loss(model, forward_logits(model, batch), batch).mean()
+                loss = task.loss(forward_logits(model, batch), batch).mean()
                 loss = loss + penalty * gates.expected_l0()
                 (grad,) = torch.autograd.grad(loss, [gates.log_alpha])
                 gates.log_alpha.grad = all_reduce_sum(grad) / rank_and_world()[1]  # one set of gates on every rank
@@ -62,7 +65,7 @@ def train_gates(model: nn.Module, mask: HeadMask, dataloader, steps: int = 100, 
 
 def l0_gates_importance(model: nn.Module, mask: HeadMask, dataloader, steps: int = 100, lr: float = 0.05,
                         penalty: float = 0.01, seed: int = 0, finetune: bool = False,
-                        max_batches: int | None = None) -> torch.Tensor:
+                        max_batches: int | None = None, task: Task | None = None) -> torch.Tensor:
     """(layers, heads) gate open-probabilities; pruned heads score 0. With `finetune` the gates
     trained with the model (HeadMask.stochastic) are read, and their absence is an error;
     otherwise gates already on the mask are read, or fresh ones trained on the frozen model."""
@@ -71,5 +74,5 @@ def l0_gates_importance(model: nn.Module, mask: HeadMask, dataloader, steps: int
         raise ValueError("metric.finetune=true reads the gates trained during fine-tuning, but the model has none: "
                          "build HeadPruneModule with l0_penalty=metric.penalty > 0 (headprune-train does)")
     if gates is None:
-        gates = train_gates(model, mask, dataloader, steps, lr, penalty, seed, max_batches)
+        gates = train_gates(model, mask, dataloader, steps, lr, penalty, seed, max_batches, task)
     return finish_scores(gates.open_probability().detach(), mask)

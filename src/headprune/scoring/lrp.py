@@ -38,7 +38,7 @@ from torch import nn
 
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
-from headprune.tasks import CLASSIFICATION, SEQ2SEQ_LM, Task, batch_size, forward_logits, task_of, to_device
+from headprune.tasks import CLASSIFICATION, SEQ2SEQ_LM, Task, batch_size, forward_logits, task_for, to_device
 from headprune.scoring.reduce import finish_scores, mean_over_ranks, scoring_mode
 
 TARGETS = ("predicted", "gold")
@@ -153,29 +153,33 @@ def target_logits(logits: torch.Tensor, batch: dict, target: str = "predicted", 
     return picked.sum(1)
 
 
-def head_relevance(model: nn.Module, mask: HeadMask, batch: dict, target: str = "predicted") -> torch.Tensor:
+def head_relevance(model: nn.Module, mask: HeadMask, batch: dict, target: str = "predicted",
+                   task: Task | None = None) -> torch.Tensor:
     """(B, layers, heads) raw relevance R[b, l, h] = sum_t c_h . dz_b/dc_h under the rules
-    above, in original head numbering (0 for heads the layer no longer has)."""
+    above, in original head numbering (0 for heads the layer no longer has); the target logit is
+    `task`'s (`target_logits`; None: the model's head's)."""
+    task = task_for(model, task)
     batch = to_device(batch, mask.mask.device)
     with scoring_mode(model), conservative_backward(model):
         with mask.differentiable_gates(batch_size(batch)) as gates:  # (B, L, H)
-            z = target_logits(forward_logits(model, batch), batch, target, task_of(model)).sum()
+            z = target_logits(forward_logits(model, batch), batch, target, task).sum()
             (relevance,) = torch.autograd.grad(z, gates)
     return relevance.detach()
 
 
 def lrp_importance(model: nn.Module, mask: HeadMask, dataloader, target: str = "predicted",
-                   signed: bool = False, max_batches: int | None = None) -> torch.Tensor:
-    """(layers, heads) per-layer normalised head relevance averaged over examples; pruned
-    heads score 0."""
+                   signed: bool = False, max_batches: int | None = None, task: Task | None = None) -> torch.Tensor:
+    """(layers, heads) per-layer normalised head relevance averaged over examples (target logits
+    of `task`, the run's Task; None: the model's head's, read once here); pruned heads score 0."""
     if target not in TARGETS:
         raise ValueError(f"metric.target={target!r} is not allowed; allowed: {', '.join(TARGETS)}")
+    task = task_for(model, task)
     total = torch.zeros_like(mask.mask, dtype=torch.float64)
     count = 0
     for i, batch in enumerate(dataloader):
         if max_batches is not None and i >= max_batches:
             break
-        relevance = head_relevance(model, mask, batch, target).double()  # (B, L, H)
+        relevance = head_relevance(model, mask, batch, target, task).double()  # (B, L, H)
         share = relevance / relevance.abs().sum(-1, keepdim=True).clamp_min(1e-30)
         total += (share if signed else share.abs()).sum(0)
         count += relevance.shape[0]

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from headprune.heads.mask import HeadMask
+from headprune.tasks import Task, batch_size, forward_logits, task_for, to_device
 
 
 @contextmanager
@@ -45,20 +46,21 @@ def mean_over_ranks(total: torch.Tensor, count: int) -> torch.Tensor:
     return total / n.to(total.dtype)
 
 
-def per_example_gate_grads(model: nn.Module, mask: HeadMask, dataloader, max_batches: int | None = None):
-    """Yield, per batch, every example's d loss / d gate, shape (B, layers, heads), in float64.
+def per_example_gate_grads(model: nn.Module, mask: HeadMask, dataloader, max_batches: int | None = None,
+                           task: Task | None = None):
+    """Yield, per batch, every example's d loss / d gate, shape (B, layers, heads), in float64,
+    the loss being `task`'s (the run's Task; None: the model's head's, read once here).
 
     One backward pass per batch: with the loss summed over the batch, example b's gates only
     see example b's loss (HeadMask.differentiable_gates). Runs in `scoring_mode`.
     """
-    from headprune.tasks import batch_size, forward_logits, per_example_loss, to_device
-
+    task = task_for(model, task)
     with scoring_mode(model):
         for i, batch in enumerate(dataloader):
             if max_batches is not None and i >= max_batches:
                 break
             batch = to_device(batch, mask.mask.device)
             with mask.differentiable_gates(batch_size(batch)) as gates:  # (B, L, H)
-                loss = per_example_loss(model, forward_logits(model, batch), batch).sum()
+                loss = task.loss(forward_logits(model, batch), batch).sum()
                 (grad,) = torch.autograd.grad(loss, gates)
             yield grad.detach().double()

@@ -14,19 +14,21 @@ import torch
 from torch import nn
 
 from headprune.heads.mask import HeadMask
+from headprune.tasks import Task
 from headprune.scoring.reduce import finish_scores, mean_over_ranks, per_example_gate_grads
 
 
 def taylor_importance(model: nn.Module, mask: HeadMask, dataloader, normalize: bool = True,
-                      max_batches: int | None = None) -> torch.Tensor:
-    """(layers, heads) Taylor importance over `dataloader`; pruned heads score 0.
+                      max_batches: int | None = None, task: Task | None = None) -> torch.Tensor:
+    """(layers, heads) Taylor importance over `dataloader` of `task`'s loss (the run's Task; None:
+    the model's head's); pruned heads score 0.
 
     `normalize`: divide each layer's scores by their L2 norm, as Michel et al. do before
     ranking heads globally across layers.
     """
     total = torch.zeros_like(mask.mask, dtype=torch.float64)
     count = 0
-    for grad in per_example_gate_grads(model, mask, dataloader, max_batches):  # (B, L, H)
+    for grad in per_example_gate_grads(model, mask, dataloader, max_batches, task):  # (B, L, H)
         total += grad.abs().sum(0)
         count += grad.shape[0]
     return finish_scores(mean_over_ranks(total, count), mask, normalize=normalize)

@@ -25,7 +25,7 @@ from headprune.costs.knapsack import best_allocation, best_modes
 from headprune.costs.tables import LayerCosts, flops_costs, flops_mode_costs, kv_costs, kv_mode_costs, latency_costs
 from headprune.heads.adapters import model_shape
 from headprune.heads.windows import REMOVED, KVLayout
-from headprune.tasks import is_causal_lm, max_positions
+from headprune.tasks import CAUSAL_LM, Task, max_positions, task_for
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,9 @@ class Budget:
             raise ValueError(f"layer_policy={layer_policy.name} allocates a cost budget and cannot place a number of "
                              "heads (budget=heads); allowed: budget=kv, flops or latency")
 
-    def check_model(self, model: nn.Module, schedule) -> None:
+    def check_model(self, model: nn.Module, schedule, task: Task | None = None) -> None:
+        """Refuse, before any work, a model this budget cannot price (`task`: the run's Task; None:
+        the model's head's)."""
         layers, heads = model_shape(model)
         schedule.check_model(layers * heads)
 
@@ -110,7 +112,7 @@ class CostBudget(Budget):
                              f"per layer, the units worth most under the {self.kind} budget and would measure the "
                              "sensitivity profile only to ignore it; allowed: layer_policy=global, uniform or depth_prior")
 
-    def check_model(self, model: nn.Module, schedule) -> None:
+    def check_model(self, model: nn.Module, schedule, task: Task | None = None) -> None:
         positions = max_positions(model.config)
         if self.seq_matters and positions and self.seq > positions:
             raise ValueError(f"budget.seq={self.seq} exceeds the model's {positions} positions; allowed: at most "
@@ -165,8 +167,8 @@ class KVBudget(CostBudget):
     kind: ClassVar[str] = "kv"
     seq_matters: ClassVar[bool] = False
 
-    def check_model(self, model, schedule) -> None:
-        if not is_causal_lm(model):
+    def check_model(self, model, schedule, task: Task | None = None) -> None:
+        if task_for(model, task) is not CAUSAL_LM:
             raise ValueError(f"budget=kv keeps a share of the KV cache, which only a decoder (model.task=causal_lm) has; "
                              f"{type(model).__name__} keeps no cache: allowed: budget=heads, flops or latency")
 

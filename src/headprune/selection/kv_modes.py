@@ -43,7 +43,7 @@ from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import FULL, KERNELS, KV_LAYOUT_ATTR, REMOVED, WINDOW, KVLayout, KVWindows, window_allowed
 from headprune.selection.measured import first_sequences
-from headprune.tasks import evaluate, is_causal_lm
+from headprune.tasks import CAUSAL_LM, Task, task_for
 
 log = logging.getLogger(__name__)
 CHOICES = ("none", "measured", "attention_mass")
@@ -122,10 +122,11 @@ class KVModes:
         if resuming:
             raise ValueError(f"{name}: a run without training has no checkpoint to resume; allowed: ckpt_path=null")
 
-    def check_model(self, model: nn.Module) -> None:
+    def check_model(self, model: nn.Module, task: Task | None = None) -> None:
+        """The run's `task` (None: the model's head's) is causal LM and the kernel takes per-head masks."""
         if not self.active:
             return
-        if not is_causal_lm(model):
+        if task_for(model, task) is not CAUSAL_LM:
             raise ValueError(f"kv_modes={self.choice} windows a decoder's KV cache; {type(model).__name__} is not a "
                              "causal LM; allowed: kv_modes=none")
         kernel = getattr(model.config, "_attn_implementation", None)
@@ -138,15 +139,17 @@ class KVModes:
         return budget.mode_table(dense, self.sink, self.window)
 
     def choose(self, model: nn.Module, mask: HeadMask, scores: torch.Tensor, loader, costs: LayerCosts, share: float,
-               layer_policy, max_batches: int | None = None) -> tuple[KVLayout, dict]:
-        """The layout and its report (the knapsack's, with what was measured)."""
+               layer_policy, max_batches: int | None = None, task: Task | None = None) -> tuple[KVLayout, dict]:
+        """The layout and its report (the knapsack's, with what was measured); `task`: the run's
+        Task, whose loss `measured` reads (None: the model's head's)."""
         from headprune.selection.budgets import allocate_modes
 
         start = time.perf_counter()
         units = kv_group_heads(model)
         batches = calibration_batches(loader, mask.mask.device, self.samples, max_batches)
         if self.choice == "measured":
-            removed_rise, window_rise, base = measured_rises(model, mask, batches, units, self.sink, self.window)
+            removed_rise, window_rise, base = measured_rises(model, mask, batches, units, self.sink, self.window,
+                                                             task_for(model, task))
             full = removed_rise
             windowed = [[r - w for r, w in zip(rs, ws)] for rs, ws in zip(removed_rise, window_rise)]
             measured = {"base_loss": base, "removed_rise": removed_rise, "window_rise": window_rise}
@@ -200,15 +203,16 @@ def single_unit(n_layers: int, n_units: int, layer: int, unit: int, sink: int, w
 
 @torch.no_grad()
 def measured_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units: list[list[int]], sink: int,
-                   window: int) -> tuple[list[list[float]], list[list[float]], float]:
-    """(removal rise, window rise, base loss): per layer and unit, the calibration loss of the model
-    with that unit alone removed / windowed, minus the loss with every unit as `mask` has it."""
+                   window: int, task: Task = CAUSAL_LM) -> tuple[list[list[float]], list[list[float]], float]:
+    """(removal rise, window rise, base loss): per layer and unit, the calibration loss (`task`'s)
+    of the model with that unit alone removed / windowed, minus the loss with every unit as `mask`
+    has it."""
     from headprune.recovery.blockwise import capture
     from headprune.selection.measured import Probe
 
     if getattr(model, KV_LAYOUT_ATTR, None) is not None:
         raise ValueError("kv_modes=measured measures a model without windows; this one has a KV layout attached")
-    probe = Probe(model, mask, batches, [capture(model, b) for b in batches])
+    probe = Probe(model, mask, batches, [capture(model, b) for b in batches], task)
     base = mask.mask.detach().clone()
     base_loss = probe.loss(base)
     removed: list[list[float]] = []
@@ -281,20 +285,24 @@ def attention_mass(model: nn.Module, batches: list[dict], units: list[list[int]]
 
 
 def kv_modes_round(model: nn.Module, mask: HeadMask, metric, kv_modes: KVModes, costs: LayerCosts, share: float,
-                   layer_policy, loader, *, round_no: int = 1, eval_loader=None, max_batches: int | None = None):
+                   layer_policy, loader, *, round_no: int = 1, eval_loader=None, max_batches: int | None = None,
+                   task: Task | None = None):
     """One round choosing KV modes: score (the metric, recorded and read by attention_mass), choose
-    the layout, mask its removed units, attach its windows to `model`; a `rounds.Round`."""
+    the layout, mask its removed units, attach its windows to `model`; a `rounds.Round`. `task`: the
+    run's Task (None: the model's head's, read once here)."""
+    from headprune.scoring import score
     from headprune.selection.rounds import Round
 
+    task = task_for(model, task)
     start = time.perf_counter()
     limit = {"max_batches": max_batches} if max_batches else {}
-    scores = metric(model, mask, loader, **limit)
+    scores = score(metric, model, mask, loader, task, **limit)
     score_seconds = time.perf_counter() - start
-    layout, report = kv_modes.choose(model, mask, scores, loader, costs, share, layer_policy, max_batches)
+    layout, report = kv_modes.choose(model, mask, scores, loader, costs, share, layer_policy, max_batches, task)
     heads = sorted((l, h) for l, hs in layout.removed_heads(model).items() for h in hs if bool(mask.alive()[l, h]))
     mask.prune(heads)
     KVWindows(layout).attach(model)
-    val = evaluate(model, eval_loader, mask.mask.device, max_batches=max_batches) if eval_loader is not None else None
+    val = task.evaluate(model, eval_loader, mask.mask.device, max_batches=max_batches) if eval_loader is not None else None
     counts = {m: sum(layer.count(m) for layer in layout.modes) for m in (FULL, WINDOW, REMOVED)}
     log.info("round %d: kv modes %s (predicted share %.4f of the dense %s)", round_no, counts,
              report["predicted_share"], costs.unit)

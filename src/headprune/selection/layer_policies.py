@@ -312,8 +312,9 @@ class MeasuringPolicy(LayerPolicy):
     def name(self) -> str:
         return next(k for k, v in LAYER_POLICIES.items() if v is type(self))
 
-    def measure_allocation(self, model, mask, loader, scores, costs, share, model_units, max_batches=None):
-        """(heads to prune, allocation report, shortfall or None) for `share` of the dense cost."""
+    def measure_allocation(self, model, mask, loader, scores, costs, share, model_units, max_batches=None, task=None):
+        """(heads to prune, allocation report, shortfall or None) for `share` of the dense cost;
+        `task`: the run's Task, for a policy that measures its loss."""
         raise NotImplementedError
 
 
@@ -338,12 +339,12 @@ class MeasuredPolicy(MeasuringPolicy):
         if self.candidates < 1:
             raise ValueError(f"layer_policy.candidates={self.candidates} must be >= 1")
 
-    def measure_allocation(self, model, mask, loader, scores, costs, share, model_units, max_batches=None):
+    def measure_allocation(self, model, mask, loader, scores, costs, share, model_units, max_batches=None, task=None):
         from headprune.selection.measured import measured_allocation
 
         return measured_allocation(model, mask, loader, scores, costs, share, self, model_units,
                                    samples=self.profile_samples, passes=self.passes, candidates=self.candidates,
-                                   max_batches=max_batches)
+                                   max_batches=max_batches, task=task)
 
 
 @dataclass
@@ -359,7 +360,9 @@ class AttentionDropPolicy(MeasuringPolicy):
         if self.samples is not None and self.samples < 1:
             raise ValueError(f"layer_policy.samples={self.samples} must be >= 1 or null (every calibration sequence)")
 
-    def measure_allocation(self, model, mask, loader, scores, costs, share, model_units, max_batches=None):
+    def measure_allocation(self, model, mask, loader, scores, costs, share, model_units, max_batches=None, task=None):
+        """(module docstring of selection.attention_drop) It measures residual-stream change, no loss:
+        `task` plays no part."""
         from headprune.selection.attention_drop import attention_drop_allocation
 
         return attention_drop_allocation(model, mask, loader, scores, costs, share, self, model_units,

@@ -36,7 +36,7 @@ from torch import nn
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
 from headprune.recovery.blockwise import BlockInputs, capture, run_block
-from headprune.tasks import forward_logits, is_causal_lm, target_counts, task_of, to_device
+from headprune.tasks import Task, forward_logits, task_for, to_device
 
 
 TIE = 1e-9  # value per unit kept: breaks the knapsack's ties towards using the budget
@@ -60,7 +60,8 @@ def first_sequences(loader, device, samples: int | None, max_batches: int | None
 @dataclass
 class Probe:
     """The calibration batches a measured allocation reads, and the model's mean loss on them
-    (per token for a causal LM, per example otherwise) under a trial keep-mask. `forwards` counts
+    under a trial keep-mask: `task`'s loss weighted by `task.weights` (per token for a causal LM,
+    per example otherwise). `forwards` counts
     the work done, in whole-model forwards on these batches (a run from layer l counts
     (L - l) / L)."""
 
@@ -68,28 +69,29 @@ class Probe:
     mask: HeadMask
     batches: list[dict]
     inputs: list[BlockInputs]
+    task: Task
     forwards: float = 0.0
     seconds: float = field(default=0.0)
 
     @classmethod
     @torch.no_grad()
     def of(cls, model: nn.Module, mask: HeadMask, loader, samples: int | None = None,
-           max_batches: int | None = None) -> "Probe":
-        """The first `samples` sequences of `loader` (None: all; `max_batches` bounds the batches)."""
+           max_batches: int | None = None, task: Task | None = None) -> "Probe":
+        """The first `samples` sequences of `loader` (None: all; `max_batches` bounds the batches);
+        `task`: the run's Task (None: the model's head's, read once here)."""
+        task = task_for(model, task)
         batches = first_sequences(loader, mask.mask.device, samples, max_batches)
         if not batches:
             raise ValueError("layer_policy=measured got no calibration batch to measure on (the scoring slice is empty)")
-        return cls(model, mask, batches, [capture(model, b) for b in batches])
+        return cls(model, mask, batches, [capture(model, b) for b in batches], task)
 
     @property
     def num_layers(self) -> int:
         return self.mask.num_layers
 
     def tokens(self) -> int:
-        """Targets the loss averages over: next-token targets (causal LM) or examples."""
-        if is_causal_lm(self.model):
-            return int(sum(float(target_counts(b).sum()) for b in self.batches))
-        return sum(int(b["labels"].shape[0]) for b in self.batches)
+        """Targets the loss averages over (`task.weights`): next-token targets (causal LM) or examples."""
+        return int(sum(float(self.task.weights(b).sum()) for b in self.batches))
 
     @torch.no_grad()
     def loss(self, trial: torch.Tensor, layer: int = 0, hidden: list[torch.Tensor] | None = None) -> float:
@@ -97,7 +99,7 @@ class Probe:
         `hidden[i]` (batch i's states entering block `layer`, computed under the same trial for
         those blocks) stands in for their output."""
         start = time.perf_counter()
-        total, count, task = 0.0, 0.0, task_of(self.model)
+        total, count, task = 0.0, 0.0, self.task
         was_training = self.model.training
         self.model.eval()
         try:
@@ -248,17 +250,18 @@ def correct(probe: Probe, base: torch.Tensor, ranked: list[list[int]], kept: lis
 
 def measured_allocation(model: nn.Module, mask: HeadMask, loader, scores: torch.Tensor, costs, share: float, layer_policy,
                         model_units: list[list[int]], *, samples: int | None, passes: int, candidates: int,
-                        max_batches: int | None = None) -> tuple[list[tuple[int, int]], dict, str | None]:
+                        max_batches: int | None = None, task: Task | None = None
+                        ) -> tuple[list[tuple[int, int]], dict, str | None]:
     """(heads to prune, the allocation report, shortfall or None): curves, knapsack, correction
     (module docstring) on the first `samples` calibration sequences of `loader`, under the
     policy's constraints (`policy.caps`). When no layout fits `share`, the cheapest one the
-    constraints allow, uncorrected, with the reason as the shortfall."""
+    constraints allow, uncorrected, with the reason as the shortfall. The loss is `task`'s (`Probe`)."""
     from headprune.selection.budgets import cost_limit, kept_units, unit_plan
 
     start = time.perf_counter()
     alive = mask.alive()
     plan = unit_plan(scores, alive, layer_policy, model_units)
-    probe = Probe.of(model, mask, loader, samples, max_batches)
+    probe = Probe.of(model, mask, loader, samples, max_batches, task)
     base = mask.mask.detach().clone()
     base_loss, curves = cost_curves(probe, base, plan.ranked, plan.choices, model_units)
     profile_seconds = time.perf_counter() - start

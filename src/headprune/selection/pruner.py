@@ -17,6 +17,11 @@ fine-tuning epochs (`record_finetuned`, which also applies the stopping rule); `
 `RunObserver`. The state a run needs to continue (rounds, stop reason, sensitivity profile, last
 accepted mask, the budget's cost table, `awaiting_finetune`) is in `state_dict()`.
 
+`task` is the run's Task (headprune.tasks): its loss is what the metrics, the measured policies
+and the recoveries compute and train on, its metrics are every `val`. headprune-train passes the
+one it built from `model.task` and checked against the model; a Pruner built by hand without one
+reads the model's head once, here (`checked_task`), never again during the run.
+
 `dense` is the one frozen copy of the unpruned model, taken when round 1 prunes if the recovery
 or the budget needs it (distillation teacher, least-squares targets, latency tables); a resumed
 run gets it back from the recovery (the saved teacher) or from `dense_factory` (a model of the
@@ -49,9 +54,13 @@ from headprune.selection.budgets import Budget, make_budget
 from headprune.selection.kv_modes import KVModes, kv_modes_round
 from headprune.selection.kv_modes import cost_share as kv_cost_share
 from headprune.selection.rounds import prune_round
-from headprune.tasks import evaluate
+from headprune.tasks import Task, checked_task
 
 log = logging.getLogger(__name__)
+# results.json final.val_source: `val` (the headline, the sweep objective) is the run's Task's
+# evaluation of the model in this process's memory, its mask applied (or the masked heads removed
+# physically); a causal-LM run's `evaluation.pruned` block reads the saved export instead
+VAL_SOURCE = "in_memory_masked"
 RECOVERY_DIR = "recovery"  # <run dir>/recovery/last.ckpt: the newest checkpoint of a recovery's step budget
 
 
@@ -98,14 +107,16 @@ class RunObserver:
 
 class Pruner:
     """A run's pruning state and its steps (module docstring). `max_batches` bounds every pass (a
-    smoke run); `observer` is told of each round (`RunObserver`)."""
+    smoke run); `observer` is told of each round (`RunObserver`); `task`: the run's Task, or a name
+    (`model.task`), checked against the model's head (None: the head's)."""
 
     def __init__(self, model: nn.Module, metric: Callable, schedule, layer_policy, budget: Budget | dict | None = None,
                  recovery: Recovery | str | None = None, *, mask: HeadMask | None = None, rearrange: bool = False,
                  results: RunResults | None = None, max_batches: int | None = None,
                  dense_factory: Callable[[], nn.Module] | None = None, observer: RunObserver | None = None,
-                 dense_device: str = "run", kv_modes: KVModes | None = None):
+                 dense_device: str = "run", kv_modes: KVModes | None = None, task: Task | str | None = None):
         self.model = model
+        self.task = checked_task(model, task, "task")
         self.mask = mask if mask is not None else HeadMask.for_model(model).to(next(model.parameters()).device)
         self.metric, self.schedule, self.layer_policy = metric, schedule, layer_policy
         self.budget, self.recovery = make_budget(budget), make_recovery(recovery)
@@ -178,7 +189,7 @@ class Pruner:
                                       checkpoint_dir=self.fit_plan.checkpoint_dir or (
                                           output / RECOVERY_DIR if output is not None else None))
         return RecoveryContext(self.model, self.mask, loaders, dense=self.dense, run_dir=self.results.output_dir,
-                               writer=self.results.writer, max_batches=self.max_batches, fit=fit)
+                               writer=self.results.writer, max_batches=self.max_batches, fit=fit, task=self.task)
 
     def run_state(self, record: dict) -> dict:
         """What a recovery checkpoint taken during round `record` holds besides the weights, so a
@@ -272,7 +283,7 @@ class Pruner:
     def evaluate(self, loader) -> dict | None:
         if loader is None:
             return None
-        return evaluate(self.model, loader, self.mask.mask.device, max_batches=self.max_batches)
+        return self.task.evaluate(self.model, loader, self.mask.mask.device, max_batches=self.max_batches)
 
     def selection(self, loaders: Loaders) -> dict:
         """{"selection": metrics on the held-out selection slice} when the stopping rule reads it."""
@@ -294,13 +305,14 @@ class Pruner:
         if self.kv_modes.active:  # full / windowed / removed per unit (checked: one round, a cost budget)
             result = kv_modes_round(self.model, self.mask, self.metric, self.kv_modes, goal.costs, goal.share,
                                     self.layer_policy, loaders.score, round_no=k + 1, eval_loader=loaders.val,
-                                    max_batches=self.max_batches)
+                                    max_batches=self.max_batches, task=self.task)
             self.observer.pruned(result)
             return self._recover(k, loaders, result.record())
         result = prune_round(self.model, self.mask, self.metric, self.layer_policy, goal.n_prune, loaders.score,
                              round_no=k + 1, eval_loader=loaders.val, sensitivity=self.sensitivity, sync=sync,
                              max_batches=self.max_batches, rearrange=self.rearrange,
-                             cost_budget=(goal.costs, goal.share) if goal.share is not None else None)
+                             cost_budget=(goal.costs, goal.share) if goal.share is not None else None,
+                             task=self.task)
         if result.sensitivity is not None:
             self._record_sensitivity(result.sensitivity)
         self.observer.pruned(result)
@@ -352,10 +364,11 @@ class Pruner:
 
     def loss(self, batch: dict) -> torch.Tensor:
         """The recovery's mean training loss on one batch (task loss, or distillation once a teacher is in)."""
-        return self.recovery.training_loss(self.model, batch)[1].mean()
+        return self.recovery.training_loss(self.model, batch, self.task)[1].mean()
 
     def finish(self, loaders: Loaders, evaluate_final: bool | None = None) -> dict:
-        """Fill in anything not yet evaluated and write `final` (with the kept-heads plot)."""
+        """Fill in anything not yet evaluated and write `final` (with the kept-heads plot); its `val`
+        is of the masked model in memory (`val_source`, `VAL_SOURCE`)."""
         data = self.results.data
         if not data["baseline"]:
             self.record_baseline(loaders)
@@ -367,7 +380,8 @@ class Pruner:
         data["final"] = {"sparsity": mask.sparsity(), "heads_per_layer": mask.heads_per_layer(),
                          "pruned": mask.pruned(), "rounds_completed": len(self.rounds),
                          "rounds_planned": self.num_rounds, "stop_reason": self.final_reason(),
-                         "val": self.evaluate(loaders.val) if fresh else self.rounds[-1]["val"]}
+                         "val": self.evaluate(loaders.val) if fresh else self.rounds[-1]["val"],
+                         "val_source": VAL_SOURCE}
         data["final"].update(site_record(self.model, mask))  # several attention stacks: rows named, heads by stack
         if self.costs is not None and self.kv_modes.active:  # the KV modes' layout, priced by the mode table
             data["final"]["cost_share"] = kv_cost_share(self.model, self.costs)

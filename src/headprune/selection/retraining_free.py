@@ -35,7 +35,7 @@ from headprune.selection.schedules import OneShot
 
 def prune_to_budget(model: nn.Module, calib_loader, budget, metric: str = "fisher", recovery="least_squares",
                     layer_policy=None, rearrange: bool = True, mask: HeadMask | None = None, eval_loader=None,
-                    max_batches: int | None = None, train_loader=None) -> dict[str, Any]:
+                    max_batches: int | None = None, train_loader=None, task=None) -> dict[str, Any]:
     """Mask (and scale) the heads of `model` down to `budget` without training; returns a report:
     `round` (the Pruner's round record: heads, allocation, predicted cost share, the tuning report,
     `val` when `eval_loader` is given), `budget` (its settings and cost table), `seconds` per stage
@@ -46,7 +46,8 @@ def prune_to_budget(model: nn.Module, calib_loader, budget, metric: str = "fishe
     "least_squares", "none" or such a Recovery. `layer_policy`: a layer policy whose constraints bound
     each layer (default GlobalPolicy(min_heads_per_layer=1)). `mask`: the model's HeadMask (one is
     attached if None). `train_loader`: the training text of a recovery that trains a step budget
-    (recovery=lora or distill with steps > 0)."""
+    (recovery=lora or distill with steps > 0). `task`: the Task (or its name) whose loss and metrics
+    the metric, the recovery and `val` compute, checked against the model's head (None: the head's)."""
     fields = dict(budget) if isinstance(budget, dict) else None
     target = _target(fields.pop("target", None) if fields is not None else getattr(budget, "target", None))
     if fields is not None and fields.get("kind", "heads") != "heads":
@@ -61,7 +62,8 @@ def prune_to_budget(model: nn.Module, calib_loader, budget, metric: str = "fishe
     results = RunResults(None)
     start = time.perf_counter()
     pruner = Pruner(model, get_metric(metric), schedule, layer_policy if layer_policy is not None else GlobalPolicy(),
-                    budget, recovery, mask=mask, rearrange=rearrange, results=results, max_batches=max_batches)
+                    budget, recovery, mask=mask, rearrange=rearrange, results=results, max_batches=max_batches,
+                    task=task)
     record = pruner.step(0, Loaders(calib_loader, eval_loader, train=train_loader)) if schedule.sparsities() else None
     report: dict[str, Any] = {"round": record, "budget": {**results.data.get("budget", budget.record()), "target": target},
                               "seconds": _seconds(record, results.data.get("budget"), time.perf_counter() - start),

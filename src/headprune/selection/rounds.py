@@ -23,7 +23,7 @@ from torch import nn
 
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
-from headprune.scoring import metric_name
+from headprune.scoring import metric_name, score
 from headprune.scoring.fisher import fisher_blocks
 from headprune.scoring.reduce import finish_scores
 from headprune.costs.tables import LayerCosts
@@ -31,7 +31,7 @@ from headprune.selection.budgets import allocate
 from headprune.selection.layer_policies import ShortfallError
 from headprune.selection.rearrange import rearrange as rearrange_heads
 from headprune.selection.sensitivity import layer_sensitivity
-from headprune.tasks import evaluate, headline
+from headprune.tasks import Task, headline, task_for
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,8 @@ class Round:
 def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, layer_policy: Callable, n_prune: int,
                 loader, *, round_no: int = 1, eval_loader=None, sensitivity: list[float] | None = None,
                 sync: Callable[[Any], Any] | None = None, max_batches: int | None = None,
-                cost_budget: tuple[LayerCosts, float] | None = None, rearrange: bool = False) -> Round:
+                cost_budget: tuple[LayerCosts, float] | None = None, rearrange: bool = False,
+                task: Task | None = None) -> Round:
     """Score the heads of `model` on `loader` with `metric`, let `layer_policy` pick `n_prune` of the
     alive ones and zero them in `mask`.
 
@@ -87,25 +88,30 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, layer_policy
     (`layer_policy=measured`, `attention_drop`). `rearrange`: then
     re-choose, within each layer, which units go by the block-diagonal Fisher
     (`selection.rearrange`, Kwon et al.); with `metric=fisher` the scores are that Fisher's diagonal.
+    `task`: the run's Task, whose loss and metrics every step computes (the metric when it takes
+    one, the sensitivity profile, the measured layouts, the Fisher blocks, `val_before_finetune`);
+    None: the model's head's, read once here.
     """
+    task = task_for(model, task)
     start = time.perf_counter()
     limit = {"max_batches": max_batches} if max_batches else {}
-    blocks = fisher_blocks(model, mask, loader, max_batches) if rearrange else None
+    blocks = fisher_blocks(model, mask, loader, max_batches, task) if rearrange else None
     if blocks is not None and metric_name(metric) == "fisher":  # one pass: the diagonal is the metric
         scores = finish_scores(torch.diagonal(blocks, dim1=1, dim2=2), mask)
     else:
-        scores = metric(model, mask, loader, **limit)
+        scores = score(metric, model, mask, loader, task, **limit)
     score_seconds = time.perf_counter() - start
     measured = None
     if getattr(layer_policy, "needs_sensitivity", False) and sensitivity is None:
-        sensitivity = layer_sensitivity(model, mask, scores, loader, share=layer_policy.share, max_batches=max_batches)
+        sensitivity = layer_sensitivity(model, mask, scores, loader, share=layer_policy.share, max_batches=max_batches,
+                                        task=task)
         sensitivity = measured = sync(sensitivity) if sync is not None else sensitivity
     options = {"sensitivity": sensitivity} if sensitivity is not None else {}
     shortfall, allocation, moved = None, None, None
     model_units = kv_group_heads(model) if cost_budget is not None else [[h] for h in range(mask.num_heads)]
     if cost_budget is not None and getattr(layer_policy, "measures_layout", False):  # it measures layouts on `loader`
         heads, allocation, shortfall = layer_policy.measure_allocation(model, mask, loader, scores, *cost_budget,
-                                                                       model_units, max_batches=max_batches)
+                                                                       model_units, max_batches=max_batches, task=task)
         if shortfall:
             log.warning("round %d: %s; taking the cheapest layout the layer policy allows", round_no, shortfall)
     elif cost_budget is not None:
@@ -125,7 +131,7 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, layer_policy
     if sync is not None:  # one decision, rank 0's, everywhere
         heads = [tuple(h) for h in sync(list(heads))]
     mask.prune(heads)
-    val = evaluate(model, eval_loader, mask.mask.device, max_batches=max_batches) if eval_loader is not None else None
+    val = task.evaluate(model, eval_loader, mask.mask.device, max_batches=max_batches) if eval_loader is not None else None
     result = Round(round_no, mask.sparsity(), len(heads), len(heads) if cost_budget is not None else n_prune,
                    mask.heads_per_layer(), sorted([list(h) for h in heads]), score_seconds, scores, shortfall, measured,
                    val, allocation, moved)
