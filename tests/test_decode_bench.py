@@ -5,8 +5,6 @@ Tiny random Llama GQA models, seconds; never timings."""
 import json
 
 import pytest
-import torch
-import transformers as tf
 
 import headprune.apps.train as train_app
 from headprune import heads_of_kv_groups, prune_heads, save_pruned
@@ -14,7 +12,8 @@ from headprune.apps.bench import run
 from headprune.deploy.hf import read_origin
 from headprune.lightning.module import HeadPruneModule
 from headprune.results import RunResults
-from tests.helpers import compose_bench
+from tests.helpers import SIX_HEADS, compose_bench
+from tests.helpers import llama as tiny_llama_lm
 
 ONLY_LLM = ["bench.encoder.enabled=false", "bench.train_step.enabled=false", "bench.onnxruntime.enabled=false",
             "bench.decoder.enabled=false", "bench.llm.enabled=true"]
@@ -25,10 +24,7 @@ LLM_FIELDS = {"model", "variant", "pruned_dir", "threads", "batch", "prompt_len"
 
 def llama(seed: int = 0):
     """3 layers x 6 query / 3 KV heads (groups of 2), head_dim 8."""
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(vocab_size=64, hidden_size=48, num_attention_heads=6, num_key_value_heads=3,
-                            num_hidden_layers=3, intermediate_size=64, max_position_embeddings=64)
-    return tf.LlamaForCausalLM(config).eval()
+    return tiny_llama_lm(seed=seed, **SIX_HEADS)
 
 
 def without_groups(model, per_layer: int):
@@ -103,9 +99,7 @@ def test_export_without_origin_is_refused_unless_named(folders, tmp_path):
 
 
 def test_a_dense_model_of_other_shape_is_refused(folders, tmp_path):
-    torch.manual_seed(0)
-    other = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=48, num_attention_heads=6,
-                                               num_key_value_heads=3, num_hidden_layers=2, intermediate_size=64))
+    other = tiny_llama_lm(**{**SIX_HEADS, "num_hidden_layers": 2})
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match=r"has 3 layers, its dense model .* 2: it was not pruned from it"):
         run(compose_bench(tmp_path / "out", *ONLY_LLM, f"bench.pruned_dir={folders / 'kv1' / 'export'}",

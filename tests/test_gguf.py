@@ -16,7 +16,7 @@ import transformers as tf
 
 from headprune.models import build_model, load_tokenizer
 from headprune.models import gguf as gguf_models
-from tests.helpers import unwritable_folder
+from tests.helpers import llama, unwritable_folder
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w")]
@@ -44,12 +44,9 @@ def write_tiny_gguf(folder: Path, seed: int = 0, name: str = "tiny.gguf", arch: 
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     tokens = SPECIALS + list(bytes_to_unicode().values()) + ["".join(m) for m in MERGES]
-    config = tf.LlamaConfig(vocab_size=len(tokens), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                            bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(seed)
-    model = tf.LlamaForCausalLM(config).eval()
+    model = llama(seed=seed, vocab_size=len(tokens), rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                  bos_token_id=1, eos_token_id=2)  # 2 layers x 4 query / 2 KV heads, hidden 32
+    config = model.config
     weights = {k: v.numpy() for k, v in model.state_dict().items()}
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name

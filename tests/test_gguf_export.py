@@ -6,12 +6,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-import transformers as tf
 
 from headprune import prune_heads, save_gguf
 from headprune.deploy.gguf_export import gguf_layout, gguf_refusal, permute_rotary
 from headprune.deploy.vllm_deci import deci_config, deci_refusal, read_block_configs, save_deci
-from tests.helpers import UNEVEN, bpe_tokenizer, tiny, tiny_bert, tiny_llama
+from tests.helpers import UNEVEN, bpe_tokenizer, llama, tiny, tiny_bert, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +204,8 @@ def test_block_configs_refuse_what_deci_cannot_express(tok):
     with torch.no_grad():
         biased.model.layers[1].self_attn.o_proj.bias.fill_(0.5)
     assert "layer 1 keeps no heads but its output projection has a non-zero bias" in deci_refusal(biased)
-    assert deci_refusal(tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=10, hidden_size=64, num_attention_heads=4,
-                                                           num_hidden_layers=1, intermediate_size=256))) is None
+    assert deci_refusal(llama(vocab_size=10, hidden_size=64, num_attention_heads=4, num_key_value_heads=4,
+                              num_hidden_layers=1, intermediate_size=256)) is None
 
 
 def test_save_deci_keeps_the_models_dtype(tmp_path, tok):

@@ -11,7 +11,7 @@ import transformers as tf
 
 from headprune import count_params, heads_of_kv_groups, load_pruned, prune_heads, save_pruned
 from headprune.atomic import write_json_atomic
-from tests.helpers import PRUNE, inputs, tiny, tiny_bert
+from tests.helpers import PRUNE, inputs, llama, tiny, tiny_bert
 
 
 @torch.no_grad()
@@ -209,14 +209,9 @@ def test_a_uniform_layout_its_config_class_refuses_is_saved_with_its_layout():
     """transformers 5 validates that the hidden size is a multiple of the query heads: 6 of 8 heads
     kept in a hidden size of 64 cannot be a plain config, so the folder carries its layout and still
     loads, with the same logits."""
-    import transformers as tf
-
     from headprune import load_pruned, prune_heads, save_pruned
 
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=8, num_key_value_heads=8, head_dim=8)
-    model = tf.LlamaForCausalLM(config).eval()
+    model = llama(vocab_size=64, hidden_size=64, num_attention_heads=8, num_key_value_heads=8, head_dim=8)
     prune_heads(model, [(layer, h) for layer in range(2) for h in (6, 7)])
     import tempfile
     from pathlib import Path

@@ -6,7 +6,6 @@ misleading curve), attention drop ranks a zeroed-O layer first; both run from th
 recovery and export an attention-free layer that reloads."""
 import pytest
 import torch
-import transformers as tf
 
 from headprune.apps.train import run
 from headprune.costs.tables import flops_costs, kv_costs
@@ -19,7 +18,8 @@ from headprune.selection.budgets import unit_plan
 from headprune.selection.layer_policies import AttentionDropPolicy, MeasuredPolicy
 from headprune.selection.measured import Probe, correct, trial_mask
 from headprune.selection.rounds import prune_round
-from tests.helpers import TINY_LM_MODEL, V, results
+from tests.helpers import SIX_HEADS, TINY_LM_MODEL, V, results
+from tests.helpers import llama as tiny_llama_lm
 
 USELESS = 2  # the layer whose attention output projection is zeroed
 
@@ -29,10 +29,7 @@ def llama(layers: int = 4, zero: int | None = USELESS, seed: int = 0):
     output projection zeroed: masking any of its heads changes nothing. The head is sharpened so
     that the model is confident, and `batches` label with its own predictions: then removing any
     head that matters raises the loss."""
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                            num_hidden_layers=layers, intermediate_size=64, max_position_embeddings=64)
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    model = tiny_llama_lm(seed=seed, attn="sdpa", vocab_size=V, num_hidden_layers=layers)
     with torch.no_grad():
         if zero is not None:
             model.model.layers[zero].self_attn.o_proj.weight.zero_()
@@ -301,10 +298,7 @@ def test_the_decode_bench_runs_an_uneven_export_with_an_attention_free_layer(tmp
     from tests.helpers import compose_bench
 
     def model():
-        torch.manual_seed(0)
-        return tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=64, hidden_size=48, num_attention_heads=6,
-                                                  num_key_value_heads=3, num_hidden_layers=3, intermediate_size=64,
-                                                  max_position_embeddings=64)).eval()
+        return tiny_llama_lm(**SIX_HEADS)
 
     model().save_pretrained(tmp_path / "dense")
     save_pruned(prune_heads(model(), heads_of_kv_groups(model(), {1: [0, 1, 2], 2: [0]})), tmp_path / "uneven",
