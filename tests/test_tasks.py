@@ -114,6 +114,7 @@ def test_a_pruner_given_a_task_never_reads_it_from_the_model_again(tokenizer, mo
     batches = [tiny_batch(tokenizer, 6, seed=s) for s in range(2)]
     report = pruner.run(Loaders(score=batches, val=batches, train=batches))
     assert set(report["final"]["val"]) == {"acc", "loss"} and report["rounds"][0]["distill"]["steps"] == 1
+    assert report["final"]["val_source"] == "in_memory_masked"  # results.json: whose number final.val is
     assert pruner.context(Loaders(score=batches)).task is CLASSIFICATION
     assert pruner.loss(batches[0]).ndim == 0
     module.eval()  # as Lightning's validation loop runs it

@@ -32,6 +32,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from headprune import tasks
 from headprune.atomic import write_json_atomic, write_text_atomic
 
 OVERRIDE_FILE = Path(".hydra") / "overrides.yaml"
@@ -45,13 +46,13 @@ def _fmt(value, spec: str, scale: float = 1) -> str:
 
 
 def run_metric(run: dict) -> str:
-    """"acc" for a classification run, "ppl" for a causal-LM run: what its baseline reports, else
-    its config's model.task."""
+    """The run's headline metric ("acc" for a classification run, "ppl" for a causal-LM run): the
+    Task's headline its baseline reports, else the headline of its config's model.task."""
     val = run["baseline"].get("val") or {}
-    if "acc" in val or "ppl" in val:
-        return "acc" if "acc" in val else "ppl"
-    task = ((run.get("config") or {}).get("model") or {}).get("task")
-    return "ppl" if task == "causal_lm" else "acc"
+    reported = [task.headline for task in tasks.TASKS.values() if task.headline in val]
+    if reported:
+        return reported[0]
+    return tasks.get_task(((run.get("config") or {}).get("model") or {}).get("task") or "classification").headline
 
 
 def _metric(runs: list[dict]) -> str:

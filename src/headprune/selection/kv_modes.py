@@ -43,6 +43,7 @@ from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import FULL, KERNELS, KV_LAYOUT_ATTR, REMOVED, WINDOW, KVLayout, KVWindows, window_allowed
 from headprune.selection.measured import first_sequences
+from headprune.recovery.none import NoRecovery
 from headprune.tasks import CAUSAL_LM, Task, task_for
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class KVModes:
             raise ValueError(f"{name} chooses the modes once, in one round without training; got {schedule.num_rounds} "
                              f"round(s) and {schedule.total_epochs()} epoch(s); allowed: schedule=one_shot with "
                              "baseline_epochs=0, epochs_per_round=0 and recover_epochs=0")
-        if type(recovery).__name__ != "NoRecovery":
+        if not isinstance(recovery, NoRecovery):
             raise ValueError(f"{name} applies no repair after the modes are chosen (a reconstruction would have to "
                              f"see the windows); got recovery={type(recovery).__name__}; allowed: recovery=none")
         if getattr(layer_policy, "measures_layout", False) or layer_policy.same_units_per_layer:
