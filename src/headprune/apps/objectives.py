@@ -1,5 +1,8 @@
 """What a sweep optimises (`objectives` in train.yaml): the names a run may return, checked at
-start (`preflight.check_settings`), and their values read from the finished run's results."""
+start (`preflight.check_settings`), and their values read from the finished run's results. The
+val_* objectives and `headline` read `final.val`: the run's Task evaluated on the masked model in
+the run's memory (results.json `final.val_source: in_memory_masked`), not the saved export, which
+a causal-LM run's `evaluation.pruned` block reads (`source: export`)."""
 from __future__ import annotations
 
 from headprune.tasks import headline
