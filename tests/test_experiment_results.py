@@ -14,12 +14,15 @@ RENDERED = {
     "iterative_vs_one_shot": {"results.md", "iterative_vs_one_shot.csv"},
     "recovery": {"results.md", "recovery.csv", "curves.md"},
     "llm_iterative": {"results.md", "answers.md", "last_word.md", "kl_speed.md"},
+    "llm_kv": {"results.md", "summary.md", "answers.md", "llm_kv.csv", "recoveries.md", "heldout.md"},
     "llm_kv_modes": {"results.md"},
     "llm_uneven": {"results.md", "targets.md", "summary.md", "answers.md", "llm_uneven.csv"},
 }
 # experiment -> {page that quotes tables (relative to the repo): the rendered files it quotes}
 QUOTED = {
     "recovery": {"experiments/recovery/README.md": ["results.md"]},
+    "llm_kv": {"experiments/llm_kv/README.md": ["results.md", "recoveries.md", "summary.md", "heldout.md"],
+               "docs/guide_llms.md": ["summary.md"]},
     "llm_uneven": {"experiments/llm_uneven/README.md": ["results.md", "targets.md"],
                    "docs/guide_uneven_gguf.md": ["summary.md"]},
 }

@@ -94,22 +94,6 @@ def test_retraining_free_tables_match_results(tmp_path):
     assert budgets == expected
 
 
-def test_llm_kv_tables_match_results(tmp_path, monkeypatch):
-    """experiments/llm_kv: results.md, summary.md, answers.md, llm_kv.csv and recoveries.md are what
-    collect.py makes of the committed result files; its README quotes results.md and recoveries.md, and it and the
-    site's LLMs guide (docs/guide_llms.md) that summary.md."""
-    collect = _script(EXP / "llm_kv" / "collect.py")
-    shutil.copytree(EXP / "llm_kv" / "results", tmp_path / "results")
-    monkeypatch.setattr(sys, "argv", ["collect.py", "--out", str(tmp_path)])
-    collect.main()
-    for name in ("results.md", "summary.md", "answers.md", "llm_kv.csv", "recoveries.md"):
-        assert (tmp_path / name).read_text() == (EXP / "llm_kv" / name).read_text(), name
-    for name in ("results.md", "recoveries.md"):
-        assert (tmp_path / name).read_text() in (EXP / "llm_kv" / "README.md").read_text(), name
-    for readme in (EXP / "llm_kv" / "README.md", REPO / "docs" / "guide_llms.md"):  # the best arms, as measured
-        assert (tmp_path / "summary.md").read_text() in readme.read_text(), readme
-
-
 def test_retraining_free_rerun_table_matches_results(tmp_path, monkeypatch):
     """experiments/retraining_free/streaming_ls.md is what streaming_ls.py makes of the committed
     runs and their re-runs; the arms without tuning removed the same heads with the same accuracy."""

@@ -1,34 +1,17 @@
-"""experiments/llm_kv/collect.py beyond the tables test_experiments.py checks: heldout.md (the
-corpus not calibrated on and the last-word accuracy, per arm) and a chained recovery's row
-(`recovery=chain`: refit, then the KL), each on the committed files and on synthetic runs."""
+"""experiments/llm_kv/collect.py on synthetic runs: heldout.md (the corpus not calibrated on and the
+last-word accuracy, per arm) and a chained recovery's row (`recovery=chain`: refit, then the KL);
+tests/test_experiment_results.py checks the committed tables against the committed files."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-EXP = REPO / "experiments" / "llm_kv"
+from tests.helpers import experiment_script
 
 
 def _collect():
-    spec = importlib.util.spec_from_file_location("llm_kv_collect", EXP / "collect.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_heldout_table_matches_results_and_the_readme_quotes_it(tmp_path, monkeypatch):
-    collect = _collect()
-    shutil.copytree(EXP / "results", tmp_path / "results")
-    monkeypatch.setattr(sys, "argv", ["collect.py", "--out", str(tmp_path)])
-    collect.main()
-    assert (tmp_path / "heldout.md").read_text() == (EXP / "heldout.md").read_text()
-    assert (tmp_path / "heldout.md").read_text() in (EXP / "README.md").read_text()
+    return experiment_script("llm_kv/collect")
 
 
 def _run(ppl2048, round_, other=None, word=None, dense=None):

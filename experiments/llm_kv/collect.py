@@ -19,8 +19,8 @@ import json
 import statistics
 from pathlib import Path
 
-from headprune.apps.collect import to_csv
-from headprune.atomic import write_json_atomic, write_text_atomic
+from headprune.report import DASH, cell_text, change, column, gather as gather_runs, markdown, number, read_json
+from headprune.report import text, to_csv, write
 
 ARMS = {"random": "random scores", "magnitude": "weight magnitude", "taylor": "Taylor",
         "fisher": "Fisher", "fisher_re": "Fisher + rearrangement",
@@ -43,15 +43,10 @@ HERE = Path(__file__).resolve().parent
 TUNING = ("mask_tuning", "bias_compensation", "refit", "lora", "distill")  # a round's recovery report
 
 
-def gather(runs: Path, out: Path) -> None:
-    (out / "results").mkdir(parents=True, exist_ok=True)
-    for run in sorted(p for p in runs.iterdir() if p.is_dir() and (p / "results.json").is_file()):
-        res = json.loads((run / "results.json").read_text())
-        if "export_dir" not in res["final"] or "pruned" not in res.get("evaluation", {}):
-            continue  # unfinished
-        if (run / "wall.json").is_file():
-            res["wall"] = json.loads((run / "wall.json").read_text())
-        write_json_atomic(out / "results" / f"{run.name}.json", res)
+def gather(runs: Path, out: Path) -> list[str]:
+    """Copy each finished run (its export written and evaluated) to `out`/results, with wall.json."""
+    return gather_runs(runs, out / "results",
+                       lambda res: "export_dir" in res["final"] and "pruned" in res.get("evaluation", {}))
 
 
 def split_name(stem: str) -> tuple[str, str, int | None]:
@@ -118,45 +113,42 @@ def load(results: Path, shape: dict) -> tuple[dict | None, list[dict], dict]:
     return dense, rows, answers
 
 
-def _fmt(x, digits=2):
-    return "–" if x is None else f"{x:.{digits}f}"
+def _mean(values: list[float]) -> str:
+    """The mean and, over several runs (the random seeds), " ± " their sample standard deviation."""
+    spread = f" ± {statistics.stdev(values):.1f}" if len(values) > 1 else ""
+    return f"{statistics.mean(values):.2f}{spread}"
 
 
-def _change(x, base):
-    return "–" if x is None or base is None else f"{100 * (x / base - 1):+.1f}%"
+def _arm_row(name: str, runs: list[dict]) -> dict:
+    """One arm's line: its run, or for the random arm the mean of its seeds (no seconds)."""
+    acc = [r["sst2_acc"] for r in runs if r["sst2_acc"] is not None]
+    seeds = len(runs) > 1 or runs[0]["arm"] == "random"
+    return {"name": f"{name} (mean of {len(runs)} seed{'s' if len(runs) > 1 else ''})" if seeds else name,
+            "kv_share": statistics.mean(r["kv_share"] for r in runs), "ppl128": [r["ppl128"] for r in runs],
+            "ppl2048": [r["ppl2048"] for r in runs], "sst2_acc": statistics.mean(acc) if acc else None,
+            **{k: None if seeds else runs[0][k] for k in ("score_seconds", "tuning_seconds", "wall_seconds")}}
 
 
 def table(dense: dict, rows: list[dict], shape: dict) -> str:
     d128, d2048 = dense["perplexity"]["seq128"]["ppl"], dense["perplexity"]["seq2048"]["ppl"]
     dz = dense.get("zero_shot", {}).get("sst2_local", {})
     lines = [f"Dense: perplexity {d128:.2f} (seq 128), {d2048:.2f} (seq 2048); SST-2 zero-shot "
-             f"{_fmt(dz.get('acc'), 3)} on {dz.get('n')} sentences (chance {_fmt(dz.get('chance'), 2)}).", ""]
+             f"{number(dz.get('acc'), '.3f')} on {dz.get('n')} sentences (chance {number(dz.get('chance'))}).", ""]
+    columns = [text("arm", "name"), column("KV kept", "kv_share", ".3f"),
+               text("ppl seq 128", lambda r: _mean(r["ppl128"]), right=True),
+               text("change", lambda r: change(statistics.mean(r["ppl128"]), d128), right=True),
+               text("ppl seq 2048", lambda r: _mean(r["ppl2048"]), right=True),
+               text("change", lambda r: change(statistics.mean(r["ppl2048"]), d2048), right=True),
+               column("SST-2 acc", "sst2_acc", ".3f"), column("score s", "score_seconds", ".0f"),
+               column("tuning s", "tuning_seconds", ".0f"), column("wall s", "wall_seconds", ".0f")]
     for budget, title in BUDGETS.items():
         group = [r for r in rows if r["budget"] == budget]
         if not group:
             continue
+        arms = [_arm_row(name, [r for r in group if r["arm"] == arm]) for arm, name in ARMS.items()
+                if any(r["arm"] == arm for r in group)]
         lines += [f"### {title} ({group[0]['heads_kept']} of {shape['layers'] * shape['heads']} query heads)", "",
-                  "| arm | KV kept | ppl seq 128 | change | ppl seq 2048 | change | SST-2 acc | score s | tuning s | wall s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for arm, name in ARMS.items():
-            runs = [r for r in group if r["arm"] == arm]
-            if not runs:
-                continue
-            if arm == "random":
-                p128, p2048 = ([r[k] for r in runs] for k in ("ppl128", "ppl2048"))
-                acc = [r["sst2_acc"] for r in runs if r["sst2_acc"] is not None]
-                spread = lambda v: f" ± {statistics.stdev(v):.1f}" if len(v) > 1 else ""  # noqa: E731
-                share = statistics.mean(r["kv_share"] for r in runs)
-                lines.append(f"| {name} (mean of {len(runs)} seed{'s' if len(runs) > 1 else ''}) | {share:.3f} "
-                             f"| {statistics.mean(p128):.2f}{spread(p128)} | {_change(statistics.mean(p128), d128)} "
-                             f"| {statistics.mean(p2048):.2f}{spread(p2048)} | {_change(statistics.mean(p2048), d2048)} "
-                             f"| {_fmt(statistics.mean(acc) if acc else None, 3)} | – | – | – |")
-                continue
-            (r,) = runs
-            lines.append(f"| {name} | {r['kv_share']:.3f} | {r['ppl128']:.2f} | {_change(r['ppl128'], d128)} | {r['ppl2048']:.2f} "
-                         f"| {_change(r['ppl2048'], d2048)} | {_fmt(r['sst2_acc'], 3)} | {_fmt(r['score_seconds'], 0)} "
-                         f"| {_fmt(r['tuning_seconds'], 0)} | {_fmt(r['wall_seconds'], 0)} |")
-        lines.append("")
+                  *markdown(columns, arms), ""]
     return "\n".join(lines)
 
 
@@ -166,31 +158,28 @@ TRAINED = ("fisher_lora", "fisher_re_lora", "fisher_re_lora_kd", "fisher_re_dist
 def summary(dense: dict, rows: list[dict]) -> str:
     """The README's table: per budget, the best arm without training and the best with it."""
     d2048 = dense["perplexity"]["seq2048"]["ppl"]
-    dz = dense.get("zero_shot", {}).get("sst2_local", {}).get("acc")
-    lines = ["| budget | recovery | best arm | KV kept | ppl seq 2048 | change | SST-2 acc |",
-             "|---|---|---|---:|---:|---:|---:|",
-             f"| all (dense) | – | – | 1.000 | {d2048:.2f} | – | {_fmt(dz, 3)} |"]
+    best = [{"budget": "all (dense)", "recovery": DASH, "arm": DASH, "kv_share": 1.0, "ppl2048": d2048, "change": DASH,
+             "sst2_acc": dense.get("zero_shot", {}).get("sst2_local", {}).get("acc")}]
     for budget, title in BUDGETS.items():
         for trained, label in ((False, "none (no training)"), (True, "training")):
             group = [r for r in rows if r["budget"] == budget and r["arm"] != "random" and (r["arm"] in TRAINED) == trained]
-            if not group:
-                continue
-            best = min(group, key=lambda r: r["ppl2048"])
-            lines.append(f"| {title} | {label} | {ARMS[best['arm']]} | {best['kv_share']:.3f} | {best['ppl2048']:.2f} "
-                         f"| {_change(best['ppl2048'], d2048)} | {_fmt(best['sst2_acc'], 3)} |")
-    return "\n".join(lines)
+            if group:
+                r = min(group, key=lambda r: r["ppl2048"])
+                best.append({**r, "budget": title, "recovery": label, "arm": ARMS[r["arm"]],
+                             "change": change(r["ppl2048"], d2048)})
+    return "\n".join(markdown([text("budget"), text("recovery"), text("best arm", "arm"), column("KV kept", "kv_share", ".3f"),
+                               column("ppl seq 2048", "ppl2048"), text("change", right=True),
+                               column("SST-2 acc", "sst2_acc", ".3f")], best))
 
 
 def answers_table(dense: dict, answers: dict) -> str:
     prompts = [a["prompt"] for a in dense.get("generation", [])]
     lines = []
     for i, prompt in enumerate(prompts):
-        lines += [f"### {prompt}", "", "| model | answer |", "|---|---|",
-                  f"| dense | {dense['generation'][i]['answer'].replace('|', '/').replace(chr(10), ' ')} |"]
-        for run, gen in answers.items():
-            if i < len(gen):
-                lines.append(f"| {run} | {gen[i]['answer'].replace('|', '/').replace(chr(10), ' ')} |")
-        lines.append("")
+        answered = [("dense", dense["generation"][i]["answer"])] + [(run, gen[i]["answer"]) for run, gen in answers.items()
+                                                                   if i < len(gen)]
+        lines += [f"### {prompt}", "", *markdown([text("model", lambda a: a[0]), text("answer", lambda a: cell_text(a[1]))],
+                                                 answered), ""]
     return "\n".join(lines)
 
 
@@ -207,9 +196,7 @@ def recoveries(results: Path, stopped: Path) -> str:
     (`stopped`) included. Read from each result file's `rounds[0]`."""
     files = {p.stem: p for p in sorted(results.glob("*.json"))}
     files.update({p.stem: p for p in sorted(stopped.glob("*.json"))} if stopped.is_dir() else {})
-    lines = ["| budget | arm | val ppl before | val ppl after recovery | score s | recovery s | refit calib error before -> after "
-             "(mean over layers) | held-out error at the chosen damp | damps chosen (layers) | finished |",
-             "|---|---|---:|---:|---:|---:|---|---:|---|---|"]
+    lines = []
     for budget in BUDGETS:
         for arm in RECOVERED:
             path = files.get(f"{arm}_{budget}")
@@ -219,9 +206,9 @@ def recoveries(results: Path, stopped: Path) -> str:
             (r,) = res["rounds"]
             tuning = recovery_report(r)
             after = r.get("val_after_recovery") or r.get("val_after_mask_tuning") or {}
-            after_text = _fmt(after.get("ppl"))
+            after_text = number(after.get("ppl"))
             if "chain" in r:
-                after_text = " -> ".join(f"{_fmt((r.get(f'val_after_{name}') or {}).get('ppl'))} ({name})"
+                after_text = " -> ".join(f"{number((r.get(f'val_after_{name}') or {}).get('ppl'))} ({name})"
                                          for name in r["chain"])
             refit = [layer for layer in (r.get("refit") or {}).get("layers", []) if "error_after" in layer]
             errors = held = damps = "–"
@@ -232,10 +219,15 @@ def recoveries(results: Path, stopped: Path) -> str:
                 chosen = [layer["damp"] for layer in refit]
                 damps = ", ".join(f"{d:g} ({chosen.count(d)})" for d in sorted(set(chosen)))
             finished = "yes" if "pruned" in res.get("evaluation", {}) else "stopped after the round"
-            lines.append(f"| {budget} | {ARMS[arm]} | {_fmt(r['val_before_finetune']['ppl'])} | {after_text} "
-                         f"| {_fmt(r['score_seconds'], 0)} | {_fmt(tuning.get('seconds'), 0)} | {errors} | {held} | {damps} "
-                         f"| {finished} |")
-    return "\n".join(lines)
+            lines.append({"budget": budget, "arm": ARMS[arm], "before": r["val_before_finetune"]["ppl"], "after": after_text,
+                          "score": r["score_seconds"], "recovery": tuning.get("seconds"), "errors": errors, "held": held,
+                          "damps": damps, "finished": finished})
+    return "\n".join(markdown([
+        text("budget"), text("arm"), column("val ppl before", "before"), text("val ppl after recovery", "after", right=True),
+        column("score s", "score", ".0f"), column("recovery s", "recovery", ".0f"),
+        text("refit calib error before -> after (mean over layers)", "errors"),
+        text("held-out error at the chosen damp", "held", right=True), text("damps chosen (layers)", "damps"),
+        text("finished")], lines))
 
 
 OTHER = "sst2"  # the corpus not calibrated on (evaluation.other_corpora)
@@ -295,24 +287,37 @@ def heldout(results: Path, other_dense: Path, last_word: Path) -> str:
     d_main, (d_other, other_file) = dense["main"], dense.get("other", (None, "–"))
 
     def word_cell(word):
-        return "–" if word is None else f"{word['acc']:.3f} ± {word['acc_stderr']:.3f} ({word['n']})"
-    lines = ["| budget | arm | ppl seq 2048, Tiny Shakespeare | x dense | ppl seq 2048, SST-2 sentences | x dense "
-             "| SST-2 ratio / Tiny Shakespeare ratio (target <= 1.5) | last-word acc ± stderr (passages) | SST-2 ppl from "
-             "| last word from |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
-             f"| – | dense | {d_main:.2f} | 1.00 | {_fmt(d_other)} | 1.00 | – | "
-             + " / ".join(f"{word_cell(w)}" for n, (w, _) in sorted(dense_words.items()))
-             + f" | {other_file} | {', '.join(f'last_word/{f}' for _, (_, f) in sorted(dense_words.items()))} |"]
+        return DASH if word is None else f"{word['acc']:.3f} ± {word['acc_stderr']:.3f} ({word['n']})"
+    cells = [{"budget": DASH, "name": "dense", "main": d_main, "main_x": 1.0, "other": d_other, "other_x": 1.0,
+              "ratio": None, "word": " / ".join(word_cell(w) for n, (w, _) in sorted(dense_words.items())),
+              "other_source": other_file,
+              "word_source": ", ".join(f"last_word/{f}" for _, (_, f) in sorted(dense_words.items()))}]
     order = {arm: i for i, arm in enumerate(ARMS)}
     for budget in BUDGETS:
         for r in sorted((r for r in rows if r["budget"] == budget), key=lambda r: (order[r["arm"]], r["seed"] or 0)):
-            name = ARMS[r["arm"]] + (f" (seed {r['seed']})" if r["seed"] is not None else "")
             main_x = r["main"] / d_main
             other_x = None if r["other"] is None or d_other is None else r["other"] / d_other
-            lines.append(f"| {budget} | {name} | {r['main']:.2f} | {main_x:.2f} | {_fmt(r['other'])} | {_fmt(other_x)} "
-                         f"| {_fmt(None if other_x is None else other_x / main_x)} | {word_cell(r['word'])} "
-                         f"| {r['other_source']} | {r['word_source']} |")
-    return "\n".join(lines)
+            cells.append({**r, "name": ARMS[r["arm"]] + (f" (seed {r['seed']})" if r["seed"] is not None else ""),
+                          "main_x": main_x, "other_x": other_x, "ratio": None if other_x is None else other_x / main_x,
+                          "word": word_cell(r["word"])})
+    return "\n".join(markdown([
+        text("budget"), text("arm", "name"), column("ppl seq 2048, Tiny Shakespeare", "main"), column("x dense", "main_x"),
+        column("ppl seq 2048, SST-2 sentences", "other"), column("x dense", "other_x"),
+        column("SST-2 ratio / Tiny Shakespeare ratio (target <= 1.5)", "ratio"),
+        text("last-word acc ± stderr (passages)", "word", right=True), text("SST-2 ppl from", "other_source"),
+        text("last word from", "word_source")], cells))
+
+
+def render(folder: Path = HERE, model: Path = HERE / "model.json") -> dict[str, str]:
+    """results.md, answers.md, llm_kv.csv, summary.md, recoveries.md and heldout.md from `folder`/results
+    (and this experiment's refit_target/, other_corpus/ and last_word/ raw files); the model's shape
+    from `model` (model.json)."""
+    shape = read_json(model)
+    dense, rows, answers = load(folder / "results", shape)
+    return {"results.md": table(dense, rows, shape) + "\n", "answers.md": answers_table(dense, answers) + "\n",
+            "llm_kv.csv": to_csv(rows), "summary.md": summary(dense, rows) + "\n",
+            "recoveries.md": recoveries(folder / "results", HERE / "refit_target") + "\n",
+            "heldout.md": heldout(folder / "results", HERE / "other_corpus" / "other_corpus.json", HERE / "last_word") + "\n"}
 
 
 def main() -> None:
@@ -323,16 +328,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs is not None and args.runs.is_dir():
         gather(args.runs, args.out)
-    shape = json.loads(args.model.read_text())
-    dense, rows, answers = load(args.out / "results", shape)
-    write_text_atomic(args.out / "results.md", table(dense, rows, shape) + "\n")
-    write_text_atomic(args.out / "answers.md", answers_table(dense, answers) + "\n")
-    write_text_atomic(args.out / "llm_kv.csv", to_csv(rows))
-    write_text_atomic(args.out / "summary.md", summary(dense, rows) + "\n")
-    write_text_atomic(args.out / "recoveries.md", recoveries(args.out / "results", Path(__file__).parent / "refit_target")
-                      + "\n")
-    write_text_atomic(args.out / "heldout.md", heldout(args.out / "results", HERE / "other_corpus" / "other_corpus.json",
-                                                       HERE / "last_word") + "\n")
+    write(args.out, render(args.out, args.model))
+    shape = read_json(args.model)
+    dense, rows, _ = load(args.out / "results", shape)
     plot(dense, rows, args.out / "results.png")
 
 
