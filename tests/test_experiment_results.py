@@ -13,6 +13,7 @@ RENDERED = {
     "decoder_kv": {"results.md", "decoder_kv.csv"},
     "iterative_vs_one_shot": {"results.md", "iterative_vs_one_shot.csv"},
     "recovery": {"results.md", "recovery.csv", "curves.md"},
+    "llm_calibration": {"results.md", "best.md"},
     "llm_iterative": {"results.md", "answers.md", "last_word.md", "kl_speed.md"},
     "llm_kv": {"results.md", "summary.md", "answers.md", "llm_kv.csv", "recoveries.md", "heldout.md"},
     "llm_kv_modes": {"results.md"},
@@ -21,6 +22,7 @@ RENDERED = {
 # experiment -> {page that quotes tables (relative to the repo): the rendered files it quotes}
 QUOTED = {
     "recovery": {"experiments/recovery/README.md": ["results.md"]},
+    "llm_calibration": {"experiments/llm_calibration/README.md": ["results.md", "best.md"]},
     "llm_kv": {"experiments/llm_kv/README.md": ["results.md", "recoveries.md", "summary.md", "heldout.md"],
                "docs/guide_llms.md": ["summary.md"]},
     "llm_uneven": {"experiments/llm_uneven/README.md": ["results.md", "targets.md"],

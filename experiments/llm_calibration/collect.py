@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from headprune.atomic import write_json_atomic, write_text_atomic
+from headprune.report import DASH, column, gather, markdown, text, write
 
 HERE = Path(__file__).resolve().parent
 ALLOCATIONS = {"uniform": "uniform (Fisher + rearrangement)", "attention_drop": "attention drop (He et al. 2024)"}
@@ -33,15 +33,10 @@ RATIO_TARGET = 1.5  # issue 40: every arm's SST-2 change within 1.5x of its in-d
 ELSEWHERE = {"attention_drop_refit_corpus": HERE.parent / "llm_uneven" / "results" / "attention_drop_refit_kv67.json"}
 
 
-def copy_runs(runs: Path, out: Path) -> None:
+def copy_runs(runs: Path, out: Path) -> list[str]:
     """results/<name>.json for every finished run in `runs` (its export evaluated), `wall.json` as `wall`."""
-    for run in sorted(p for p in runs.iterdir() if (p / "results.json").is_file()):
-        res = json.loads((run / "results.json").read_text())
-        if "pruned" not in res.get("evaluation", {}) or split(run.name) is None:
-            continue
-        if (run / "wall.json").is_file():
-            res["wall"] = json.loads((run / "wall.json").read_text())
-        write_json_atomic(out / "results" / f"{run.name}.json", res)
+    names = [p.name for p in sorted(runs.iterdir()) if split(p.name) is not None]
+    return gather(runs, out / "results", lambda res: "pruned" in res.get("evaluation", {}), names)
 
 
 def split(stem: str) -> tuple[str, str, str] | None:
@@ -109,55 +104,61 @@ def rows(runs: dict[str, dict]) -> list[dict]:
     return sorted(out, key=lambda r: (order[r["allocation"]], order[r["repair"]], order[r["calibration"]]))
 
 
-def _f(x, digits=2) -> str:
-    return "–" if x is None else f"{x:.{digits}f}"
+def _ppl_column(heading: str, key: tuple):
+    return column(heading, lambda r: r["ppl"][key])
 
 
-def _pct(x) -> str:
-    return f"{x:+.1f}%"
+def _change_column(key: tuple):
+    return column("change", lambda r: r["change"][key], "+.1f", unit="%")
 
 
 def results_table(table: list[dict], base: dict) -> str:
     lines = [f"Dense: Tiny Shakespeare perplexity {base[('ts', 'seq128')]:.2f} (seq 128), "
              f"{base[('ts', 'seq2048')]:.2f} (seq 2048); SST-2 sentences {base[(OTHER, 'seq128')]:.2f} (seq 128), "
-             f"{base[(OTHER, 'seq2048')]:.2f} (seq 2048).", "",
-             "| allocation | repair | calibration | blocks (corpus + generated) | tokens | TS ppl 128 | TS ppl 2048 | "
-             "change | SST-2 ppl 128 | SST-2 ppl 2048 | change | SST-2 / TS change (target <= 1.5) | sampling s | "
-             "wall s | load average at end | raw file |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for r in table:
-        p, c = r["ppl"], r["change"]
-        load = "–" if r["load"] is None else " / ".join(f"{x:.1f}" for x in r["load"])
-        lines.append(f"| {ALLOCATIONS[r['allocation']]} | {REPAIRS[r['repair']]} | {CALIBRATIONS[r['calibration']]} | "
-                     f"{r['blocks']} | {r['tokens']} | {p[('ts', 'seq128')]:.2f} | {p[('ts', 'seq2048')]:.2f} | "
-                     f"{_pct(c[('ts', 'seq2048')])} | {p[(OTHER, 'seq128')]:.2f} | {p[(OTHER, 'seq2048')]:.2f} | "
-                     f"{_pct(c[(OTHER, 'seq2048')])} | {r['ratio']:.2f} | {_f(r['sampling_s'], 0)} | "
-                     f"{_f(r['wall_s'], 0)} | {load} | {r['source']} |")
-    return "\n".join(lines) + "\n"
+             f"{base[(OTHER, 'seq2048')]:.2f} (seq 2048).", ""]
+    columns = [text("allocation", lambda r: ALLOCATIONS[r["allocation"]]), text("repair", lambda r: REPAIRS[r["repair"]]),
+               text("calibration", lambda r: CALIBRATIONS[r["calibration"]]),
+               text("blocks (corpus + generated)", "blocks", right=True), text("tokens", right=True),
+               _ppl_column("TS ppl 128", ("ts", "seq128")), _ppl_column("TS ppl 2048", ("ts", "seq2048")),
+               _change_column(("ts", "seq2048")), _ppl_column("SST-2 ppl 128", (OTHER, "seq128")),
+               _ppl_column("SST-2 ppl 2048", (OTHER, "seq2048")), _change_column((OTHER, "seq2048")),
+               column("SST-2 / TS change (target <= 1.5)", "ratio"), column("sampling s", "sampling_s", ".0f"),
+               column("wall s", "wall_s", ".0f"),
+               text("load average at end", lambda r: DASH if r["load"] is None else " / ".join(f"{x:.1f}" for x in r["load"])),
+               text("raw file", "source")]
+    return "\n".join(lines + markdown(columns, table)) + "\n"
 
 
 def best_table(table: list[dict]) -> str:
     """Per allocation and repair, and over every row: the lowest SST-2 perplexity at seq 2048."""
-    lines = ["| allocation | repair | best calibration out of domain | SST-2 ppl 2048 | change | TS ppl 2048 | change | "
-             "corpus row's SST-2 ppl 2048 | SST-2 ppl vs the corpus row |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     groups: dict[tuple, list[dict]] = {}
     for r in table:
         groups.setdefault((r["allocation"], r["repair"]), []).append(r)
     groups[("all", "all")] = table
+    bests = []
     for (alloc, repair), group in groups.items():
         best = min(group, key=lambda r: r["ppl"][(OTHER, "seq2048")])
         corpus = [r for r in group if r["calibration"] == "corpus" and
                   (r["allocation"], r["repair"]) == (best["allocation"], best["repair"])]
-        ref = corpus[0]["ppl"][(OTHER, "seq2048")] if corpus else None
-        name = (f"{ALLOCATIONS[alloc]} | {REPAIRS[repair]}" if alloc != "all" else
-                f"**any** ({ALLOCATIONS[best['allocation']]}) | **any** ({REPAIRS[best['repair']]})")
-        other = best["ppl"][(OTHER, "seq2048")]
-        versus = "–" if ref is None else f"{other / ref:.2f}x"
-        lines.append(f"| {name} | {CALIBRATIONS[best['calibration']]} | {other:.2f} | "
-                     f"{_pct(best['change'][(OTHER, 'seq2048')])} | {best['ppl'][('ts', 'seq2048')]:.2f} | "
-                     f"{_pct(best['change'][('ts', 'seq2048')])} | {_f(ref)} | {versus} |")
-    return "\n".join(lines) + "\n"
+        bests.append({**best, "any": alloc == "all", "ref": corpus[0]["ppl"][(OTHER, "seq2048")] if corpus else None})
+
+    def versus(r):
+        return DASH if r["ref"] is None else f"{r['ppl'][(OTHER, 'seq2048')] / r['ref']:.2f}x"
+    columns = [text("allocation", lambda r: f"**any** ({ALLOCATIONS[r['allocation']]})" if r["any"]
+                    else ALLOCATIONS[r["allocation"]]),
+               text("repair", lambda r: f"**any** ({REPAIRS[r['repair']]})" if r["any"] else REPAIRS[r["repair"]]),
+               text("best calibration out of domain", lambda r: CALIBRATIONS[r["calibration"]]),
+               _ppl_column("SST-2 ppl 2048", (OTHER, "seq2048")), _change_column((OTHER, "seq2048")),
+               _ppl_column("TS ppl 2048", ("ts", "seq2048")), _change_column(("ts", "seq2048")),
+               column("corpus row's SST-2 ppl 2048", "ref"), text("SST-2 ppl vs the corpus row", versus, right=True)]
+    return "\n".join(markdown(columns, bests)) + "\n"
+
+
+def render(folder: Path = HERE) -> dict[str, str]:
+    """results.md and best.md from `folder`/results (and ELSEWHERE)."""
+    runs = load(folder / "results")
+    table = rows(runs)
+    return {"results.md": results_table(table, dense(runs)), "best.md": best_table(table)}
 
 
 def main() -> None:
@@ -167,10 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs is not None:
         copy_runs(args.runs, args.out)
-    runs = load(args.out / "results")
-    table = rows(runs)
-    write_text_atomic(args.out / "results.md", results_table(table, dense(runs)))
-    write_text_atomic(args.out / "best.md", best_table(table))
+    write(args.out, render(args.out))
 
 
 if __name__ == "__main__":
