@@ -13,6 +13,7 @@ RENDERED = {
     "decoder_kv": {"results.md", "decoder_kv.csv"},
     "iterative_vs_one_shot": {"results.md", "iterative_vs_one_shot.csv"},
     "recovery": {"results.md", "recovery.csv", "curves.md"},
+    "retraining_free": {"results.md", "targets.md", "retraining_free.csv", "beside.md", "summary.md"},
     "llm_calibration": {"results.md", "best.md"},
     "llm_iterative": {"results.md", "answers.md", "last_word.md", "kl_speed.md"},
     "llm_kv": {"results.md", "summary.md", "answers.md", "llm_kv.csv", "recoveries.md", "heldout.md"},
@@ -23,6 +24,8 @@ RENDERED = {
 QUOTED = {
     "recovery": {"experiments/recovery/README.md": ["results.md"]},
     "llm_calibration": {"experiments/llm_calibration/README.md": ["results.md", "best.md"]},
+    "retraining_free": {"experiments/retraining_free/README.md": ["results.md", "beside.md", "targets.md"],
+                        "docs/guide_budgets.md": ["summary.md"]},
     "llm_kv": {"experiments/llm_kv/README.md": ["results.md", "recoveries.md", "summary.md", "heldout.md"],
                "docs/guide_llms.md": ["summary.md"]},
     "llm_uneven": {"experiments/llm_uneven/README.md": ["results.md", "targets.md"],

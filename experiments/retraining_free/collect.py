@@ -25,8 +25,10 @@ import json
 import statistics
 from pathlib import Path
 
-from headprune.apps.collect import to_csv
-from headprune.atomic import write_json_atomic, write_text_atomic
+from headprune.atomic import write_json_atomic
+from headprune.report import DASH, column, text, to_csv, write
+from headprune.report import markdown as markdown_table
+from headprune.report import number as _num
 
 ARMS = {"taylor": "(a) Taylor, masking only", "fisher": "(b) Fisher + rearrangement",
         "fisher_ls": "(c) (b) + least-squares tuning"}
@@ -123,10 +125,6 @@ def arm_label(r: dict) -> str:
     return ALL_ARMS[r["arm"]].format(steps=r.get("kl_steps"))
 
 
-def _num(value, fmt: str) -> str:
-    return "–" if value is None else format(value, fmt)
-
-
 def budget_label(budget: str) -> str:
     if budget.startswith("flops4k "):
         return f"4k-sentence model, attention FLOPs {budget.split()[1]}"
@@ -135,20 +133,24 @@ def budget_label(budget: str) -> str:
     return budget.replace("heads ", "heads removed ")
 
 
+def _latency(r: dict) -> str:
+    if r["measured_share"] is not None:
+        return f"{_num(r['predicted_share'], '.3f')} / {_num(r['measured_share'], '.3f')}"
+    return f"{r['predicted_share']:.3f} of the FLOPs" if r["predicted_share"] is not None else DASH
+
+
+COLUMNS = [text("budget", lambda r: budget_label(r["budget"])), text("arm", arm_label), column("heads kept", "heads_kept", "d"),
+           column("acc", "acc", scale=100), column("drop (points)", lambda r: r["acc_unpruned"] - r["acc"], scale=100),
+           column("acc before repair", "acc_before_tuning", scale=100),
+           column("acc after refit (chain)", "acc_after_refit", scale=100),
+           text("predicted / measured latency share", _latency),
+           text("seconds: costs, score, rearrange, repair, KL",
+                lambda r: ", ".join(_num(r[f"{k}_seconds"], ".1f") for k in ("costs", "score", "rearrange", "repair", "kl"))),
+           column("wall s", "wall_seconds", ".0f")]
+
+
 def markdown(table: list[dict]) -> str:
-    lines = ["| budget | arm | heads kept | acc | drop (points) | acc before repair | acc after refit (chain) "
-             "| predicted / measured latency share | seconds: costs, score, rearrange, repair, KL | wall s |",
-             "|---|---|---:|---:|---:|---:|---:|---|---|---:|"]
-    for r in table:
-        latency = (f"{_num(r['predicted_share'], '.3f')} / {_num(r['measured_share'], '.3f')}"
-                   if r["measured_share"] is not None else
-                   f"{r['predicted_share']:.3f} of the FLOPs" if r["predicted_share"] is not None else "–")
-        stages = ", ".join(_num(r[f"{k}_seconds"], ".1f") for k in ("costs", "score", "rearrange", "repair", "kl"))
-        after_refit = "–" if r["acc_after_refit"] is None else f"{100 * r['acc_after_refit']:.2f}"
-        lines.append(f"| {budget_label(r['budget'])} | {arm_label(r)} | {r['heads_kept']} | {100 * r['acc']:.2f} "
-                     f"| {100 * (r['acc_unpruned'] - r['acc']):.2f} | {100 * r['acc_before_tuning']:.2f} | {after_refit} "
-                     f"| {latency} | {stages} | {_num(r['wall_seconds'], '.0f')} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(markdown_table(COLUMNS, table)) + "\n"
 
 
 def _pts(x: float) -> str:
@@ -270,8 +272,6 @@ FINETUNE_ARMS = {"one_shot_short": "one-shot, then 1 epoch", "one_shot_long": "o
 def beside(table: list[dict], recovery: Path) -> str:
     """Retraining-free runs at heads budgets beside the recovery experiment's prune-and-fine-tune
     arms: what each starts from, what it ends at, and its wall time (mean over seeds)."""
-    lines = ["| heads removed | route | starts from | acc before pruning | acc after | change (points) | wall min |",
-             "|---:|---|---|---:|---:|---:|---:|"]
     out = []
     for r in table:
         if r["budget"].startswith("heads ") and r["arm"] in ARMS:
@@ -289,14 +289,33 @@ def beside(table: list[dict], recovery: Path) -> str:
     for (target, arm), (before, after, walls) in groups.items():
         out.append((target, 1 + list(FINETUNE_ARMS).index(arm), f"prune and fine-tune: {FINETUNE_ARMS[arm]}",
                     "2 epochs on 4,000 sentences", before, after, walls))
+    routes = []
     for target, _, route, start, before, after, walls in sorted(out, key=lambda x: x[:2]):
         known = [w for w in walls if w is not None]
-        wall = f"{statistics.fmean(known) / 60:.1f}" if len(known) == len(walls) else "– (reused)"
-        seeds = f" (mean of {len(after)} seeds)" if len(after) > 1 else ""
-        b, a = statistics.fmean(before), statistics.fmean(after)
-        lines.append(f"| {100 * target:g}% | {route}{seeds} | {start} | {100 * b:.2f} | {100 * a:.2f} "
-                     f"| {100 * (a - b):+.2f} | {wall} |")
+        routes.append({"target": target, "route": route + (f" (mean of {len(after)} seeds)" if len(after) > 1 else ""),
+                       "start": start, "before": statistics.fmean(before), "after": statistics.fmean(after),
+                       "wall": f"{statistics.fmean(known) / 60:.1f}" if len(known) == len(walls) else "– (reused)"})
+    lines = markdown_table([column("heads removed", "target", "g", scale=100, unit="%"), text("route"),
+                            text("starts from", "start"), column("acc before pruning", "before", scale=100),
+                            column("acc after", "after", scale=100),
+                            column("change (points)", lambda r: r["after"] - r["before"], "+.2f", scale=100),
+                            text("wall min", "wall", right=True)], routes)
     return "\n".join(lines) + "\n"
+
+
+RECOVERY = Path(__file__).resolve().parent.parent / "recovery" / "results"
+
+
+def render(folder: Path, recovery: Path | None = RECOVERY) -> dict[str, str]:
+    """retraining_free.csv, results.md, targets.md and summary.md from `folder`'s result files, and
+    beside.md with the recovery experiment's results folder `recovery` (None: no beside.md)."""
+    table = all_rows(folder)
+    files = {"retraining_free.csv": to_csv(table), "results.md": markdown(table),
+             "targets.md": targets(table) + "\n" + conditions(table, folder / "results" / "refit" / "load.csv"),
+             "summary.md": summary(table)}
+    if recovery is not None:
+        files["beside.md"] = beside(table, recovery)
+    return files
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -307,15 +326,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.runs is not None:
         gather(args.runs, args.out)
-    table = all_rows(args.out)
-    write_text_atomic(args.out / "retraining_free.csv", to_csv(table))
-    write_text_atomic(args.out / "results.md", markdown(table))
-    write_text_atomic(args.out / "targets.md", targets(table) + "\n"
-                      + conditions(table, args.out / "results" / "refit" / "load.csv"))
-    write_text_atomic(args.out / "summary.md", summary(table))
-    if args.beside is not None:
-        write_text_atomic(args.out / "beside.md", beside(table, args.beside))
-    print((args.out / "results.md").read_text())
+    files = render(args.out, args.beside)
+    write(args.out, files)
+    print(files["results.md"])
 
 
 if __name__ == "__main__":
