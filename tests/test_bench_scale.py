@@ -90,14 +90,9 @@ def test_scale_is_off_by_default_and_measures_the_three_shapes(tmp_path):
 
 def _collect():
     """experiments/scale/collect.py, loaded by path (experiments are not a package)."""
-    import importlib.util
-    from pathlib import Path
+    from tests.helpers import experiment_script
 
-    path = Path(__file__).resolve().parents[1] / "experiments" / "scale" / "collect.py"
-    spec = importlib.util.spec_from_file_location("scale_collect", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_script("scale/collect")
 
 
 def test_scale_readme_blocks_regenerate_from_the_committed_bench_json():

@@ -1,18 +1,15 @@
 """The experiments' table scripts on small synthetic result files: what each row says follows from
-the runs given (tests/test_experiments.py checks the committed tables are what these scripts make
-of the committed results; these check the scripts compute what their tables claim)."""
-import importlib.util
+the runs given (tests/test_experiment_results.py checks the committed tables are what these scripts
+make of the committed results; these check the scripts compute what their tables claim)."""
 import json
 from pathlib import Path
 
-EXP = Path(__file__).resolve().parent.parent / "experiments"
+from tests.helpers import EXPERIMENTS as EXP
+from tests.helpers import experiment_script
 
 
 def _script(path: Path):
-    spec = importlib.util.spec_from_file_location(f"exp_{path.parent.name}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_script(str(path.relative_to(EXP).with_suffix("")))
 
 
 def _round(n, pruned_total, before, after, heads):

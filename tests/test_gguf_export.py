@@ -286,16 +286,13 @@ def test_ci_runs_the_readme_test_command_with_llamacpp():
 def test_llamacpp_experiment_tables_are_what_its_raw_files_give():
     """experiments/llm_kv/decode: the llama.cpp tables in its README are tables.py's rendering of the
     committed agreement.json and bench.json, and bench.md is the bench report of bench.json."""
-    import importlib.util
     import json
-    from pathlib import Path
 
     from headprune.bench.report import markdown
+    from tests.helpers import EXPERIMENTS, experiment_script
 
-    folder = Path(__file__).resolve().parent.parent / "experiments" / "llm_kv" / "decode" / "llamacpp"
-    spec = importlib.util.spec_from_file_location("llamacpp_tables", folder / "tables.py")
-    tables = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tables)
+    folder = EXPERIMENTS / "llm_kv" / "decode" / "llamacpp"
+    tables = experiment_script("llm_kv/decode/llamacpp/tables")
     readme = (folder.parent / "README.md").read_text()
     bench = json.loads((folder / "bench.json").read_text())
     assert tables.agreement_table(json.loads((folder / "agreement.json").read_text())) in readme

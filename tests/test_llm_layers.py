@@ -3,11 +3,12 @@ committed raw json, the raw json covers every layer of the model (its shape read
 experiments/llm_kv/model.json, which matches the model's config), the removals it analyses are
 those of the committed llm_kv runs, and the table functions compute what they say on small
 synthetic raw files (no model is loaded, except by the one real_model test)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import experiment_script
 
 REPO = Path(__file__).resolve().parent.parent
 LLM_KV = REPO / "experiments" / "llm_kv"
@@ -15,10 +16,7 @@ OUT = LLM_KV / "layers"
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"llm_kv_{name}", LLM_KV / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return experiment_script(f"llm_kv/{name}")
 
 
 def _raw():
