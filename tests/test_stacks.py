@@ -191,7 +191,8 @@ def test_t5_position_bias_columns_go_with_the_stack_heads():
 
 def test_umt5_position_bias_columns_go_with_each_layers_heads():
     """UMT5's self-attention layers each own an Embedding(num_buckets, heads): a layer keeps its kept
-    heads' columns (cross-attention has none); a second request slices by position, not by id."""
+    heads' columns (a layer left without heads keeps them all; cross-attention has none); a second
+    request slices by position, not by id."""
     from headprune.heads.surgery import Sliced
 
     dense = tiny_umt5()
@@ -199,7 +200,7 @@ def test_umt5_position_bias_columns_go_with_each_layers_heads():
     model = prune_heads(copy.deepcopy(dense), SPEC, sliced=sliced)
     for stack in ("encoder", "decoder"):
         for layer, gone in SPEC[stack].items():
-            kept = [h for h in range(HEADS) if h not in gone]
+            kept = [h for h in range(HEADS) if h not in gone] or list(range(HEADS))  # a headless layer keeps all
             new = getattr(model, stack).block[layer].layer[0].SelfAttention.relative_attention_bias
             old = getattr(dense, stack).block[layer].layer[0].SelfAttention.relative_attention_bias
             assert new.embedding_dim == len(kept)

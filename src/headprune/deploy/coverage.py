@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import inspect
 import json
 import signal
 import sys
@@ -94,6 +95,7 @@ OVERRIDES["t5"] = {"decoder_start_token_id": 0}
 OVERRIDES["deberta-v2"] = {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "share_att_key": True,
                            "position_buckets": 16, "norm_rel_ebd": "layer_norm", "position_biased_input": False}
 OVERRIDES["deberta"] = {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "position_biased_input": False}
+OVERRIDES["beit"] = {"use_relative_position_bias": True}  # beit-base-patch16-224: a bias table per layer
 
 
 # -- tiny configs ------------------------------------------------------------------------------------
@@ -153,6 +155,14 @@ def _time_limit(seconds: int):
 def _inputs(model: nn.Module, task: str, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     config = model.config
+    if task == "image_classification" and "spatial_shapes" in inspect.signature(model.forward).parameters:
+        # SigLIP 2 (NaFlex): flattened patches (B, 16, C x P x P), a 4 x 4 grid, the first image 3 x 4 (4 padded)
+        vision = getattr(config, "vision_config", config)
+        features = vision.num_channels * vision.patch_size ** 2
+        mask = torch.ones(BATCH, 16, dtype=torch.long)
+        mask[0, 12:] = 0
+        return {"pixel_values": torch.randn(BATCH, 16, features, generator=g), "pixel_attention_mask": mask,
+                "spatial_shapes": torch.tensor([[3, 4]] + [[4, 4]] * (BATCH - 1))}
     if task == "image_classification":
         size, channels = getattr(config, "image_size", 32), getattr(config, "num_channels", 3)
         size = size if isinstance(size, int) else size[0]

@@ -157,10 +157,13 @@ class ArchAdapter:
     beside its bias-free fused `in_proj`): kept with their heads. Families without grouped-query
     attention only (refused at registration otherwise).
 
-    `head_columns` names modules of the core whose weight holds one column per head along dim 1 and whose
-    `embedding_dim` counts them (UMT5's per-layer relative position bias, Embedding(num_buckets, heads),
-    in every self-attention layer): a layer keeps its kept heads' columns; a layer without the module
-    (cross-attention) is skipped. Families without grouped-query attention only, as `head_vectors`.
+    `head_columns` names, from the block, per-layer relative position bias tables with one column per
+    head along dim 1: a Parameter (BEiT's `relative_position_bias.relative_position_bias_table`,
+    (distances, heads)) or a module whose weight is one (UMT5's `relative_attention_bias`, an
+    Embedding(num_buckets, heads) in every self-attention layer; its `embedding_dim` follows). A layer
+    keeps its kept heads' columns; a layer left without heads keeps them all (BEiT's block still
+    computes its bias, which the headless attention ignores); a block without the path (cross-attention)
+    is skipped. Families without grouped-query attention only, as `head_vectors`.
 
     `refused_settings` lists (config attribute, reason): a model whose config sets the attribute
     (truthy) is refused by `get_adapter` with the reason, before any work (DeBERTa's `talking_head`
@@ -188,7 +191,7 @@ class ArchAdapter:
     gates: tuple[str, ...] = ()  # projections with head_dim outputs per query head gating its context (AFMoE)
     position_projections: tuple[str, ...] = ()  # per-head projections of relative positions (DeBERTa-v2)
     head_vectors: tuple[str, ...] = ()  # the core's parameters with head_dim entries per head (DeBERTa's q_bias)
-    head_columns: tuple[str, ...] = ()  # the core's modules with one weight column per head (UMT5's position bias)
+    head_columns: tuple[str, ...] = ()  # per-layer bias tables with one column per head (UMT5, BEiT), from the block
     refused_settings: tuple[tuple[str, str], ...] = ()  # (config attribute, why a model that sets it is refused)
 
     def present_position_projections(self, attn: nn.Module) -> dict[str, nn.Module]:
@@ -493,16 +496,31 @@ register_adapter(ArchAdapter(
                                        "(head_logits_proj / head_weights_proj), so removing a head changes the kept "
                                        "heads (not done)"),),
 ))
-# Vision encoders (transformers 5 gives ViT, DeiT and DINOv2 the q_proj..o_proj layout too).
+# Vision encoders (transformers 5 gives ViT, DeiT and DINOv2 the q_proj..o_proj layout too; DINOv2 with
+# registers, ViT-MSN and I-JEPA share it).
 register_adapter(ArchAdapter(
-    name="vit", model_types=("vit", "deit", "dinov2"), layers_path=("layers", "encoder.layers", "encoder.layer"),
+    name="vit", model_types=("vit", "deit", "dinov2", "dinov2_with_registers", "vit_msn", "ijepa"),
+    layers_path=("layers", "encoder.layers", "encoder.layer"),
     attn_path="attention", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
     size_attrs=(("num_attention_heads", "heads"),),
+))
+# BEiT (and its look-alikes): ViT's layout, with a relative position bias table per layer that the block
+# adds to the attention mask ((distances, heads): each layer keeps its heads' columns); a table shared by
+# every layer (use_shared_relative_position_bias) is refused.
+register_adapter(ArchAdapter(
+    name="beit", model_types=("beit",), layers_path=("layers", "encoder.layers", "encoder.layer"),
+    attn_path="attention", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
+    size_attrs=(("num_attention_heads", "heads"),),
+    head_columns=("relative_position_bias.relative_position_bias_table",),
+    refused_settings=(("use_shared_relative_position_bias",
+                       "one relative position bias table shared by every layer: a column could go only when every "
+                       "layer has lost that head, and each layer would pick its own heads' maps from it (not done)"),),
 ))
 # SigLIP / CLIP vision towers (their image classifiers and vision models; a two-tower model's vision
 # tower: the text tower is not pruned).
 register_adapter(ArchAdapter(
-    name="clip_vision", model_types=("clip", "clip_vision_model", "siglip", "siglip_vision_model"),
+    name="clip_vision", model_types=("clip", "clip_vision_model", "siglip", "siglip_vision_model", "siglip2",
+                                     "siglip2_vision_model", "metaclip_2"),
     layers_path=("vision_model.encoder.layers", "encoder.layers"), attn_path="self_attn",
     q="q_proj", k="k_proj", v="v_proj", o="out_proj", size_attrs=(("num_heads", "heads"),), sub_config="vision_config",
 ))

@@ -224,8 +224,8 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
             _keep_head_params(model, adapter, core, layer_heads(model, layer), after, sliced)
         if adapter.head_vectors:
             _keep_head_vectors(adapter, core, layer_heads(model, layer), after, d, sliced)
-        if adapter.head_columns:
-            _keep_head_columns(adapter, core, layer_heads(model, layer), after, sliced)
+        if adapter.head_columns and after:  # a layer left without heads keeps its tables (BEiT's block reads them)
+            _keep_head_columns(adapter, block, layer_heads(model, layer), after, sliced)
 
     groups = adapter.kv_groups(model.config, after)
     kv_after, per_group = list(groups), max((len(heads) for heads in groups.values()), default=0)
@@ -294,21 +294,29 @@ def _keep_head_vectors(adapter: ArchAdapter, core: nn.Module, before: list[int],
             sliced.append(Sliced(old, new, 0, index))
 
 
-def _keep_head_columns(adapter: ArchAdapter, core: nn.Module, before: list[int], after: list[int],
+def _keep_head_columns(adapter: ArchAdapter, block: nn.Module, before: list[int], after: list[int],
                        sliced: list[Sliced] | None) -> None:
-    """Keep the kept heads' columns of the core's per-head Embeddings (`ArchAdapter.head_columns`, UMT5's
-    relative position bias in each self-attention layer), whose columns are the heads of `before`."""
+    """Keep the kept heads' columns of the block's per-head bias tables (`ArchAdapter.head_columns`: UMT5's
+    relative_attention_bias Embedding, BEiT's relative_position_bias_table), whose columns are the heads
+    of `before`."""
     index = torch.tensor([before.index(h) for h in after], dtype=torch.long)
-    for name in adapter.head_columns:
-        module = getattr(core, name, None)
-        if module is None:  # a layer without it (cross-attention)
+    for path in adapter.head_columns:
+        parent_path, _, name = path.rpartition(".")
+        try:
+            parent = block.get_submodule(parent_path) if parent_path else block
+        except AttributeError:
             continue
-        old = module.weight
-        kept = old.detach().index_select(1, index.to(old.device))
-        module.weight = nn.Parameter(kept, requires_grad=old.requires_grad and kept.numel() > 0)
-        module.embedding_dim = len(after)
+        found = getattr(parent, name, None)
+        if found is None:  # a block without it (cross-attention, BEiT without relative position bias)
+            continue
+        owner, attr = (found, "weight") if isinstance(found, nn.Module) else (parent, name)
+        old = getattr(owner, attr)
+        new = nn.Parameter(old.detach().index_select(1, index.to(old.device)), requires_grad=old.requires_grad)
+        setattr(owner, attr, new)
+        if hasattr(owner, "embedding_dim"):
+            owner.embedding_dim = len(after)
         if sliced is not None:
-            sliced.append(Sliced(old, module.weight, 1, index))
+            sliced.append(Sliced(old, new, 1, index))
 
 
 class LayerConfig:
