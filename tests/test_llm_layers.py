@@ -1,5 +1,5 @@
-"""experiments/llm_kv/layers/: the committed tables and plot are what layers_report.py makes of the
-committed raw json, the raw json covers every layer of the model (its shape read from
+"""experiments/llm_kv/layers/: the committed plot is what layers_report.py makes of the committed raw
+json (layers.md: tests/test_experiment_results.py), the raw json covers every layer of the model (its shape read from
 experiments/llm_kv/model.json, which matches the model's config), the removals it analyses are
 those of the committed llm_kv runs, and the table functions compute what they say on small
 synthetic raw files (no model is loaded, except by the one real_model test)."""
@@ -26,12 +26,6 @@ def _raw():
 
 def _shape() -> dict:
     return json.loads((LLM_KV / "model.json").read_text())
-
-
-def test_layers_markdown_matches_raw_json():
-    report = _script("layers_report")
-    sens, heads, profile = _raw()
-    assert report.markdown(sens, heads, profile, _shape()) == (OUT / "layers.md").read_text()
 
 
 def test_sensitivity_covers_every_layer_with_every_head_masked():

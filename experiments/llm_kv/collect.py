@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from headprune.report import DASH, cell_text, change, column, gather as gather_runs, markdown, number, read_json
+from headprune.report import DASH, cell_text, change, column, gather as gather_runs, markdown, number, read_json, script
 from headprune.report import text, to_csv, write
 
 ARMS = {"random": "random scores", "magnitude": "weight magnitude", "taylor": "Taylor",
@@ -310,14 +310,25 @@ def heldout(results: Path, other_dense: Path, last_word: Path) -> str:
 
 def render(folder: Path = HERE, model: Path = HERE / "model.json") -> dict[str, str]:
     """results.md, answers.md, llm_kv.csv, summary.md, recoveries.md and heldout.md from `folder`/results
-    (and this experiment's refit_target/, other_corpus/ and last_word/ raw files); the model's shape
-    from `model` (model.json)."""
+    (and this experiment's refit_target/, other_corpus/ and last_word/ raw files), and the side
+    studies' tables (subtables); the model's shape from `model` (model.json)."""
     shape = read_json(model)
     dense, rows, answers = load(folder / "results", shape)
     return {"results.md": table(dense, rows, shape) + "\n", "answers.md": answers_table(dense, answers) + "\n",
             "llm_kv.csv": to_csv(rows), "summary.md": summary(dense, rows) + "\n",
             "recoveries.md": recoveries(folder / "results", HERE / "refit_target") + "\n",
-            "heldout.md": heldout(folder / "results", HERE / "other_corpus" / "other_corpus.json", HERE / "last_word") + "\n"}
+            "heldout.md": heldout(folder / "results", HERE / "other_corpus" / "other_corpus.json", HERE / "last_word") + "\n",
+            **subtables(shape)}
+
+
+def subtables(shape: dict) -> dict[str, str]:
+    """The tables of this experiment's side studies, each rendered by its own script from its raw
+    files: layers/layers.md (layers_report.py), last_word/table.md and other_corpus/table.md (table.py)."""
+    layers = script(HERE / "layers_report.py")
+    words, other = script(HERE / "last_word" / "table.py"), script(HERE / "other_corpus" / "table.py")
+    raw = [read_json(HERE / "layers" / name) for name in ("sensitivity.json", "heads.json")]
+    return {"layers/layers.md": layers.markdown(*raw, read_json(HERE.parent / "layer_sensitivity" / "profile.json"), shape),
+            "last_word/table.md": words.table(words.rows()), "other_corpus/table.md": other.table(other.rows())}
 
 
 def main() -> None:

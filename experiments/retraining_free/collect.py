@@ -26,7 +26,7 @@ import statistics
 from pathlib import Path
 
 from headprune.atomic import write_json_atomic
-from headprune.report import DASH, column, text, to_csv, write
+from headprune.report import DASH, column, script, text, to_csv, write
 from headprune.report import markdown as markdown_table
 from headprune.report import number as _num
 
@@ -307,12 +307,14 @@ RECOVERY = Path(__file__).resolve().parent.parent / "recovery" / "results"
 
 
 def render(folder: Path, recovery: Path | None = RECOVERY) -> dict[str, str]:
-    """retraining_free.csv, results.md, targets.md and summary.md from `folder`'s result files, and
+    """retraining_free.csv, results.md, targets.md, summary.md and streaming_ls.md (streaming_ls.py's
+    re-runs beside the committed runs) from `folder`'s result files, and
     beside.md with the recovery experiment's results folder `recovery` (None: no beside.md)."""
     table = all_rows(folder)
     files = {"retraining_free.csv": to_csv(table), "results.md": markdown(table),
              "targets.md": targets(table) + "\n" + conditions(table, folder / "results" / "refit" / "load.csv"),
-             "summary.md": summary(table)}
+             "summary.md": summary(table),
+             "streaming_ls.md": script(Path(__file__).resolve().parent / "streaming_ls.py").table(folder)}
     if recovery is not None:
         files["beside.md"] = beside(table, recovery)
     return files
