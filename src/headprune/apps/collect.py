@@ -24,8 +24,6 @@ tables, an empty cell in runs.csv, and no point in curves and plots.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import os
 import statistics
@@ -34,15 +32,11 @@ from pathlib import Path
 
 from headprune import tasks
 from headprune.atomic import write_json_atomic, write_text_atomic
+from headprune.report import DASH, number, to_csv
 
 OVERRIDE_FILE = Path(".hydra") / "overrides.yaml"
 PLOT_FILES = {"acc": "accuracy_vs_sparsity.png", "ppl": "perplexity_vs_sparsity.png"}
 TASKS = {"acc": "classification (accuracy)", "ppl": "causal LM (perplexity)"}  # headings of a mixed table
-DASH = "–"  # a value results.json holds as null (non-finite) or lacks
-
-
-def _fmt(value, spec: str, scale: float = 1) -> str:
-    return DASH if value is None else format(scale * value, spec)
 
 
 def run_metric(run: dict) -> str:
@@ -95,7 +89,7 @@ def _stop_reason(run: dict) -> str:
 
 
 def _final_sparsity(run: dict) -> str:
-    return DASH if unfinished(run) else _fmt(run["final"].get("sparsity", 0), ".3f")
+    return DASH if unfinished(run) else number(run["final"].get("sparsity", 0), ".3f")
 
 
 def _overrides(run_dir: Path) -> dict[str, str]:
@@ -245,17 +239,6 @@ def _ppl(val: dict, before: dict) -> dict:
     return {"ppl": val.get("ppl"), "ppl_before_finetune": before.get("ppl")} if "ppl" in val else {}
 
 
-def to_csv(table: list[dict]) -> str:
-    columns = []
-    for row in table:
-        columns += [c for c in row if c not in columns]
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns)
-    writer.writeheader()
-    writer.writerows(table)
-    return buf.getvalue()
-
-
 def final_table(runs: list[dict], keys: list[str] | None = None) -> str:
     """Markdown: one row per run, its baseline and final figures (one table per task)."""
     return _per_task(runs, lambda group: _final_table(group, keys))
@@ -268,9 +251,9 @@ def _final_table(runs: list[dict], keys: list[str] | None = None) -> str:
              "|---|---|---|---|---|---|"]
     for run in sorted(runs, key=lambda r: label(r, keys)):
         base, final = run["baseline"]["val"].get("acc"), (run["final"].get("val") or {}).get("acc")
-        drop = _fmt(None if base is None or final is None else base - final, ".2f", 100)
-        lines.append(f"| {label(run, keys)} | {_fmt(base, '.2f', 100)} | {_final_sparsity(run)} | "
-                     f"{_fmt(final, '.2f', 100)} | {drop} | {_stop_reason(run)} |")
+        drop = number(None if base is None or final is None else base - final, ".2f", 100)
+        lines.append(f"| {label(run, keys)} | {number(base, '.2f', 100)} | {_final_sparsity(run)} | "
+                     f"{number(final, '.2f', 100)} | {drop} | {_stop_reason(run)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -279,9 +262,9 @@ def _final_ppl_table(runs: list[dict], keys: list[str] | None = None) -> str:
              "|---|---|---|---|---|---|"]
     for run in sorted(runs, key=lambda r: label(r, keys)):
         base, final = run["baseline"]["val"].get("ppl"), (run["final"].get("val") or {}).get("ppl")
-        ratio = _fmt(final / base if base and final is not None else None, ".3f")
-        lines.append(f"| {label(run, keys)} | {_fmt(base, '.3f')} | {_final_sparsity(run)} | "
-                     f"{_fmt(final, '.3f')} | {ratio} | {_stop_reason(run)} |")
+        ratio = number(final / base if base and final is not None else None, ".3f")
+        lines.append(f"| {label(run, keys)} | {number(base, '.3f')} | {_final_sparsity(run)} | "
+                     f"{number(final, '.3f')} | {ratio} | {_stop_reason(run)} |")
     return "\n".join(lines) + "\n"
 
 
