@@ -7,7 +7,7 @@ the runs' results.json (with the run's wall.json under `wall`), and kl_speed.jso
 writes results.md (one row per arm: KV kept per round, KL steps and tokens, perplexity at seq 2048 and
 128 on held-out Tiny Shakespeare and SST-2's sentences against the dense model evaluated in the same
 runs, seconds), answers.md (each arm's greedy chat answers beside the dense model's) and kl_speed.md
-(from kl_speed.json, or from the log kl_speed.py printed, kl_speed.log). tests/test_experiment_tables.py checks the committed Markdown
+(from kl_speed.json, or from the log kl_speed.py printed, kl_speed.log). tests/test_experiment_results.py checks the committed Markdown
 against these functions.
 """
 from __future__ import annotations

@@ -4,8 +4,8 @@ experiments/llm_kv/model.json and the MiniLM profile of experiments/layer_sensit
 
     python experiments/llm_kv/layers_report.py      # layers/layers.md, layers/sensitivity.png
 
-(tests/test_llm_layers.py regenerates both from the committed files and checks these functions on
-small synthetic ones.) The raw json is written by experiments/llm_kv/layers.py.
+(tests/test_experiment_results.py regenerates layers.md and tests/test_llm_layers.py the plot from the
+committed files; test_llm_layers.py checks these functions on small synthetic ones.) The raw json is written by experiments/llm_kv/layers.py.
 """
 from __future__ import annotations
 
