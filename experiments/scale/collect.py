@@ -26,6 +26,8 @@ import math
 import sys
 from pathlib import Path
 
+from headprune.report import column, markdown, text
+
 HERE = Path(__file__).resolve().parent
 GIB = 2 ** 30
 MIB = 2 ** 20
@@ -54,21 +56,25 @@ def largest(rows: list[dict], stage: str) -> dict | None:
     return max((r for r in rows if r["stage"] == stage), key=lambda r: r["params"], default=None)
 
 
+def _target(r: dict) -> str:
+    target = "" if r["target"] is None else (f"<= {r['target']}x: " + ("met" if r["peak_ratio"] <= r["target"] else "missed"))
+    return target + (f" ({r['teacher']} teacher)" if r["stage"] == "kl" else "")
+
+
+def _setup(r: dict) -> float:
+    """The set-up's net peak over the model's bytes (never below 0: ru_maxrss and statm differ by a few KiB)."""
+    return max(0.0, r["setup_peak_rss_mib"] - r["base_rss_mib"]) * MIB / r["model_bytes"]
+
+
+MEASURED = [text("model"), column("parameters", lambda r: r["params"] / 1e6, ".1f", unit="M"),
+            column("model MiB", lambda r: r["model_bytes"] / MIB, ",.0f"), text("stage"), column("seconds", "seconds", ".1f"),
+            column("peak RSS MiB", "peak_rss_mib", ",.0f"), column("peak - base MiB", "net_peak_mib", ",.0f"),
+            column("set-up / model", _setup, unit="x"), column("peak / model", "peak_ratio", unit="x"),
+            text("target", _target, right=True), text("set by", lambda r: "set-up" if r["peak_in_setup"] else "stage")]
+
+
 def measured(bench: dict) -> str:
-    rows = bench["scale"]
-    lines = ["| model | parameters | model MiB | stage | seconds | peak RSS MiB | peak - base MiB | set-up / model "
-             "| peak / model | target | set by |", "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        target = "" if r["target"] is None else (f"<= {r['target']}x: " + ("met" if r["peak_ratio"] <= r["target"]
-                                                                          else "missed"))
-        if r["stage"] == "kl":
-            target += f" ({r['teacher']} teacher)"
-        # the set-up's net peak (never below 0: ru_maxrss and statm differ by a few KiB)
-        setup = max(0.0, r["setup_peak_rss_mib"] - r["base_rss_mib"]) * MIB / r["model_bytes"]
-        lines.append(f"| {r['model']} | {r['params'] / 1e6:.1f}M | {r['model_bytes'] / MIB:,.0f} | {r['stage']} "
-                     f"| {r['seconds']:.1f} | {r['peak_rss_mib']:,.0f} | {r['net_peak_mib']:,.0f} "
-                     f"| {setup:.2f}x | {r['peak_ratio']:.2f}x | {target} "
-                     f"| {'set-up' if r['peak_in_setup'] else 'stage'} |")
+    lines = markdown(MEASURED, bench["scale"])
     skipped = [f"{m}: {', '.join(s)}" for m, s in bench["meta"]["config"]["scale"]["skip"].items()
                if s and m in bench["meta"]["config"]["scale"]["models"]]
     if skipped:
