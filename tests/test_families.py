@@ -218,37 +218,50 @@ def test_output_gated_attention_prunes_exactly(model_type):
     assert row["checks"]["eager"] == row["checks"]["reload"] == row["checks"]["generate (eager)"] == "passes"
 
 
-def tiny_beit(attn: str = "eager", seed: int = 0, **extra):
-    """A tiny BEiT classifier with a relative position bias table per layer (beit-base-patch16-224's
-    setting), the tables drawn (they start at zero) so that each head's column matters."""
-    config = tf.BeitConfig(**{**dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3,
-                                     intermediate_size=64, image_size=32, patch_size=8, num_labels=3,
-                                     use_relative_position_bias=True), **extra})
+BEIT = {"beit": (tf.BeitConfig, tf.BeitForImageClassification),
+        "data2vec-vision": (tf.Data2VecVisionConfig, tf.Data2VecVisionForImageClassification)}
+
+
+def beit_tables(model) -> list:
+    """Each layer's relative position bias table (BEiT: in the block; Data2Vec-Vision: in its self-attention)."""
+    if hasattr(model, "beit"):
+        return [layer.relative_position_bias.relative_position_bias_table for layer in model.beit.layers]
+    return [layer.attention.attention.relative_position_bias.relative_position_bias_table
+            for layer in model.data2vec_vision.encoder.layer]
+
+
+def tiny_beit(attn: str = "eager", seed: int = 0, family: str = "beit", **extra):
+    """A tiny BEiT (or Data2Vec-Vision) classifier with a relative position bias table per layer
+    (beit-base-patch16-224's setting), the tables drawn (they start at zero) so that each head's column matters."""
+    config_cls, model_cls = BEIT[family]
+    config = config_cls(**{**dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_hidden_layers=3,
+                                  intermediate_size=64, image_size=32, patch_size=8, num_labels=3,
+                                  use_relative_position_bias=True), **extra})
     torch.manual_seed(seed)
-    model = tf.BeitForImageClassification._from_config(config, attn_implementation=attn).eval()
-    with torch.no_grad():
-        for layer in model.beit.layers:
-            if layer.relative_position_bias is not None:
-                layer.relative_position_bias.relative_position_bias_table.normal_(0, 2.0)
+    model = model_cls._from_config(config, attn_implementation=attn).eval()
+    if config.use_relative_position_bias:
+        with torch.no_grad():
+            for table in beit_tables(model):
+                table.normal_(0, 2.0)
     return model
 
 
+@pytest.mark.parametrize("family", sorted(BEIT))
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_beit_relative_position_bias_tables_go_with_their_heads(attn, tmp_path):
+def test_beit_relative_position_bias_tables_go_with_their_heads(attn, family, tmp_path):
     """BEiT's block adds its table's per-head maps to the attention mask: each layer keeps its kept
     heads' columns (a layer left without heads keeps its table: the block still computes the bias the
     headless attention ignores); a second request slices by position; removal equals masking; reload."""
     from headprune.heads.surgery import Sliced
 
-    dense = tiny_beit(attn)
+    dense = tiny_beit(attn, family=family)
     pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     sliced: list[Sliced] = []
     model = copy.deepcopy(dense)
-    table = model.beit.layers[1].relative_position_bias.relative_position_bias_table  # replaced by prune_heads
+    table = beit_tables(model)[1]  # replaced by prune_heads
     prune_heads(model, {0: [0, 1, 2, 3], 1: [1], 2: [0, 3]}, sliced=sliced)
     prune_heads(model, {2: [1]})  # layer 2 keeps 1, 2 -> 2: the second of its two columns
-    tables = [layer.relative_position_bias.relative_position_bias_table for layer in model.beit.layers]
-    before = [layer.relative_position_bias.relative_position_bias_table for layer in dense.beit.layers]
+    tables, before = beit_tables(model), beit_tables(dense)
     for layer, kept in enumerate(([0, 1, 2, 3], [0, 2, 3], [2])):
         torch.testing.assert_close(tables[layer], before[layer][:, kept], atol=0, rtol=0)
     assert [s.index.tolist() for s in sliced if s.old is table] == [[0, 2, 3]]
@@ -258,23 +271,25 @@ def test_beit_relative_position_bias_tables_go_with_their_heads(attn, tmp_path):
         got, want = model(pixel_values=pixels).logits, masked(pixel_values=pixels).logits
         assert (got - dense(pixel_values=pixels).logits).abs().max() > 1e-4  # the heads did matter
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    save_pruned(model, tmp_path / "beit")
-    loaded = load_pruned(tmp_path / "beit", attn_implementation=attn).eval()
+    save_pruned(model, tmp_path / family)
+    loaded = load_pruned(tmp_path / family, attn_implementation=attn).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(pixel_values=pixels).logits, got, atol=1e-6, rtol=0)
 
 
-def test_a_shared_beit_position_bias_is_refused():
-    model = tiny_beit(use_shared_relative_position_bias=True, use_relative_position_bias=False)
+@pytest.mark.parametrize("family", sorted(BEIT))
+def test_a_shared_beit_position_bias_is_refused(family):
+    model = tiny_beit(family=family, use_shared_relative_position_bias=True, use_relative_position_bias=False)
     with pytest.raises(NotImplementedError, match="use_shared_relative_position_bias=True: one relative position"):
         prune_heads(model, {1: [0]})
 
 
-@pytest.mark.parametrize("model_type", ["beit", "dinov2_with_registers", "vit_msn", "ijepa", "metaclip_2", "siglip2"])
+@pytest.mark.parametrize("model_type", ["beit", "data2vec-vision", "dinov2_with_registers", "vit_msn", "ijepa",
+                                        "metaclip_2", "siglip2"])
 def test_more_vision_encoders_pass_the_coverage_check(model_type):
     """ViT's layout (DINOv2 with registers, ViT-MSN, I-JEPA), CLIP's vision tower (MetaCLIP 2, SigLIP 2 with
     its NaFlex patches, one image padded) and BEiT (its tiny config with per-layer relative position bias
-    tables) from coverage.tiny_config."""
+    tables, Data2Vec-Vision the same in BERT's layout) from coverage.tiny_config."""
     from headprune.deploy.coverage import check_model_type
 
     row = check_model_type(model_type, ["image_classification"])

@@ -95,7 +95,7 @@ OVERRIDES["t5"] = {"decoder_start_token_id": 0}
 OVERRIDES["deberta-v2"] = {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "share_att_key": True,
                            "position_buckets": 16, "norm_rel_ebd": "layer_norm", "position_biased_input": False}
 OVERRIDES["deberta"] = {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "position_biased_input": False}
-OVERRIDES["beit"] = {"use_relative_position_bias": True}  # beit-base-patch16-224: a bias table per layer
+OVERRIDES["beit"] = OVERRIDES["data2vec-vision"] = {"use_relative_position_bias": True}  # a bias table per layer
 
 
 # -- tiny configs ------------------------------------------------------------------------------------

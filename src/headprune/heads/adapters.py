@@ -516,6 +516,17 @@ register_adapter(ArchAdapter(
                        "one relative position bias table shared by every layer: a column could go only when every "
                        "layer has lost that head, and each layer would pick its own heads' maps from it (not done)"),),
 ))
+# Data2Vec-Vision: BEiT's model in BERT's layout (attention.attention.query .. attention.output.dense), its
+# per-layer table inside the self-attention.
+register_adapter(ArchAdapter(
+    name="data2vec_vision", model_types=("data2vec-vision",), layers_path="encoder.layer", attn_path="attention",
+    q="attention.query", k="attention.key", v="attention.value", o="output.dense", core="attention",
+    size_attrs=(("num_attention_heads", "heads"), ("all_head_size", "width")),
+    head_columns=("attention.attention.relative_position_bias.relative_position_bias_table",),
+    refused_settings=(("use_shared_relative_position_bias",
+                       "one relative position bias table shared by every layer: a column could go only when every "
+                       "layer has lost that head, and each layer would pick its own heads' maps from it (not done)"),),
+))
 # SigLIP / CLIP vision towers (their image classifiers and vision models; a two-tower model's vision
 # tower: the text tower is not pruned).
 register_adapter(ArchAdapter(
