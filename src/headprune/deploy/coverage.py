@@ -12,8 +12,12 @@ config class with small sizes (no download), and `check_model_type` records one 
   it; greedy `generate()` with the KV cache gives the masked model's tokens (causal LMs);
 - ``refused``: headprune has no adapter for the model type (the reason says what is missing);
 - ``fails``: one of those checks went wrong (the reason says which);
-- ``not built``: the tiny model could not be built from its config class here (not a judgement
-  on headprune).
+- ``not built``: the tiny model could not be built from its config class here, or the checks'
+  inputs do not run it unpruned (not a judgement on headprune).
+
+A composite config (vision- or audio-language) is built with its sub-configs (`text_config`,
+`vision_config`, `attn_config`, ...) shrunk too; where the causal-LM class is the text model
+alone (Qwen3.5, Llama 4), from that text config.
 
 Run it (3 min 43 s on this project's two shared cores, load ~5) and render the Markdown table from its JSON:
 
@@ -95,26 +99,55 @@ OVERRIDES["t5"] = {"decoder_start_token_id": 0}
 OVERRIDES["deberta-v2"] = {"relative_attention": True, "pos_att_type": ["p2c", "c2p"], "share_att_key": True,
                            "position_buckets": 16, "norm_rel_ebd": "layer_norm", "position_biased_input": False}
 OVERRIDES["deberta"] = {"relative_attention": True, "pos_att_type": ["c2p", "p2c"], "position_biased_input": False}
+# Defaults of transformers 5.24 that do not build a model as they stand: Cohere Compass's rope_parameters
+# empty (its rotary reads them by layer type), LFM2-MoE's layer_types None (its layers index them),
+# DBRX's attention reading attn_config.rope_theta, which the config class does not declare; BLT's
+# hash embeddings (encoder_hash_byte_group_vocab, 500002 rows per hash) are not a size SIZES names.
+OVERRIDES["cohere_compass_text"] = {"rope_parameters": {"full_attention": {"rope_type": "default",
+                                                                            "rope_theta": 10000.0}}}
+OVERRIDES["lfm2_moe"] = {"layer_types": ["full_attention", "conv", "full_attention"]}
+OVERRIDES["dbrx"] = {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0}}
+OVERRIDES["blt"] = {"encoder_hash_byte_group_vocab": 64}
 OVERRIDES["beit"] = OVERRIDES["data2vec-vision"] = {"use_relative_position_bias": True}  # a bias table per layer
 
 
 # -- tiny configs ------------------------------------------------------------------------------------
-def tiny_config(model_type: str):
-    """The config class of `model_type` with the small `SIZES` it has fields for (sub-configs such as
-    `text_config` shrunk the same way)."""
+def tiny_config(model_type: str, config_class=None):
+    """The config class of `model_type` (or `config_class`: the text config a composite's causal-LM
+    class is built from) with the small `SIZES` it has fields for, nested sub-configs (`text_config`,
+    `vision_config`, `attn_config`, ...) shrunk the same way, and `OVERRIDES` by model type."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    cls = CONFIG_MAPPING[model_type]
-    return cls(**{**_tiny_kwargs(cls), **OVERRIDES.get(model_type, {})})
+    cls = config_class or CONFIG_MAPPING[model_type]
+    return cls(**{**_tiny_kwargs(cls), **OVERRIDES.get(cls.model_type or model_type, {}),
+                  **OVERRIDES.get(model_type, {})})
+
+
+def _fields(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
 
 
 def _tiny_kwargs(cls) -> dict:
-    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    """Keyword arguments that shrink config class `cls`: `SIZES` by field name (or the attribute map's
+    alias), and each sub-config as a nested dict of its own. A sub-config declared as `AutoConfig`
+    (Fuyu's, Gemma 3's vision tower) is shrunk as the class the composite's defaults build, its
+    `model_type` named so the composite builds that class again."""
+    fields = _fields(cls)
     names = {**{k: k for k in fields}, **{k: v for k, v in getattr(cls, "attribute_map", {}).items() if v in fields}}
     kwargs = {names[k]: v for k, v in SIZES.items() if k in names}
+    default = None
     for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
-        if name in fields and isinstance(sub, type):
-            kwargs[name] = _tiny_kwargs(sub)
+        if name not in fields:
+            continue
+        if isinstance(sub, type) and _fields(sub):
+            kwargs[name] = {**_tiny_kwargs(sub), **OVERRIDES.get(sub.model_type, {})}
+            continue
+        if default is None:
+            default = cls()  # the composite's default sub-configs say which classes an AutoConfig field builds
+        built = getattr(default, name, None)
+        if built is not None and _fields(type(built)) and getattr(built, "model_type", ""):
+            sub = type(built)
+            kwargs[name] = {"model_type": sub.model_type, **_tiny_kwargs(sub), **OVERRIDES.get(sub.model_type, {})}
     return kwargs
 
 
@@ -171,7 +204,8 @@ def _inputs(model: nn.Module, task: str, seed: int = 0) -> dict:
         features = torch.randn(BATCH, config.num_mel_bins, 2 * config.max_source_positions, generator=g)
         decoder = torch.randint(3, min(config.vocab_size, VOCAB), (BATCH, 4), generator=g)
         return {"input_features": features, "decoder_input_ids": decoder}
-    vocab = getattr(config, "vocab_size", None) or VOCAB
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config  # composites: sizes there
+    vocab = getattr(config, "vocab_size", None) or getattr(text, "vocab_size", None) or VOCAB
     ids = torch.randint(3, min(vocab, VOCAB), (BATCH, TOKENS), generator=g)  # (B, T)
     mask = torch.ones_like(ids)
     if task in ("causal_lm", "sequence_classification"):
@@ -257,6 +291,12 @@ def check_model(build, task: str, attn_implementations=("eager", "sdpa"), tmp: P
     spec = prune_spec(model)
     generates = task in ("causal_lm", "seq2seq_lm", "speech_seq2seq") and hasattr(model, "generate")
     batch = _inputs(model, task)
+    try:  # the unpruned model on the checks' inputs (ShieldGemma 2 wants image tokens in input_ids beside its pixels)
+        _outputs(model, batch)
+    except Exception as err:  # noqa: BLE001 - recorded in the table
+        result.update(status="not built", reason="the coverage's inputs do not run the unpruned model: "
+                      f"{type(err).__name__}: {err}".splitlines()[0][:200])
+        return result
     pruned_eager = None
     for attn in attn_implementations:
         try:
@@ -333,7 +373,14 @@ def _builder(model_type: str, task: str):
 
     name = getattr(modeling_auto, MAPPINGS[task])[model_type]
     cls = getattr(transformers, name if isinstance(name, str) else name[0])  # DeiT names two: the first
-    config = tiny_config(model_type)
+    # A composite (vision-language, audio) whose causal-LM class is its text model alone (Qwen3.5's,
+    # Llama 4's, MusicGen's decoder) is built from that class's own config: the sub-config it runs.
+    # (A class shared under another config, exaone's LlamaForCausalLM, is still built from the type's own.)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    own = getattr(cls, "config_class", None)
+    subs = (getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or {}).values()
+    config = tiny_config(model_type, own if own is not None and any(own is sub for sub in subs) else None)
     with torch.device("meta"):
         meta = cls._from_config(config)
     n = sum(p.numel() for p in meta.parameters())
@@ -370,8 +417,9 @@ def check_model_type(model_type: str, mappings: list[str], probe: bool = False, 
                 row.update(status="not built", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200],
                            adapter=None, checks={})
                 return row
-            if probe and model_type not in adapters.ADAPTERS and _looks_like_llama(build("eager")):
-                adapters.ADAPTERS[model_type] = adapters.ADAPTERS["llama"]
+            built_type = build("eager").config.model_type if probe else model_type  # llama4 builds llama4_text
+            if probe and built_type not in adapters.ADAPTERS and _looks_like_llama(build("eager")):
+                adapters.ADAPTERS[built_type] = adapters.ADAPTERS["llama"]
                 probed = True
             try:
                 row.update(check_model(build, task))
@@ -384,7 +432,7 @@ def check_model_type(model_type: str, mappings: list[str], probe: bool = False, 
         row.update(status="fails", reason=f"timeout: {err}", adapter=row.get("adapter"), checks=row.get("checks", {}))
     finally:
         if probed:
-            del adapters.ADAPTERS[model_type]
+            del adapters.ADAPTERS[built_type]
         row["seconds"] = round(time.perf_counter() - start, 2)
     if probed:
         row["probed"] = "llama"

@@ -16,6 +16,7 @@ ask these instead of testing for Conv1D themselves.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -389,6 +390,7 @@ LLAMA_LAYOUT_TYPES = (
     "granitemoeshared", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder",
     "jais2", "kolibri1", "mellum", "minimax_m3_vl_text", "ministral", "ministral3", "nanochat", "nemotron", "olmo",
     "phimoe", "qwen2_moe", "sarvam_moe", "seed_oss", "solar_open", "starcoder2", "vaultgemma",
+    "cohere_compass_text", "emu3_text_model",  # (emu3's causal LM is its text model alone)
     # encoders with the same layout (bidirectional attention)
     "eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "ultrabert",
 )
@@ -552,6 +554,7 @@ _SINKS = ("per-head attention sinks (`sinks`, one logit per query head, read ins
           "sliced with the heads (not done)")
 REFUSED: dict[str, str] = {
     **dict.fromkeys(("bamba", "falcon_h1", "jamba", "kimi_linear", "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3",
+                     "qwen4_exp_text",
                      "minimax", "nemotron_h", "zamba", "zamba2", "recurrent_gemma"), _HYBRID),
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"),
                     "a state-space / recurrent model: no attention heads"),
@@ -561,7 +564,7 @@ REFUSED: dict[str, str] = {
     "glm_moe_dsa": _INDEXER + ("its attention returns the indexer's output as a third value, which a layer left "
                                "without heads does not give (not done)"),
     **dict.fromkeys(("mvp", "prophetnet", "bigbird_pegasus", "longt5", "trocr", "moshi", "musicgen",
-                     "musicgen_melody"), _STACKS),
+                     "musicgen_melody", "musicgen_decoder", "musicgen_melody_decoder"), _STACKS),
     **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), _SINKS),
     "laguna": "head counts that vary per layer (num_attention_heads_per_layer) and a per-head output gate (not done)",
     "dory": "an RMSNorm over the concatenated heads' contexts (attn_sub_norm) before o_proj (not done)",
@@ -589,19 +592,49 @@ def get_adapter(model: nn.Module) -> ArchAdapter:
     """The adapter for `model`'s family, or an error saying what is missing for this one (what its
     attention looks like) and listing the supported families."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in ADAPTERS:
+    composite = composite_adapter(model) if model_type not in ADAPTERS else None
+    if model_type not in ADAPTERS and composite is None:
         supported = ", ".join(sorted(ADAPTERS))
         raise NotImplementedError(
             f"headprune has no head adapter for model_type={model_type!r}: {missing(model)}. Supported model types: "
             f"{supported}. To add one, register an ArchAdapter naming the block list and the Q/K/V/O "
             "projections (see docs/adding_an_architecture.md)."
         )
-    adapter = ADAPTERS[model_type].for_model(model)
+    adapter = composite or ADAPTERS[model_type].for_model(model)
     for attr, why in adapter.refused_settings:
         if getattr(adapter.config_of(model.config), attr, None):
             raise NotImplementedError(f"headprune cannot prune model_type={model_type!r} with {attr}="
                                       f"{getattr(adapter.config_of(model.config), attr)!r}: {why}")
     return adapter
+
+
+def composite_adapter(model: nn.Module) -> ArchAdapter | None:
+    """One rule for composites without an entry of their own (a vision- or audio-language model such
+    as Gemma 3, Fuyu, GOT-OCR2): when the text model (`config.get_text_config()`, a sub-config) is
+    a registered family, its adapter applies, reading the head counts from that sub-config
+    (`sub_config`) and the blocks under the text model. Only the text model's heads are pruned (a
+    vision or audio tower is left whole). Saved with the layout file (`config_head_dim=False`): a
+    plain config would need the pruned counts written into the sub-config. None when the rule does
+    not apply (then `get_adapter` refuses as for any unknown type)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text is config or getattr(text, "model_type", None) not in ADAPTERS or getattr(config, "is_encoder_decoder", False):
+        return None  # an encoder-decoder composite has several stacks: not the text model alone
+    sub = next((name for name in (getattr(config, "sub_configs", None) or {}) if getattr(config, name, None) is text),
+               None)
+    found = next(((name, module) for name, module in model.base_model.named_modules()
+                  if name and getattr(module, "config", None) is text), None)
+    if sub is None or found is None:
+        return None
+    path, text_model = found
+    inner = getattr(text_model, "base_model", text_model)  # a text model with a head: its paths start at its base
+    path = next(f"{path}.{name}" if name else path for name, module in text_model.named_modules() if module is inner)
+    base = ADAPTERS[text.model_type]
+    if base.sub_config or getattr(base, "stacks", ()):  # already nested, or several stacks: not this rule
+        return None
+    paths = (base.layers_path,) if isinstance(base.layers_path, str) else base.layers_path
+    return dataclasses.replace(base, name=f"{base.name} ({sub})", model_types=(config.model_type,), sub_config=sub,
+                               layers_path=tuple(f"{path}.{p}" for p in paths), config_head_dim=False).for_model(model)
 
 
 def missing(model: nn.Module) -> str:
