@@ -108,6 +108,13 @@ OVERRIDES["cohere_compass_text"] = {"rope_parameters": {"full_attention": {"rope
 OVERRIDES["lfm2_moe"] = {"layer_types": ["full_attention", "conv", "full_attention"]}
 OVERRIDES["dbrx"] = {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0}}
 OVERRIDES["blt"] = {"encoder_hash_byte_group_vocab": 64}
+# Config validators that SIZES alone does not satisfy: ZAYA routes to one expert, Mamba-2's heads x head_dim
+# equal hidden_size x expand, Zamba2 lists a layer type per layer, Reformer's LM head is a decoder whose
+# axial position embeddings sum to hidden_size.
+OVERRIDES["zaya"] = {"num_experts_per_tok": 1}
+OVERRIDES["mamba2"] = {"head_dim": 32}
+OVERRIDES["zamba2"] = {"layer_types": ["mamba", "hybrid", "mamba"]}
+OVERRIDES["reformer"] = {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [8, 16]}
 OVERRIDES["beit"] = OVERRIDES["data2vec-vision"] = {"use_relative_position_bias": True}  # a bias table per layer
 
 
