@@ -157,6 +157,7 @@ def test_the_experiment_preset_composes():
 
     cfg = compose("/tmp/unused", "/tmp/unused", "experiment=llm_kv_modes")
     assert cfg.model.pretrained == "smollm2" and cfg.kv_modes.choice == "attention_mass"
+    assert cfg.kv_modes.removal == "last"  # measured better on SmolLM2 (experiments/llm_kv_modes)
     assert (cfg.budget.target, cfg.budget.seq, cfg.data.block_size) == (0.34, 4096, 4096)
     assert cfg.recovery._target_.endswith("NoRecovery") and cfg.evaluation.passkey_lengths == [4096]
     KVModes(**{k: v for k, v in cfg.kv_modes.items() if k != "_target_"})

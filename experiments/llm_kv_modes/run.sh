@@ -3,7 +3,8 @@
 # SmolLM2-135M-Instruct, 2/3 of the KV bytes at a 4096-token context removed, budget=kv target 0.34 seq 4096,
 # one calibration block of 4096 Tiny Shakespeare tokens, no repair; perplexity at seq 4096 on held-out Tiny
 # Shakespeare and SST-2 sentences, passkey at 4096 tokens, chat answers; dense and export). Arms:
-#   attention_mass  modes by the Fisher unit score x attention share within sink 64 + window 448 (training-free)
+#   attention_mass  modes by the Fisher unit score x attention share within sink 64 + window 448 (training-free),
+#                   removal weighed like windows (kv_modes.removal=any; the preset's default is now last)
 #   attention_mass_85  the same at 85% of the KV bytes at 4096 removed (budget.target=0.15)
 #   attention_mass_last  attention_mass with kv_modes.removal=last: no unit removed while every unit windowed fits
 #   attention_mass_85_last  the same at 85% removed (every unit windowed is 1/8 of the bytes: it fits)
@@ -21,8 +22,8 @@ set -euo pipefail
 OUT=${OUT:-../llmruns/llm_kv_modes}  # run dirs (exports: hundreds of MB) outside the repository
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 declare -A ARM=(
-    [attention_mass]="kv_modes=attention_mass"
-    [attention_mass_85]="kv_modes=attention_mass budget.target=0.15"
+    [attention_mass]="kv_modes=attention_mass kv_modes.removal=any"
+    [attention_mass_85]="kv_modes=attention_mass kv_modes.removal=any budget.target=0.15"
     [attention_mass_last]="kv_modes=attention_mass kv_modes.removal=last"
     [attention_mass_85_last]="kv_modes=attention_mass kv_modes.removal=last budget.target=0.15"
     [measured]="kv_modes=measured"
