@@ -8,6 +8,7 @@
 #   attention_mass_85  the same at 85% of the KV bytes at 4096 removed (budget.target=0.15)
 #   attention_mass_last  attention_mass with kv_modes.removal=last: no unit removed while every unit windowed fits
 #   attention_mass_85_last  the same at 85% removed (every unit windowed is 1/8 of the bytes: it fits)
+#   attention_mass_33_last  the same at 1/3 removed (budget.target=0.67)
 #   measured        modes by each unit's measured loss rise windowed / removed (one block of 4096 tokens)
 #   removal         kv_modes=none: whole KV groups removed by the budget's own knapsack over Fisher unit scores
 #   removal_refit   kv_modes=none layer_policy=attention_drop recovery=refit: experiments/llm_uneven's best
@@ -26,6 +27,7 @@ declare -A ARM=(
     [attention_mass_85]="kv_modes=attention_mass kv_modes.removal=any budget.target=0.15"
     [attention_mass_last]="kv_modes=attention_mass kv_modes.removal=last"
     [attention_mass_85_last]="kv_modes=attention_mass kv_modes.removal=last budget.target=0.15"
+    [attention_mass_33_last]="kv_modes=attention_mass kv_modes.removal=last budget.target=0.67"
     [measured]="kv_modes=measured"
     [removal]="kv_modes=none"
     [removal_refit]="kv_modes=none layer_policy=attention_drop recovery=refit"
