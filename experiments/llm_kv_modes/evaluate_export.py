@@ -1,6 +1,6 @@
 """Finish a run whose process ended after its export was saved but before the export's evaluation
 (on this shared machine the kernel's out-of-memory killer ended one during it): the evaluations
-headprune-train runs on the export (`apps.evaluations.evaluate_llm`, the settings and data of the
+headprune-train runs on the export (`evaluation.llm_suite.evaluate_llm`, the settings and data of the
 run's own results.json `config`), on the export loaded as the run loads it (`load_pruned`, float32,
 CPU), written into the run's results.json as `evaluation.pruned` with `evaluation.pruned.by` naming
 this script, and the stage's seconds.
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from headprune.apps import evaluations
+from headprune.evaluation import llm_suite
 from headprune.apps.components import build
 from headprune.atomic import write_json_atomic
 from headprune.deploy.hf import load_pruned
@@ -33,11 +33,11 @@ def finish(run: Path) -> dict:
     tokenizer = load_tokenizer(cfg.model.pretrained)
     datamodule = build(cfg.data, tokenizer=tokenizer)
     datamodule.setup("fit")
-    settings = evaluations.settings(cfg)
+    settings = llm_suite.settings(cfg)
     model = load_pruned(run / "export", device=torch.device("cpu"), dtype=torch.float32).eval()
     start = time.perf_counter()
-    block = data.setdefault("evaluation", evaluations.header(settings, datamodule))
-    block["pruned"] = evaluations.evaluate_llm(model, tokenizer, datamodule, settings, cfg.data.get("data_dir"))
+    block = data.setdefault("evaluation", llm_suite.header(settings, datamodule))
+    block["pruned"] = llm_suite.evaluate_llm(model, tokenizer, datamodule, settings, cfg.data.get("data_dir"))
     block["pruned"]["model"] = str(run / "export")
     block["pruned"]["by"] = "experiments/llm_kv_modes/evaluate_export.py (the run's process ended before this stage)"
     data.setdefault("stages", {})["evaluate_pruned"] = round(time.perf_counter() - start, 3)
