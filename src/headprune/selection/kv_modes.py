@@ -183,10 +183,12 @@ def calibration_batches(loader, device, samples: int | None, max_batches: int | 
 
 
 def all_windowed_fits(costs: LayerCosts, n_units: int, share: float) -> bool:
-    """Whether every unit of every layer windowed costs at most `share` of the dense cost."""
+    """Whether every unit of every layer windowed costs at most `share` of the dense cost (False
+    when a layer's table has no option keeping all its units)."""
     from headprune.selection.budgets import cost_limit
 
-    return sum(layer[(0, n_units)] for layer in costs.cost) <= cost_limit(costs, share)
+    kept_all = [[c for k, c in layer.items() if sum(k) == n_units] for layer in costs.cost]
+    return all(kept_all) and sum(min(c) for c in kept_all) <= cost_limit(costs, share)
 
 
 def unit_values(scores: torch.Tensor, units: list[list[int]]) -> list[list[float]]:
