@@ -318,6 +318,25 @@ def test_the_app_runs_recovery_refit_on_a_tiny_model(tmp_path, data_dir):
     assert round1["refit"]["tokens"]["heldout"] > 0 and (tmp_path / "export").is_dir()
 
 
+@pytest.mark.parametrize("recovery", ["recovery=refit", "recovery=chain"])
+def test_a_calibration_set_the_holdout_cannot_split_is_refused_before_any_work(recovery, tmp_path, data_dir):
+    """data.score_samples=1 with recovery.holdout=0.25 and four damps: no sequence is held out to
+    choose the damp on. Refused by the app before the model loads or anything is written (it used
+    to fail after the round's scoring); the chain's refit stage too."""
+    import headprune.apps.train as train_app
+    from tests.helpers import compose_train
+
+    cfg = compose_train(tmp_path, data_dir, "experiment=retraining_free", "model=tiny_bert",
+                        "model.pretrained=sentence-transformers/all-MiniLM-L6-v2", recovery,
+                        "data.score_samples=1", "budget=flops", "budget.target=0.6")
+    with pytest.raises(ValueError, match=r"recovery.holdout=0.25 splits data.score_samples=1 calibration sequences "
+                                         r"into 1 to fit on and 0 held out; .*allowed: more data.score_samples"):
+        train_app.run(cfg)
+    assert not (tmp_path / "results.json").exists() and not (tmp_path / "train.log").exists()
+    Refit().check_calibration(4)  # one of four held out: fits
+    Refit(damps=[0.01]).check_calibration(1)  # one damp needs no held-out sequence
+
+
 # -- removal ranked by the refit's leftover error (metric=refit_error) ---------------------------
 def test_greedy_errors_are_the_errors_of_brute_force_refits():
     """Blocks of columns removed greedily: each step's error is min ||C_kept W' - C W||^2 over the

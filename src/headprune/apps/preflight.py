@@ -21,6 +21,8 @@ def check_settings(cfg: DictConfig, schedule, layer_policy, recovery, budget, ta
         raise ValueError("data.score_samples=0 leaves no held-out examples to score heads on; allowed: >= 1 "
                          "(or schedule.target_sparsity=0 to train without pruning)")
     recovery.check(schedule)
+    if schedule.num_rounds and cfg.data.get("score_samples") is not None:
+        recovery.check_calibration(int(cfg.data.score_samples))
     if recovery.needs_train_data and schedule.num_rounds and cfg.data.get("max_train_samples", None) == 0:
         steps = getattr(recovery, "steps_setting", None) or f"recovery.steps={cfg.recovery.get('steps')}"
         raise ValueError(f"recovery={type(recovery).__name__.lower()} trains {steps} steps on the training blocks, but "

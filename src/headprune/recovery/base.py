@@ -87,6 +87,10 @@ class Recovery:
     def check(self, schedule) -> None:
         pass
 
+    def check_calibration(self, sequences: int) -> None:
+        """Refuse, before any work, a calibration set of `sequences` sequences (data.score_samples)
+        this recovery cannot split as its settings say."""
+
     def check_model(self, student: nn.Module) -> None:
         """Refuse, before any training, what cannot work with this model (load what it needs)."""
 

@@ -98,6 +98,10 @@ class Chain(Recovery):
         for part in self.parts:
             part.check(schedule)
 
+    def check_calibration(self, sequences: int) -> None:
+        for part in self.parts:
+            part.check_calibration(sequences)
+
     def check_model(self, student: nn.Module) -> None:
         for part in self.parts:
             part.check_model(student)

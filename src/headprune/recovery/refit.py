@@ -83,6 +83,16 @@ class Refit(Reconstruction):
         if not isinstance(self.bias, bool):
             raise ValueError(f"recovery.bias={self.bias!r} must be true or false")
 
+    def check_calibration(self, sequences: int) -> None:
+        """The holdout split of `sequences` calibration sequences leaves some to fit on and, with
+        several damps, some to choose the damp on (`_refit_layers` checks the tokens again)."""
+        held = sum(held_out(sequences, self.holdout))
+        if sequences - held == 0 or (len(self.damps) > 1 and held == 0):
+            raise ValueError(f"recovery.holdout={self.holdout} splits data.score_samples={sequences} calibration "
+                             f"sequences into {sequences - held} to fit on and {held} held out; both must be > 0 with "
+                             f"recovery.damps={list(self.damps)}; allowed: more data.score_samples, another "
+                             "recovery.holdout, or a single damp")
+
     def check_model(self, student: nn.Module) -> None:
         """The run's one bias check, before any work: each round's refit trusts it; hybrids refused."""
         from headprune.heads.hybrid import blockwise_refusal
