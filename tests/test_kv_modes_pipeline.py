@@ -135,7 +135,7 @@ def test_a_run_chooses_applies_and_exports_the_kv_modes(choice, tmp_path, llama_
 
 @pytest.mark.parametrize("override,pattern", [
     (["budget=latency"], r"kv_modes=measured chooses .* budget=latency has not; allowed: budget=kv or flops"),
-    (["recovery=refit"], r"kv_modes=measured applies no repair .*allowed: recovery=none"),
+    (["recovery=refit", "recovery.damps=[0.01]"], r"kv_modes=measured applies no repair .*allowed: recovery=none"),
     (["layer_policy=uniform"], r"layer_policy=UniformPolicy allocates per layer; allowed: layer_policy=global"),
     (["data.block_size=16"], r"data.block_size=16 < budget.seq=32; allowed: data.block_size >= budget.seq"),
     (["kv_modes.window=30"], r"sink \+ kv_modes.window = 32 tokens cover the whole budget.seq=32"),
