@@ -16,6 +16,15 @@ What a unit is worth, two ways:
   have such keys, on the same long blocks; one eager forward per block), so a windowed unit keeps
   1 - mass of what it is worth full; full is worth the metric's unit score (the sum of its heads'
   scores, shifted to be non-negative, as the cost budgets rank units).
+- `retrieval`: `attention_mass`, with each unit's share lost to a window the larger of its
+  attention mass and its retrieval score (RazorAttention, 2407.15891: "echo" and "induction"
+  heads): on one seeded sequence of random tokens repeating with a period longer than sink +
+  window, the attention a query head puts on the earlier copy of its current token (echo) and on
+  the token after it (induction), keys a window cannot see; a unit scores its most retrieving
+  query head's (a KV group must stay full if any of its heads copies from far back). Why: the
+  attention mass on natural text keeps full the units that look far back most on average, which
+  are not the few that fetch a fact from thousands of tokens back (passkey retrieval fell from
+  0.80 to 0.20 with attention_mass at 2/3 of the KV bytes removed; experiments/llm_kv_modes).
 
 The layer policy's caps bound the removed units per layer (windows are not removal); its
 `unit_scores` are what `attention_mass` reads. `removal=last` removes no unit when every unit
@@ -47,14 +56,14 @@ from headprune.recovery.none import NoRecovery
 from headprune.tasks import CAUSAL_LM, Task, task_for
 
 log = logging.getLogger(__name__)
-CHOICES = ("none", "measured", "attention_mass")
+CHOICES = ("none", "measured", "attention_mass", "retrieval")
 REMOVALS = ("any", "last")
 
 
 @dataclass
 class KVModes:
-    """`kv_modes:` settings. `choice`: none (removal only, the budget's own allocation), measured
-    or attention_mass (module docstring); `sink` + `window`: what a windowed unit keeps;
+    """`kv_modes:` settings. `choice`: none (removal only, the budget's own allocation), measured,
+    attention_mass or retrieval (module docstring); `sink` + `window`: what a windowed unit keeps;
     `samples`: calibration blocks measured on (null: every one); `removal`: any (the knapsack
     weighs removal like the other two) or last (no unit removed while every unit windowed fits the
     budget)."""
@@ -118,6 +127,8 @@ class KVModes:
             raise ValueError(f"{name} measures on the calibration blocks, which must be at least the budget's context: "
                              f"data.block_size={block_size} < budget.seq={budget.seq}; allowed: data.block_size >= "
                              "budget.seq")
+        if self.choice == "retrieval":
+            retrieval_period(block_size, self.sink, self.window)
         if world_size > 1:
             raise ValueError(f"{name} measures on one process; got {world_size} processes; allowed: trainer.devices=1")
         if resuming:
@@ -157,8 +168,14 @@ class KVModes:
         else:
             mass = attention_mass(model, batches, units, self.sink, self.window)
             full = unit_values(layer_policy.unit_scores(scores, mask.alive()), units)
-            windowed = [[f * (1.0 - m) for f, m in zip(fs, ms)] for fs, ms in zip(full, mass)]
             measured = {"mass_beyond_window": mass}
+            lost = mass
+            if self.choice == "retrieval":
+                seq = int(batches[0]["input_ids"].shape[1])
+                retrieval, period = retrieval_scores(model, units, self.sink, self.window, seq, mask.mask.device)
+                lost = [[max(m, r) for m, r in zip(ms, rs)] for ms, rs in zip(mass, retrieval)]
+                measured.update(retrieval=retrieval, retrieval_period=period)
+            windowed = [[f * (1.0 - m) for f, m in zip(fs, ms)] for fs, ms in zip(full, lost)]
         group = len(units[0])
         caps = layer_policy.caps(mask.alive())
         choices = [sorted(k for k in costs.cost[l] if len(units) - sum(k) <= caps[l] // group)
@@ -285,6 +302,69 @@ def attention_mass(model: nn.Module, batches: list[dict], units: list[list[int]]
             handle.remove()
     per_head = [s / max(count[0], 1) for s in sums]
     return [[float(per_head[l][heads].mean()) for heads in units] for l in range(len(blocks))]
+
+
+def retrieval_period(seq: int, sink: int, window: int) -> int:
+    """The period of the repeated random sequence: a quarter of `seq` (three copies to look back
+    on) when that exceeds sink + window, else half; refused when even half leaves every earlier
+    copy inside the window."""
+    for period in (seq // 4, seq // 2):
+        if period > sink + window:
+            return period
+    raise ValueError(f"kv_modes=retrieval: a {seq}-token block cannot hold two copies of a sequence longer than "
+                     f"sink + window = {sink + window} tokens (a window would see the earlier copy); allowed: "
+                     f"data.block_size > 2 x (kv_modes.sink + kv_modes.window)")
+
+
+def repeated_random_tokens(config, seq: int, period: int, seed: int = 0) -> torch.Tensor:
+    """(1, seq) ids: `period` random ids (seeded; the config's special ids left out) repeated."""
+    special = {getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    special = {i for s in special for i in (s if isinstance(s, (list, tuple)) else [s]) if i is not None}
+    allowed = torch.tensor([i for i in range(config.vocab_size) if i not in special])
+    pick = torch.randint(len(allowed), (period,), generator=torch.Generator().manual_seed(seed))
+    return allowed[pick].repeat(seq // period + 1)[:seq][None]
+
+
+@torch.no_grad()
+def retrieval_scores(model: nn.Module, units: list[list[int]], sink: int, window: int, seq: int,
+                     device, seed: int = 0) -> tuple[list[list[float]], int]:
+    """(scores[l][u], period): per unit, its most retrieving query head's mean attention on the
+    earlier copy of the query's token (echo, key i - period) plus the token after it (induction,
+    key i - period + 1), over the queries i >= period + sink whose earlier copy exists, on one
+    seeded `seq`-token sequence of random tokens repeating every `period` (> sink + window, so
+    those keys are outside every window and past the sinks). Eager attention for the pass."""
+    from headprune.scoring.attention import eager_attention
+
+    period = retrieval_period(seq, sink, window)
+    ids = repeated_random_tokens(model.config, seq, period, seed).to(device)
+    adapter = get_adapter(model)
+    blocks = adapter.blocks(model)
+    per_head: list[torch.Tensor] = [torch.zeros(0)] * len(blocks)
+    queries = torch.arange(period + sink, seq, device=device)  # (Q,)
+
+    def hook(layer: int):
+        def reduce(module, args, output):
+            weights = output[1]  # (1, H, T, T) attention probabilities
+            if weights is None:
+                raise ValueError("kv_modes=retrieval needs the attention probabilities, which this attention module "
+                                 "does not return under eager attention")
+            echo = weights[0][:, queries, queries - period].float()  # (H, Q)
+            induction = weights[0][:, queries, queries - period + 1].float()  # (H, Q)
+            per_head[layer] = (echo + induction).mean(-1).double().cpu()  # (H,)
+            return (output[0], None, *output[2:])
+        return reduce
+
+    handles = [adapter.attention(block).register_forward_hook(hook(l)) for l, block in enumerate(blocks)]
+    was_training = model.training
+    model.eval()
+    try:
+        with eager_attention(model):
+            model(input_ids=ids, use_cache=False)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+    return [[float(per_head[l][heads].max()) for heads in units] for l in range(len(blocks))], period
 
 
 def kv_modes_round(model: nn.Module, mask: HeadMask, metric, kv_modes: KVModes, costs: LayerCosts, share: float,

@@ -1,0 +1,128 @@
+"""`kv_modes=retrieval` (headprune.selection.kv_modes): the retrieval score of each KV unit (its
+most retrieving query head's echo + induction attention on a repeating random sequence), the
+windowed value it gives (the unit score x (1 - max(attention mass, retrieval))), a run that
+records it, and the refusal of blocks too short for two copies. Tiny Llama built from a config."""
+import json
+
+import pytest
+import torch
+
+from headprune.apps.train import run
+from headprune.heads.mask import HeadMask
+from headprune.heads.surgery import kv_group_heads
+from headprune.selection.kv_modes import (KVModes, attention_mass, repeated_random_tokens, retrieval_period,
+                                          retrieval_scores)
+from tests.helpers import compose_train, llama, tiny_llama_folder
+
+SINK, WINDOW = 2, 6
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return tiny_llama_folder(tmp_path_factory.mktemp("tiny_llama_retrieval"))
+
+
+def _model():
+    return llama(attn="sdpa", vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=2, intermediate_size=64, max_position_embeddings=256, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=0)
+
+
+def test_the_sequence_repeats_its_period_without_special_ids():
+    model = _model()
+    ids = repeated_random_tokens(model.config, 50, 12, seed=3)
+    assert ids.shape == (1, 50)
+    assert torch.equal(ids[0, 12:24], ids[0, :12]) and torch.equal(ids[0, 48:], ids[0, :2])
+    assert not set(ids[0].tolist()) & {0, 1, 2}
+    assert torch.equal(ids, repeated_random_tokens(model.config, 50, 12, seed=3))
+    assert retrieval_period(64, SINK, WINDOW) == 16 and retrieval_period(20, SINK, WINDOW) == 10
+    with pytest.raises(ValueError, match=r"data.block_size > 2 x \(kv_modes.sink \+ kv_modes.window\)"):
+        retrieval_period(16, SINK, WINDOW)
+
+
+def test_retrieval_scores_are_the_attention_on_the_earlier_copy():
+    """Each unit's score equals, from the eager attention maps of the same sequence, the largest
+    over its query heads of the mean (over queries i >= period + sink) of the probability on keys
+    i - period and i - period + 1."""
+    model = _model()
+    seq = 64
+    scores, period = retrieval_scores(model, kv_group_heads(model), SINK, WINDOW, seq, "cpu")
+    assert period == 16
+    ids = repeated_random_tokens(model.config, seq, period)
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        maps = model(input_ids=ids, output_attentions=True).attentions  # per layer (1, H, T, T)
+    model.config._attn_implementation = "sdpa"
+    for layer in range(2):
+        for unit, heads in enumerate(kv_group_heads(model)):
+            per_head = [sum(float(maps[layer][0, h, i, i - period] + maps[layer][0, h, i, i - period + 1])
+                            for i in range(period + SINK, seq)) / (seq - period - SINK) for h in heads]
+            assert scores[layer][unit] == pytest.approx(max(per_head), rel=1e-5)
+    assert 0.0 < min(min(s) for s in scores) and max(max(s) for s in scores) < 2.0
+
+
+def test_a_window_loses_the_larger_of_attention_mass_and_retrieval(monkeypatch):
+    """choose(): the windowed value of each unit is its full value x (1 - max(mass, retrieval)),
+    the report carries both statistics and the period; attention_mass on the same inputs reads
+    the mass alone. The retrieval scores are set (a random tiny model has no retrieval head) so
+    that they exceed the mass in some units and not in others."""
+    from headprune.selection import kv_modes
+    from headprune.selection.budgets import KVBudget
+    from headprune.selection.layer_policies import GlobalPolicy
+
+    model = _model()
+    mask = HeadMask.for_model(model)
+    loader = [{"input_ids": torch.randint(3, 64, (1, 64), generator=torch.Generator().manual_seed(1))}]
+    scores = torch.rand(2, 4, generator=torch.Generator().manual_seed(2))
+    costs = KVBudget(target=0.5, batch=1, seq=64).mode_table(model, sink=SINK, window=WINDOW)
+    units = kv_group_heads(model)
+    policy = GlobalPolicy(min_heads_per_layer=0)
+    mass = attention_mass(model, loader, units, SINK, WINDOW)
+    retrieval = [[0.95, 0.01], [0.01, 0.9]]
+    monkeypatch.setattr(kv_modes, "retrieval_scores", lambda *args, **kw: (retrieval, 16))
+    _, report = KVModes("retrieval", SINK, WINDOW).choose(model, mask, scores, loader, costs, 0.5, policy)
+    values = report["kv_modes"]
+    assert _flat(values["mass_beyond_window"]) == pytest.approx(_flat(mass))
+    assert values["retrieval"] == retrieval and values["retrieval_period"] == 16
+    lost = [max(m, r) for m, r in zip(_flat(mass), _flat(retrieval))]
+    assert lost != _flat(mass) and lost != _flat(retrieval)  # each statistic wins somewhere
+    assert _flat(values["window_value"]) == pytest.approx([f * (1 - x) for f, x in zip(_flat(values["full_value"]), lost)])
+    _, plain = KVModes("attention_mass", SINK, WINDOW).choose(model, mask, scores, loader, costs, 0.5, policy)
+    assert "retrieval" not in plain["kv_modes"]
+    assert _flat(plain["kv_modes"]["window_value"]) == pytest.approx(
+        [f * (1 - m) for f, m in zip(_flat(plain["kv_modes"]["full_value"]), _flat(mass))])
+
+
+def _flat(rows):
+    return [v for row in rows for v in row]
+
+
+def _cli(llama_dir, *overrides):
+    return [f"model.pretrained={llama_dir}", "model.random_init=true", "model.task=causal_lm", "data=tinyshakespeare",
+            "data.block_size=64", "data.score_samples=1", "data.max_train_samples=0", "data.max_validation_samples=1",
+            "data.eval_batch_size=1", "schedule=one_shot", "schedule.target_sparsity=0.5", "schedule.baseline_epochs=0",
+            "schedule.epochs_per_round=0", "logger=none", "callbacks=none", "diagnostics.enabled=false",
+            "budget=kv", "budget.target=0.5", "budget.seq=64", "layer_policy=global", "layer_policy.min_heads_per_layer=0",
+            "recovery=none", "metric=magnitude", "kv_modes=retrieval", f"kv_modes.sink={SINK}",
+            f"kv_modes.window={WINDOW}", *overrides]
+
+
+def test_a_retrieval_run_records_the_scores_and_keeps_the_budget(tmp_path, llama_dir, data_dir):
+    """headprune-train kv_modes=retrieval: one round chooses the layout within the budget, removes
+    no unit while windows fit (the preset's removal=last), and records the retrieval scores."""
+    res = run(compose_train(tmp_path, data_dir, *_cli(llama_dir)))
+    final = res["final"]
+    assert final["cost_share"] <= 0.5 + 1e-9
+    modes = [m for layer in final["kv_layout"]["modes"] for m in layer]
+    assert "removed" not in modes and "full" in modes and "window" in modes
+    report = res["rounds"][0]["budget"]["kv_modes"]
+    assert report["choice"] == "retrieval" and report["removal"] == "last" and report["retrieval_period"] == 16
+    assert len(report["retrieval"]) == 2 and all(len(r) == 2 for r in report["retrieval"])
+    assert json.loads((tmp_path / "results.json").read_text())["rounds"][0]["budget"]["kv_modes"]["retrieval"] == \
+        report["retrieval"]
+
+
+def test_blocks_too_short_for_two_copies_are_refused_before_any_work(tmp_path, llama_dir, data_dir):
+    with pytest.raises(ValueError, match=r"kv_modes=retrieval: a 16-token block .* allowed: data.block_size > 2 x"):
+        run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "data.block_size=16", "budget.seq=16")))
+    assert not (tmp_path / "results.json").exists()
