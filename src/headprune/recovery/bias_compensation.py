@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from headprune.distributed import all_reduce_sum
+from headprune.engine.offload import blocks_held
 from headprune.heads.adapters import get_adapter
 from headprune.heads.contexts import stream_contexts
 from headprune.heads.mask import HeadMask
@@ -74,13 +75,14 @@ def _compensate(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, max_
     report = []
     for layer, block in enumerate(adapter.blocks(dense)):
         removed = [h for h in range(mask.num_heads) if float(mask.mask[layer, h]) == 0]
-        rows = adapter.head_rows(dense, layer)
-        o = adapter.out_proj(block)
-        shift = torch.zeros(rows[0]["o"].weight().shape[1], dtype=torch.float64, device=means.device)  # (E,)
-        for h in removed:
-            shift += means[layer, h] @ rows[h]["o"].weight().double()  # (D,) @ (D, E)
-        reference = o.bias.double() if getattr(o, "bias", None) is not None else torch.zeros_like(shift)
-        output_bias(model, layer).copy_(reference + shift)
+        with blocks_held(layer, model, dense):  # streamed models: this layer's blocks on the device (engine.offload)
+            rows = adapter.head_rows(dense, layer)
+            o = adapter.out_proj(block)
+            shift = torch.zeros(rows[0]["o"].weight().shape[1], dtype=torch.float64, device=means.device)  # (E,)
+            for h in removed:
+                shift += means[layer, h] @ rows[h]["o"].weight().double()  # (D,) @ (D, E)
+            reference = o.bias.double() if getattr(o, "bias", None) is not None else torch.zeros_like(shift)
+            output_bias(model, layer).copy_(reference + shift)
         report.append({"layer": layer, "removed": removed, "bias_norm": round(float(shift.norm()), 6)})
     return {"layers": report}
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from headprune.engine.offload import PASS_THROUGH
 from headprune.heads.adapters import get_adapter, num_features
 from headprune.tasks import MODEL_INPUTS, to_device
 
@@ -80,6 +81,7 @@ def capture(model: nn.Module, batch: dict) -> BlockInputs:
             raise Stop
         return hidden
 
+    setattr(pass_through, PASS_THROUGH, True)  # a streamed model leaves its blocks home (engine.offload)
     for block in blocks:
         block.forward = pass_through  # the instance attribute shadows the class's forward
     try:

@@ -30,6 +30,7 @@ from typing import ClassVar, List
 import torch
 from torch import nn
 
+from headprune.engine.offload import blocks_held
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.mask import HeadMask
 from headprune.recovery.base import Reconstruction, RecoveryContext
@@ -119,7 +120,10 @@ def _tune_scales(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, set
             inputs = capture(model, batch)
             batches.append(_Batch(inputs, real_tokens(batch), capture(dense, batch).hidden, inputs.hidden))
         runs = {"dense": 0, "pruned": 0, "pruned_to_out_proj": 0}
-        report = [_tune_layer(model, mask, dense, layer, batches, settings, runs) for layer in range(mask.num_layers)]
+        report = []
+        for layer in range(mask.num_layers):  # streamed models: this layer's blocks on the device (engine.offload)
+            with blocks_held(layer, model, dense):
+                report.append(_tune_layer(model, mask, dense, layer, batches, settings, runs))
     return {"layers": report, "block_runs": {k: v // len(batches) for k, v in runs.items()}}
 
 

@@ -39,6 +39,7 @@ from typing import ClassVar, List
 import torch
 from torch import nn
 
+from headprune.engine.offload import blocks_held
 from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.mask import HeadMask
 from headprune.recovery.base import Reconstruction
@@ -164,7 +165,10 @@ def _refit_layers(model: nn.Module, mask: HeadMask, dense: nn.Module, loader, se
                              f"{counts['fit']} fit and {counts['heldout']} held-out tokens; both must be > 0 (more "
                              "data.score_samples, or another holdout)")
         runs = {"dense": 0, "pruned": 0, "pruned_to_out_proj": 0}
-        report = [_refit_layer(model, mask, dense, layer, batches, settings, runs) for layer in range(mask.num_layers)]
+        report = []
+        for layer in range(mask.num_layers):  # streamed models: this layer's blocks on the device (engine.offload)
+            with blocks_held(layer, model, dense):
+                report.append(_refit_layer(model, mask, dense, layer, batches, settings, runs))
     return {"target": settings.target, "damps": list(settings.damps), "tokens": counts, "layers": report,
             "block_runs": {k: v // len(batches) for k, v in runs.items()}}
 

@@ -33,6 +33,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from headprune.engine.offload import PASS_THROUGH
 from headprune.heads.adapters import get_adapter
 from headprune.heads.mask import HeadMask
 from headprune.recovery.blockwise import BlockInputs, capture, run_block
@@ -139,6 +140,7 @@ def _start_at(model: nn.Module, layer: int, hidden: torch.Tensor | None):
     def carried(*args, **kwargs):
         return hidden
 
+    setattr(carried, PASS_THROUGH, True)  # a streamed model leaves these blocks home (engine.offload)
     for block in blocks:
         block.forward = carried  # the instance attribute shadows the class's forward
     try:

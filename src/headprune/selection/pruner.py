@@ -26,6 +26,11 @@ reads the model's head once, here (`checked_task`), never again during the run.
 or the budget needs it (distillation teacher, least-squares targets, latency tables); a resumed
 run gets it back from the recovery (the saved teacher) or from `dense_factory` (a model of the
 same shape, for timing).
+
+`model_device=cpu` (a run without training) keeps the pruned model's blocks in host memory and
+streams them to the device one at a time (`engine.offload`); `dense_device=cpu` does the same for
+`dense`. results.json `model_device` and `dense_copy` say where each lived and, streamed, the most
+blocks on the device at once over the run.
 """
 from __future__ import annotations
 
@@ -40,7 +45,8 @@ import torch
 from torch import nn
 
 from headprune.costs.tables import LayerCosts
-from headprune.engine.offload import check_dense_device, compute_device, dense_copy, hold_dense
+from headprune.engine.offload import (check_dense_device, check_model_device, compute_device, dense_copy, hold_dense,
+                                      residency, stream_model)
 from headprune.engine.step_fit import FitPlan
 from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.mask import HeadMask
@@ -82,6 +88,18 @@ class Loaders:
                    datamodule.train_dataloader() if train else None)
 
 
+def training_of(schedule, recovery: Recovery) -> str | None:
+    """What trains the model in a run with `schedule` and `recovery` (for refusals of settings
+    that only run without training), or None when nothing does."""
+    if schedule.total_epochs() > 0:
+        return (f"the schedule ({schedule.total_epochs()} epochs: schedule.baseline_epochs, epochs_per_round, "
+                "recover_epochs)")
+    if recovery.needs_train_data:
+        steps = getattr(recovery, "steps_setting", None) or f"recovery.steps={getattr(recovery, 'steps', None)}"
+        return f"the recovery's step budget ({steps})"
+    return None
+
+
 class RunObserver:
     """What the code driving a Pruner adds at fixed points of a run; each method is a no-op here.
     `baseline(record)`: the unpruned model's metrics are in; `before_round(k)`: round k (0-based)
@@ -114,12 +132,17 @@ class Pruner:
                  recovery: Recovery | str | None = None, *, mask: HeadMask | None = None, rearrange: bool = False,
                  results: RunResults | None = None, max_batches: int | None = None,
                  dense_factory: Callable[[], nn.Module] | None = None, observer: RunObserver | None = None,
-                 dense_device: str = "run", kv_modes: KVModes | None = None, task: Task | str | None = None):
+                 dense_device: str = "run", kv_modes: KVModes | None = None, task: Task | str | None = None,
+                 model_device: str = "run"):
         self.model = model
         self.task = checked_task(model, task, "task")
-        self.mask = mask if mask is not None else HeadMask.for_model(model).to(next(model.parameters()).device)
         self.metric, self.schedule, self.layer_policy = metric, schedule, layer_policy
         self.budget, self.recovery = make_budget(budget), make_recovery(recovery)
+        check_model_device(model_device, self.budget.kind, training_of(schedule, self.recovery))
+        self.model_device = model_device  # run | cpu: where the pruned model's blocks live (engine.offload)
+        if model_device == "cpu":
+            stream_model(model)
+        self.mask = mask if mask is not None else HeadMask.for_model(model).to(compute_device(model))
         self.rearrange, self.max_batches, self.dense_factory = rearrange, max_batches, dense_factory
         self.results = results if results is not None else RunResults(None)
         self.observer = observer if observer is not None else RunObserver()
@@ -383,6 +406,7 @@ class Pruner:
                          "val": self.evaluate(loaders.val) if fresh else self.rounds[-1]["val"],
                          "val_source": VAL_SOURCE}
         data["final"].update(site_record(self.model, mask))  # several attention stacks: rows named, heads by stack
+        self._record_placement()
         if self.costs is not None and self.kv_modes.active:  # the KV modes' layout, priced by the mode table
             data["final"]["cost_share"] = kv_cost_share(self.model, self.costs)
             data["final"]["kv_layout"] = getattr(self.model, KV_LAYOUT_ATTR).to_json()
@@ -425,6 +449,14 @@ class Pruner:
         self.recovery.before_first_round(self.context(loaders))
         if self.dense is not None and not (self.recovery.keeps_dense or self.budget.needs_dense):
             self.dense = None  # what the recovery needed of it is taken (a cached teacher): free its memory
+
+    def _record_placement(self) -> None:
+        """results.json `model_device` (where the pruned model lived; streamed: its blocks' residency
+        trace over the run) and the streamed dense copy's trace in `dense_copy`."""
+        self.results.data["model_device"] = {"where": self.model_device, "device": str(compute_device(self.model)),
+                                             **residency(self.model)}
+        if self.dense is not None and "dense_copy" in self.results.data:
+            self.results.data["dense_copy"].update(residency(self.dense))
 
     def _hold(self, dense: nn.Module) -> nn.Module:
         """A reloaded dense model (the saved teacher, a model for the budget) placed beside the run's
