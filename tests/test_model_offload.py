@@ -259,3 +259,15 @@ def test_blocks_replaced_by_pass_throughs_stay_home(copying):
         probe.loss(mask.mask, layer, hidden)
         assert offload.moves - moves == len(offload.blocks) - layer, layer
     assert offload.peak_resident == 1
+
+
+def test_the_runtime_places_a_streamed_model_without_moving_its_blocks():
+    from headprune.engine.runtime import Runtime
+
+    model = Runtime.of({"accelerator": "cpu", "precision": "bf16-true"}).place(tiny("llama"), model_device="cpu")
+    offload = offload_of(model)
+    assert offload is not None and offload.device == torch.device("cpu") and offload.grads
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and offload.moves == 0
+    pruner = Pruner(model, get_metric("magnitude"), OneShot(target_sparsity=0.5, baseline_epochs=0, epochs_per_round=0),
+                    UniformPolicy(), model_device="cpu")
+    assert offload_of(pruner.model) is offload  # the Pruner keeps the runtime's offload

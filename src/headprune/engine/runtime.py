@@ -118,8 +118,16 @@ class Runtime:
     def autocast_dtype(self) -> torch.dtype | None:
         return PRECISIONS[self.precision][1]
 
-    def place(self, model: torch.nn.Module) -> torch.nn.Module:
-        """`model` on this process's device in the weight dtype (in place; returned for chaining)."""
+    def place(self, model: torch.nn.Module, model_device: str = "run") -> torch.nn.Module:
+        """`model` on this process's device in the weight dtype (in place; returned for chaining).
+        `model_device=cpu` (`pruning.model_device`, runs without training): converted in host
+        memory, then its small modules on the device and its blocks streamed there one at a time
+        (`engine.offload.stream_model`), so the device never holds the whole model."""
+        if model_device == "cpu":
+            from headprune.engine.offload import stream_model
+
+            stream_model(model.to(device="cpu", dtype=self.dtype), self.device)
+            return model
         return model.to(device=self.device, dtype=self.dtype)
 
     @contextlib.contextmanager
