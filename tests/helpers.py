@@ -160,11 +160,12 @@ def tiny_llama_classifier(seed: int = 0):
                  max_position_embeddings=32, pad_token_id=0, num_labels=2)
 
 
-def tiny_byte_llama(seed: int = 0):
-    """A 2-layer GQA Llama LM over the byte tokenizer's vocabulary (models/byte_tokenizer.py)."""
+def tiny_byte_llama(seed: int = 0, **overrides):
+    """A 2-layer GQA Llama LM over the byte tokenizer's vocabulary (models/byte_tokenizer.py);
+    `overrides` as llama's (max_position_embeddings=512 for long prompts)."""
     from headprune.models.byte_tokenizer import ByteTokenizer
 
-    return llama(seed=seed, vocab_size=ByteTokenizer.vocab_size)
+    return llama(seed=seed, vocab_size=ByteTokenizer.vocab_size, **overrides)
 
 
 def inputs(batch: int = 3, tokens: int = 9, seed: int = 0) -> dict:

@@ -6,16 +6,9 @@ import transformers as tf
 
 from headprune.heads.surgery import prune_heads
 from headprune.heads.windows import KVLayout, KVWindows, apply_kv_layout, window_allowed
-from tests.helpers import GQA
+from tests.helpers import llama  # the tiny GQA Llama: 2 layers x 4 query heads, 2 KV groups, head_dim 8
 
 SEQ = 12
-
-
-def llama(attn: str, layers: int = 2, seed: int = 0):
-    """A tiny GQA Llama (4 query heads, 2 KV groups, head_dim 8), `layers` layers."""
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(**dict(GQA, num_hidden_layers=layers))
-    return tf.AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
 
 def ids(batch: int = 2, tokens: int = SEQ, seed: int = 1):
@@ -62,7 +55,7 @@ def by_hand(model, seen, modes, sink, window, kept_groups=(0, 1)):
 def test_windowed_group_equals_attention_by_hand(attn):
     """Layer 1: group 0 windowed (2 sinks + 3 recent tokens of 12), group 1 full; both match the
     explicit loops, and the windowed group's context differs from the full model's."""
-    model = llama(attn)
+    model = llama(attn=attn)
     layout = KVLayout(((("full", "full")), ("window", "full")), sink=2, window=3)
     seen, handles = capture(model, 1)
     with torch.no_grad():
@@ -81,7 +74,7 @@ def test_windowed_group_equals_attention_by_hand(attn):
 def test_all_full_layers_unchanged_bit_for_bit(attn):
     """A layer whose groups are all full keeps its exact output next to a windowed layer; a
     layout with no window changes no logit."""
-    model = llama(attn)
+    model = llama(attn=attn)
     seen, handles = capture(model, 0)
     with torch.no_grad():
         dense = model(ids()).logits
@@ -98,7 +91,7 @@ def test_all_full_layers_unchanged_bit_for_bit(attn):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_window_covering_the_sequence_equals_full(attn):
-    model = llama(attn)
+    model = llama(attn=attn)
     with torch.no_grad():
         dense = model(ids()).logits
         KVWindows(KVLayout.uniform(model, "window", sink=4, window=SEQ - 4)).attach(model)
@@ -110,7 +103,7 @@ def test_window_covering_the_sequence_equals_full(attn):
 def test_a_padded_batch_keeps_each_rows_windows(attn):
     """Right padding (the model's own mask: additive for eager, boolean for sdpa, widened per
     head here): a padded row's real positions get the logits the row gets alone."""
-    model = llama(attn)
+    model = llama(attn=attn)
     KVWindows(KVLayout((("window", "full"), ("full", "window")), sink=1, window=3)).attach(model)
     batch = ids(batch=2)
     padding = torch.ones_like(batch)
@@ -123,7 +116,7 @@ def test_a_padded_batch_keeps_each_rows_windows(attn):
 
 def test_window_after_physical_removal_follows_the_kept_groups():
     """Layer 1 loses group 0 physically: its one kept group (original id 1) is the windowed one."""
-    model = llama("eager")
+    model = llama(attn="eager")
     prune_heads(model, {1: [0, 1]})
     layout = KVLayout((("full", "full"), ("removed", "window")), sink=1, window=4)
     seen, handles = capture(model, 1)
@@ -141,13 +134,13 @@ def test_a_deep_copy_does_not_run_the_originals_windows():
     them rather than follow the original's head layout; a copy made after detach runs dense."""
     import copy
 
-    model = llama("sdpa")
+    model = llama(attn="sdpa")
     windows = KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=2)).attach(model)
     with pytest.raises(ValueError, match="attached to another model"):
         copy.deepcopy(model)(ids())
     windows.detach()
     with torch.no_grad():
-        assert torch.equal(copy.deepcopy(model)(ids()).logits, llama("sdpa")(ids()).logits)
+        assert torch.equal(copy.deepcopy(model)(ids()).logits, llama(attn="sdpa")(ids()).logits)
 
 
 def test_window_allowed_keys():
@@ -157,7 +150,7 @@ def test_window_allowed_keys():
 
 
 def test_bad_layouts_refused_by_name():
-    model = llama("sdpa")
+    model = llama(attn="sdpa")
     with pytest.raises(ValueError, match="mode 'streaming' is not allowed; allowed: full, window, removed"):
         KVLayout((("full", "streaming"),), sink=1, window=2)
     with pytest.raises(ValueError, match="kv_modes.window=0 must be an integer >= 1"):
@@ -177,7 +170,7 @@ def test_a_windowed_unit_costs_its_kept_tokens_over_the_context():
     from headprune.costs.tables import LayerCosts, kv_costs
     from headprune.selection.budgets import KVBudget
 
-    model = llama("sdpa")
+    model = llama(attn="sdpa")
     table = KVBudget(target=0.5, batch=2, seq=64).mode_table(model, sink=4, window=12)
     full_unit = 2 * 8 * 64 * 2 * 4  # K and V x head_dim x seq x batch x bytes
     assert table.cost[0][(1, 0)] == full_unit and table.cost[1][(0, 1)] == full_unit * 16 / 64
@@ -194,7 +187,7 @@ def test_windowed_flops_scale_the_scores_only():
     from headprune.costs.flops import attention_flops
     from headprune.selection.budgets import FlopsBudget
 
-    table = FlopsBudget(batch=1, seq=64).mode_table(llama("sdpa"), sink=4, window=12)
+    table = FlopsBudget(batch=1, seq=64).mode_table(llama(attn="sdpa"), sink=4, window=12)
     projections = attention_flops(1, 64, 0, 2, 1, 8, 32)  # one group: 2 query heads, 1 KV head
     scores = attention_flops(1, 64, 64, 2, 1, 8, 32) - projections
     assert table.cost[0][(0, 1)] == pytest.approx(projections + scores * 16 / 64)
@@ -220,7 +213,7 @@ def test_the_knapsack_chooses_among_full_window_and_removed():
     from headprune.costs.knapsack import best_modes
     from headprune.selection.budgets import KVBudget
 
-    model = llama("sdpa")
+    model = llama(attn="sdpa")
     table = KVBudget(target=0.5, batch=1, seq=64).mode_table(model, sink=4, window=12)
     full = [[5.0, 4.0], [3.0, 6.0]]
     window = [[1.0, 3.5], [2.5, 5.9]]
@@ -262,7 +255,7 @@ def test_generate_with_the_windowed_cache_equals_full_forwards(attn):
 
     from headprune.heads.windows import WindowedCacheLayer
 
-    model = llama(attn)
+    model = llama(attn=attn)
     prompt = ids(batch=2, tokens=6)
     with torch.no_grad():
         dense = model(ids(batch=2, tokens=16)).logits
@@ -284,7 +277,7 @@ def test_generate_with_the_windowed_cache_equals_full_forwards(attn):
 def test_beam_search_with_the_windowed_cache_equals_no_cache():
     """Beam search expands and reorders the cache's rows (batch_repeat_interleave, reorder /
     select): its sequences equal beam search without a cache (full forwards, masks only)."""
-    model = llama("eager")
+    model = llama(attn="eager")
     KVWindows(KVLayout((("window", "full"), ("window", "window")), sink=1, window=3)).attach(model)
     settings = dict(max_new_tokens=6, do_sample=False, num_beams=3, num_return_sequences=2, pad_token_id=0)
     with torch.no_grad():
@@ -302,7 +295,7 @@ def test_the_windowed_cache_holds_what_the_cost_table_counts():
     from headprune.heads.windows import held_bytes
     from headprune.selection.budgets import KVBudget
 
-    model = llama("sdpa")
+    model = llama(attn="sdpa")
     layout = KVLayout((("window", "full"), ("window", "window")), sink=1, window=2)
     KVWindows(layout).attach(model)
     cache = DynamicCache(config=model.config)
@@ -318,7 +311,7 @@ def test_the_windowed_cache_holds_what_the_cost_table_counts():
 def test_the_windowed_cache_refuses_cropping_and_filled_caches():
     from transformers.cache_utils import DynamicCache
 
-    model = llama("sdpa")
+    model = llama(attn="sdpa")
     KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=2)).attach(model)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
@@ -340,7 +333,7 @@ def test_save_and_load_pruned_keep_the_modes(tmp_path):
     generate() tokens, its windows attached (a windowed cache at generation)."""
     from headprune.deploy.hf import load_pruned, save_pruned
 
-    model = llama("sdpa")
+    model = llama(attn="sdpa")
     layout = KVLayout((("window", "full"), ("removed", "window")), sink=1, window=3)
     apply_kv_layout(model, layout)
     assert [len(a.self_attn.o_proj.weight[0]) for a in model.model.layers] == [32, 16]  # layer 1: one group left
@@ -364,7 +357,7 @@ def test_exports_that_cannot_window_refuse_by_name(tmp_path):
     from headprune.deploy.onnx_decode import export_onnx_decode
     from headprune.deploy.vllm_deci import deci_refusal
 
-    model = llama("sdpa")
+    model = llama(attn="sdpa")
     windows = KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=4)).attach(model)
     assert "windowed KV units" in gguf_refusal(model) and "llama.cpp" in gguf_refusal(model)
     assert "windowed KV units" in deci_refusal(model) and "DeciLM" in deci_refusal(model)
@@ -385,7 +378,7 @@ def test_allocate_modes_gives_a_layout_within_the_share():
     or a count table, is refused."""
     from headprune.selection.budgets import KVBudget, allocate_modes
 
-    model = llama("sdpa")
+    model = llama(attn="sdpa")
     budget = KVBudget(target=0.6, batch=1, seq=64)
     table = budget.mode_table(model, sink=4, window=12)
     full, window = [[5.0, 4.0], [3.0, 6.0]], [[4.9, 3.9], [2.9, 1.0]]

@@ -7,14 +7,13 @@ import json
 
 import pytest
 import torch
-import transformers as tf
 
 from headprune.apps.train import run
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import KVLayout, KVWindows
 from headprune.selection.kv_modes import KVModes, attention_mass, measured_rises
-from tests.helpers import compose_train, tiny_llama_folder
+from tests.helpers import compose_train, llama, tiny_llama_folder
 
 SINK, WINDOW = 2, 6
 
@@ -35,10 +34,8 @@ def _cli(llama_dir, *overrides):
 
 
 def _llama(seed: int = 0):
-    torch.manual_seed(seed)
-    config = tf.LlamaConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                            num_hidden_layers=2, intermediate_size=64, max_position_embeddings=256)
-    return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    """The tiny GQA Llama (2 layers x 4 query / 2 KV heads, hidden 32) over 64 tokens and 256 positions."""
+    return llama(seed=seed, attn="sdpa", vocab_size=64, max_position_embeddings=256)
 
 
 def _batches(n: int = 2, tokens: int = 24):

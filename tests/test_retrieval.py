@@ -8,6 +8,7 @@ from torch import nn
 from headprune.evaluation.retrieval import (FILLER, NEEDLE, QUESTION, answered, passkey_accuracy, passkey_case,
                                             passkey_cases)
 from headprune.models.byte_tokenizer import ByteTokenizer
+from tests.helpers import llama_config, tiny_byte_llama
 
 TOK = ByteTokenizer()
 
@@ -19,7 +20,7 @@ class Oracle(nn.Module):
     def __init__(self, cases, wrong=()):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1))
-        self.config = tf.LlamaConfig(max_position_embeddings=512)
+        self.config = llama_config(max_position_embeddings=512)  # passkey_accuracy reads its positions
         self.truth = {case.prompt: list(case.prompt + case.answer) for case in cases}
         self.wrong = set(wrong)
         self.keys = {case.prompt: case.key for case in cases}
@@ -65,11 +66,7 @@ def test_scoring_is_teacher_forced_on_the_answer_tokens():
 
 
 def test_a_tiny_llama_runs_and_bad_settings_are_refused():
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=32, num_attention_heads=4,
-                            num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
-                            max_position_embeddings=512)
-    model = tf.LlamaForCausalLM(config).eval()
+    model = tiny_byte_llama(max_position_embeddings=512)
     result = passkey_accuracy(model, TOK, [260, 320], [0.0, 1.0], samples=1)
     assert 0.0 <= result["accuracy"] <= 1.0 and set(result["by_length"]) == {"260", "320"}
     assert [c["tokens"] <= c["length"] for c in result["cases"]] == [True] * 4

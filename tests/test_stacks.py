@@ -17,6 +17,7 @@ from headprune import HeadMask, count_params, load_pruned, prune_heads, save_pru
 from headprune.heads.adapters import get_adapter
 from headprune.heads.stacks import (StackHeadless, mask_sites, named_heads, site_names, site_record, stack_rows,
                                     to_rows)
+from tests.helpers import llama as tiny_llama_lm
 
 LAYERS, HEADS, D_MODEL = 3, 4, 32
 SITES = [f"{stack}.{i}" for stack in ("encoder", "decoder", "cross") for i in range(LAYERS)]
@@ -121,8 +122,7 @@ def test_named_requests_become_rows():
         to_rows(model, {"cross": {3: [1]}})
     with pytest.raises(ValueError, match="give {layer: \\[heads\\]} for a stack"):
         to_rows(model, {"cross": [1]})
-    llama = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                               hidden_size=32, intermediate_size=32, vocab_size=64))
+    llama = tiny_llama_lm(vocab_size=64, intermediate_size=32)  # one attention stack: 2 layers x 4 query / 2 KV heads
     with pytest.raises(ValueError, match="has one attention stack: name heads by layer"):
         prune_heads(llama, {"encoder": {0: [1]}})
     assert site_names(llama) == ["0", "1"] and site_record(llama, HeadMask.for_model(llama)) == {}
