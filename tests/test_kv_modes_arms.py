@@ -27,6 +27,10 @@ RAN_WITH = {
     "retrieval": ["kv_modes=retrieval"],
     "retrieval_85": ["kv_modes=retrieval", "budget.target=0.15"],
     "retrieval_33": ["kv_modes=retrieval", "budget.target=0.67"],
+    "retrieval_2048": ["kv_modes=retrieval", "budget.seq=2048", "data.block_size=2048", "evaluation.perplexity_seqs=[2048]",
+                       "evaluation.passkey_lengths=[2048]"],
+    "retrieval_33_2048": ["kv_modes=retrieval", "budget.target=0.67", "budget.seq=2048", "data.block_size=2048",
+                          "evaluation.perplexity_seqs=[2048]", "evaluation.passkey_lengths=[2048]"],
 }
 
 
