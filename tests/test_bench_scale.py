@@ -106,3 +106,24 @@ def test_scale_readme_blocks_regenerate_from_the_committed_bench_json():
     # the projection's parameter counts are the target models' published ones
     assert collect.llama_params(collect.TARGETS["Llama-3.1-8B"]) == 8_030_261_248
     assert collect.llama_params(collect.TARGETS["Llama-3.1-70B"]) == 70_553_706_496
+
+
+def test_quick_scale_with_streamed_models_chooses_the_same_heads_holding_one_block(tmp_path):
+    """bench.scale.model_device=cpu: scoring, allocation and refit with the models' blocks streamed
+    allocate what the resident run allocates; the device held one block of each model at a time
+    (the residency trace), less than the whole model."""
+    resident = {r["stage"]: r for r in run(compose_bench(tmp_path / "run", *OFF, "bench.scale.enabled=true",
+                                                         "+bench.scale.skip.llama_tiny=[load,dense_eval,kl,export]"))["scale"]}
+    streamed = {r["stage"]: r for r in run(compose_bench(tmp_path / "cpu", *OFF, "bench.scale.enabled=true",
+                                                         "+bench.scale.skip.llama_tiny=[load,dense_eval,kl,export]",
+                                                         "bench.scale.model_device=cpu"))["scale"]}
+    assert list(streamed) == ["scoring", "allocation", "refit"]
+    for key in ("heads_pruned", "kept_units_per_layer", "kv_share"):
+        assert streamed["allocation"]["info"][key] == resident["allocation"]["info"][key]
+    assert streamed["refit"]["info"]["tokens"] == resident["refit"]["info"]["tokens"]
+    for stage, r in streamed.items():
+        assert r["model_device"] == "cpu" and resident[stage]["model_device"] == "run"
+        for name, d in r["info"]["device"].items():
+            assert d["streamed"] and d["peak_resident_blocks"] == 1, (stage, name)
+        assert r["device_ratio"] < resident[stage]["device_ratio"]
+    assert set(streamed["refit"]["info"]["device"]) == {"model", "dense"}

@@ -19,6 +19,14 @@ each called through headprune's own functions, on `samples` x `seq` random calib
                 during the steps (`teacher`: live) or not (cached)
     export      `fold` and `save_pruned` of the recovered model
 
+`model_device=cpu` runs scoring, allocation and refit with the pruned model streamed
+(`pruning.model_device=cpu`: its blocks in host memory, one at a time on the device) and the refit's
+dense copy too (`pruning.dense_device=cpu`). On the CPU home and device are the same memory, so the
+resident peak measures what streaming costs the host; the rows' `info.device` says what a device
+would hold by the residency trace: per model the peak number of blocks on it at once and
+`device_bytes` (the small modules plus that many blocks; `engine.offload.device_bytes`), and
+`device_ratio`, their sum over the model's bytes.
+
 Memory: each stage runs in a fresh child process (multiprocessing `forkserver`: the server has
 imported torch, transformers and headprune once and never computes; every child forks from it)
 that loads the stage's inputs from the folder the previous stage wrote, then runs the stage.
@@ -68,6 +76,7 @@ from headprune.bench.decoder import build_decoder
 from headprune.bench.sections import Section, SectionInputs, one_of, register
 from headprune.deploy.fold import fold
 from headprune.deploy.hf import load_pruned, save_pruned
+from headprune.engine.offload import MODEL_DEVICES, dense_copy, device_bytes, offload_of, stream_model
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import prune_heads
 from headprune.models.build import build_model
@@ -86,6 +95,7 @@ log = logging.getLogger(__name__)
 
 STAGES = ("load", "dense_eval", "scoring", "allocation", "refit", "kl", "export")
 SKIPPABLE = ("load", "dense_eval", "kl", "export")  # nothing later reads what they write
+STREAMED = ("scoring", "allocation", "refit")  # the stages model_device=cpu streams
 TARGETS = {"scoring": 1.5, "allocation": 1.5, "refit": 1.5, "kl": 4.0}  # peak / model bytes
 MIB = 2 ** 20
 
@@ -105,6 +115,7 @@ class ScaleSettings:
     profile_samples: int = MISSING  # layer_policy=measured: sequences its cost curves read
     passes: int = MISSING
     candidates: int = MISSING
+    model_device: str = MISSING  # run | cpu: scoring, allocation and refit with the models' blocks streamed
 
 
 # -- in the child process -----------------------------------------------------------------------
@@ -129,6 +140,25 @@ def blocks(job: dict, seed: int) -> DataLoader:
 
 def _dense(job: dict):
     return build_model(str(job["work"] / "dense"), task="causal_lm").eval()
+
+
+def _placed(job: dict, model):
+    """`model` as `model_device` says: whole (run) or its blocks streamed (cpu)."""
+    if job["model_device"] == "cpu":
+        stream_model(model, "cpu")
+    return model
+
+
+def _on_device(*models) -> dict:
+    """`info.device`: per model, the peak blocks on the device at once and the bytes it held there
+    (module docstring); `device_ratio`: their sum over the first model's bytes."""
+    out = {}
+    for name, model in models:
+        offload = offload_of(model)
+        out[name] = {"streamed": offload is not None, "device_bytes": device_bytes(model),
+                     **({"peak_resident_blocks": offload.peak_resident, "blocks": len(offload.blocks)}
+                        if offload is not None else {})}
+    return out
 
 
 def _heads(job: dict) -> list[tuple[int, int]]:
@@ -196,12 +226,13 @@ class _DenseEval(_Stage):
 class _Scoring(_Stage):
     def setup(self, job):
         state = super().setup(job)
+        _placed(job, state["model"])
         state["mask"] = HeadMask.for_model(state["model"])
         return state
 
     def run(self, state):
         state["scores"] = get_metric("fisher")(state["model"], state["mask"], blocks(state["job"], seed=0))  # (L, H)
-        return {}
+        return {"device": _on_device(("model", state["model"]))}
 
     def save(self, state):
         torch.save(state["scores"], state["job"]["work"] / "scores.pt")
@@ -227,7 +258,8 @@ class _Allocation(_Scoring):
         report = result.budget or {}
         return {"heads_pruned": result.n_pruned, "kv_share": report.get("predicted_share"),
                 "kept_units_per_layer": report.get("kept_units_per_layer"),
-                "forwards": report.get("measured", {}).get("forwards"), "shortfall": result.shortfall}
+                "forwards": report.get("measured", {}).get("forwards"), "shortfall": result.shortfall,
+                "device": _on_device(("model", model))}
 
     def save(self, state):
         (state["job"]["work"] / "heads.json").write_text(json.dumps(state["heads"]))
@@ -235,9 +267,10 @@ class _Allocation(_Scoring):
 
 class _Refit(_Stage):
     def setup(self, job):
-        model = _dense(job)
+        model = _placed(job, _dense(job))
         mask = HeadMask.for_model(model)
-        dense = mask.unmasked_copy(model).eval().requires_grad_(False)  # the Pruner's dense copy (round 1)
+        # the Pruner's dense copy (round 1), streamed with the model under model_device=cpu
+        dense = mask.unmasked_copy(model, lambda m: dense_copy(m, job["model_device"]))
         heads = _heads(job)
         mask.prune(heads)
         prune_heads(model, heads)  # pruning.physical=true: the heads leave before the recovery
@@ -251,7 +284,8 @@ class _Refit(_Stage):
                               dense=state["dense"], task=CAUSAL_LM)
         state["refit"].after_round(ctx, record)
         report = record["refit"]
-        return {"tokens": report["tokens"], "block_runs": report["block_runs"]}
+        return {"tokens": report["tokens"], "block_runs": report["block_runs"],
+                "device": _on_device(("model", state["model"]), ("dense", state["dense"]))}
 
     def save(self, state):
         save_pruned(state["model"], state["job"]["work"] / "refit", overwrite=True)
@@ -367,7 +401,10 @@ def row(model: str, built: dict, stage: str, result: dict, job: dict) -> dict:
             "base_rss_mib": result["base_rss_mib"], "setup_peak_rss_mib": result["setup_peak_rss_mib"],
             "peak_rss_mib": result["peak_rss_mib"], "end_rss_mib": result["end_rss_mib"], "net_peak_mib": net,
             "peak_ratio": ratio, "peak_in_setup": result["peak_rss_mib"] <= result["setup_peak_rss_mib"],
-            "target": target, "teacher": result["info"].get("teacher"), "info": result["info"]}
+            "target": target, "teacher": result["info"].get("teacher"), "info": result["info"],
+            "model_device": job["model_device"] if stage in STREAMED else "run",
+            "device_ratio": (sum(d["device_bytes"] for d in result["info"]["device"].values()) / built["model_bytes"]
+                             if "device" in result["info"] else None)}
 
 
 def run(inputs: SectionInputs) -> list[dict]:
@@ -383,7 +420,8 @@ def run(inputs: SectionInputs) -> list[dict]:
                    "dtype": inputs.bench.dtype, "threads": inputs.bench.threads, "samples": s.samples, "seq": s.seq,
                    "batch_size": s.batch_size, "kl_steps": s.kl_steps, "teacher_logits": s.teacher_logits,
                    "kv_target": s.kv_target,
-                   "profile_samples": s.profile_samples, "passes": s.passes, "candidates": s.candidates}
+                   "profile_samples": s.profile_samples, "passes": s.passes, "candidates": s.candidates,
+                   "model_device": s.model_device}
             built = in_child(ctx, "build", job, name)
             log.info("scale %s: %.1fM parameters, %.0f MiB (%s)", name, built["params"] / 1e6,
                      built["model_bytes"] / MIB, job["dtype"])
@@ -420,6 +458,7 @@ def check(settings, bench) -> None:
         raise ValueError(f"bench.scale.samples={settings.samples} is not allowed; allowed: an integer >= 4 (the refit "
                          "chooses its damping on every 4th calibration sequence)")
     one_of("bench.scale.teacher_logits", settings.teacher_logits, ("live", "cached"))
+    one_of("bench.scale.model_device", settings.model_device, MODEL_DEVICES)
     if settings.passes < 0:
         raise ValueError(f"bench.scale.passes={settings.passes} is not allowed; allowed: an integer >= 0")
     if not 0 < settings.kv_target < 1:

@@ -282,6 +282,24 @@ def residency(model: nn.Module) -> dict:
     return {"blocks": len(offload.blocks), "peak_resident_blocks": offload.peak_resident, "block_moves": offload.moves}
 
 
+def device_bytes(model: nn.Module) -> int:
+    """The most bytes of `model`'s weights (parameters and buffers, shared ones once) on its device
+    at once: all of them when not streamed; streamed, the small modules plus the residency trace's
+    peak number of blocks at the largest block's size (what an accelerator would hold of it)."""
+    def size(tensors) -> int:
+        seen = {id(t): t for t in tensors}
+        return sum(t.numel() * t.element_size() for t in seen.values())
+
+    everything = [*model.parameters(), *model.buffers()]
+    offload = offload_of(model)
+    if offload is None:
+        return size(everything)
+    in_blocks = {id(t) for block in offload.blocks for t in [*block.parameters(), *block.buffers()]}
+    small = size(t for t in everything if id(t) not in in_blocks)
+    largest = max(size([*block.parameters(), *block.buffers()]) for block in offload.blocks)
+    return small + offload.peak_resident * largest
+
+
 def stream_model(model: nn.Module, device: torch.device | str | None = None) -> BlockOffload:
     """`pruning.model_device=cpu`: `model`'s blocks in host memory, streamed to `device` (None:
     where its first parameter is), its backward passes fetching weights as they need them. An
