@@ -115,7 +115,7 @@ def test_it_is_a_recovery_of_the_pruner_and_refuses_what_cannot_hold_a_bias():
 
 
 def test_the_config_group_composes(tmp_path, data_dir):
-    from headprune.apps.components import build
+    from headprune.runs.components import build
     from headprune.apps.config_schema import register_schemas
     from tests.helpers import compose_train
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import headprune.apps.train as train_app
+from headprune.runs import export_pruned
 from headprune import heads_of_kv_groups, prune_heads, save_pruned
 from headprune.apps.bench import run
 from headprune.deploy.hf import read_origin
@@ -117,7 +117,7 @@ def test_origin_is_recorded_by_both_export_kinds_and_by_the_train_app(folders, t
                             ({"pretrained": "smollm2", "random_init": True}, None)):
         module = HeadPruneModule(without_groups(llama(), 1), num_labels=None, task="causal_lm")
         results = RunResults(tmp_path, config={"model": model_cfg})
-        train_app.export_pruned(module, tmp_path / "export", results, baseline_params={})
+        export_pruned(module, tmp_path / "export", results, baseline_params={})
         assert read_origin(tmp_path / "export") == want
 
 

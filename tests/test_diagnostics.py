@@ -7,7 +7,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from lightning.pytorch.loggers import WandbLogger
-from omegaconf import OmegaConf
 
 from headprune.scoring.diagnostics import head_diagnostics, js_distances, special_token_ids
 from headprune.heads.mask import HeadMask
@@ -19,7 +18,7 @@ from headprune.results import RunResults
 from headprune.scoring.taylor import taylor_importance
 from headprune.selection.layer_policies import GlobalPolicy
 from headprune.selection.schedules import OneShot
-from headprune.apps.train import _diagnostics_options
+from headprune.runs.spec import DiagnosticsSpec
 from tests.helpers import tiny_batch, tiny_bert
 
 from headprune.heads.surgery import prune_heads
@@ -138,10 +137,11 @@ def test_bad_diagnostics_options_name_the_field(tokenizer):
         head_diagnostics(model, HeadMask.for_model(model), [tiny_batch(tokenizer)], metrics=["nope"])
     with pytest.raises(ValueError, match=r"diagnostics\.duplicate_threshold=2"):
         head_diagnostics(model, HeadMask.for_model(model), [tiny_batch(tokenizer)], duplicate_threshold=2)
-    cfg = OmegaConf.create({"diagnostics": {"enabled": False, "metrics": []}})
-    assert _diagnostics_options(cfg) is None
-    cfg.diagnostics.enabled = True
-    assert _diagnostics_options(cfg) == {"metrics": []}
+    assert DiagnosticsSpec(enabled=False).options() is None
+    assert DiagnosticsSpec(metrics=[]).options() == {"metrics": [], "duplicate_threshold": 0.2,
+                                                     "special_threshold": 0.8}
+    with pytest.raises(ValueError, match=r"diagnostics\.metrics=\['nope'\].*allowed: .*taylor"):
+        DiagnosticsSpec(metrics=["nope"])  # a run's settings are refused when its spec is built, before any work
 
 
 class RecordingWandb(WandbLogger):

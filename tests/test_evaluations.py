@@ -124,12 +124,12 @@ def test_window_lengths_with_no_common_token_count_are_refused():
 def test_settings_that_failed_late_fail_before_any_work(override, pattern, tmp_path, data_dir, monkeypatch):
     """[] was `max() arg is an empty sequence`; an unknown zero-shot task failed only after the model
     load, the dense perplexity pass and .hydra/ were written. Both now fail before the model loads."""
-    import headprune.apps.train as train
+    import headprune.runs.execute as execute
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the settings were checked")
 
-    monkeypatch.setattr(train, "_setup", no_load)
+    monkeypatch.setattr(execute, "assemble", no_load)
     with pytest.raises(ValueError, match=pattern):
         run(compose_train(tmp_path, data_dir, *TINY_LM, override))
     assert not (tmp_path / "results.json").exists() and not (tmp_path / ".hydra").exists()

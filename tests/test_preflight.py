@@ -1,4 +1,4 @@
-"""apps/preflight.py: settings that could only fail later (after training, at the last round,
+"""runs/preflight.py: settings that could only fail later (after training, at the last round,
 in a sweep's objective) fail at start, naming the field, before anything is written."""
 import pytest
 

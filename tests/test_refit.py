@@ -289,7 +289,7 @@ def test_a_model_that_cannot_carry_a_bias_and_too_little_data_are_refused():
 
 
 def test_the_config_group_composes_and_a_misspelt_option_fails(tmp_path, data_dir):
-    from headprune.apps.components import build
+    from headprune.runs.components import build
     from headprune.apps.config_schema import register_schemas
     from tests.helpers import compose_train
 

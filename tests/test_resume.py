@@ -1,4 +1,4 @@
-"""Resuming a run (`apps/resume.py`): a run that crashed resumes to where an uninterrupted run
+"""Resuming a run (`runs/resume.py`): a run that crashed resumes to where an uninterrupted run
 ends, a finished run resumed changes nothing, a run killed during its export finishes it, and a
 resume with other experiment settings is refused naming them. (A refused resume through the CLI
 writes nothing into its run dir: test_run_dir.py.)"""
@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-import headprune.apps.train as train_app
+import headprune.runs.execute as execute
 from headprune.apps.train import run
 from tests.helpers import Crash, compose_train, files, results
 
@@ -52,15 +52,15 @@ def test_resuming_a_finished_run_changes_nothing(finished, tmp_path, data_dir):
 @pytest.mark.slow  # training runs and resumes: over ~2 s
 def test_a_run_killed_during_its_export_finishes_it_on_resume(tmp_path, data_dir, monkeypatch):
     out = tmp_path / "run"
-    export = train_app.export_pruned
+    export = execute.export_pruned
 
     def killed(*args, **kwargs):
         raise Killed("killed while exporting")
 
-    monkeypatch.setattr(train_app, "export_pruned", killed)
+    monkeypatch.setattr(execute, "export_pruned", killed)
     with pytest.raises(Killed):
         run(compose_train(out, data_dir, *BASE))
-    monkeypatch.setattr(train_app, "export_pruned", export)
+    monkeypatch.setattr(execute, "export_pruned", export)
     before = json.loads((out / "results.json").read_text())
     assert "export_dir" not in before["final"]
     res = run(compose_train(out, data_dir, *BASE, f"ckpt_path={out / 'checkpoints' / 'last.ckpt'}"))
@@ -143,11 +143,9 @@ def test_a_resume_past_round_1_asks_the_recovery_before_anything_is_written(tmp_
     and .hydra/config.yaml had been rewritten: the recovery's check_resume now runs in
     check_resume, before any write, and only for a checkpoint past round 1 (before it, round 1
     has not written the teacher yet)."""
-    from omegaconf import OmegaConf
+    from headprune.runs.resume import check_resume
 
-    from headprune.apps.resume import check_resume
-
-    cfg = OmegaConf.create({})
+    cfg = {}
     recovery = _NeedsItsRoundOneFiles()
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "results.json").write_text('{"rounds": [1, 2], "final": {}}')
@@ -165,16 +163,14 @@ def test_a_run_that_trains_no_epoch_is_told_to_start_again_with_overwrite(tmp_pa
     is refused naming the file such runs write, and starting again without overwrite=true is
     refused naming it, not a resume from a checkpoint there is none of; once a recovery's step
     budget wrote <run dir>/recovery/last.ckpt, the refusal offers that one."""
-    from omegaconf import OmegaConf
-
-    from headprune.apps.resume import check_resume
-    from headprune.apps.run_dir import refuse_to_overwrite
+    from headprune.runs.resume import check_resume
+    from headprune.runs.run_dir import refuse_to_overwrite
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "results.json").write_text("{}")
     with pytest.raises(FileNotFoundError, match="no such file; allowed: a run's recovery/last.ckpt"):
-        check_resume(OmegaConf.create({}), str(run_dir / "checkpoints" / "last.ckpt"), run_dir, epochs=0)
+        check_resume({}, str(run_dir / "checkpoints" / "last.ckpt"), run_dir, epochs=0)
     with pytest.raises(FileExistsError) as refused:
         refuse_to_overwrite(run_dir, resuming=False, overwrite=False)
     assert "it wrote no checkpoint to resume from" in str(refused.value) and "ckpt_path" not in str(refused.value)
@@ -203,7 +199,7 @@ def test_a_distill_resume_is_refused_for_its_teacher_only_past_round_1(rounds, r
     def reached_setup(*args, **kwargs):
         raise _ChecksPassed
 
-    monkeypatch.setattr(train_app, "_setup", reached_setup)
+    monkeypatch.setattr(execute, "assemble", reached_setup)
     run_dir = tmp_path / "run"
     last = _checkpoint(run_dir / "checkpoints", rounds)
     before = files(run_dir)

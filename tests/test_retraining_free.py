@@ -93,12 +93,13 @@ def test_the_app_prunes_to_a_flops_budget_tunes_and_exports_what_it_evaluated(tm
     from hydra.core.global_hydra import GlobalHydra
 
     import headprune.apps.train as train_app
+    import headprune.runs.execute as execute
     from headprune import load_pruned
     from headprune.apps.config_paths import config_dir
     from headprune.models import load_tokenizer
 
     seen = {}
-    export = train_app.export_pruned
+    export = execute.export_pruned
     batch = {k: v for k, v in tiny_batch(load_tokenizer("minilm")).items() if k != "labels"}
 
     def spy(module, *args, **kwargs):  # the evaluated model: masked, scaled by its gates
@@ -107,7 +108,7 @@ def test_the_app_prunes_to_a_flops_budget_tunes_and_exports_what_it_evaluated(tm
             seen["logits"] = module.model.eval()(**batch).logits
         export(module, *args, **kwargs)
 
-    monkeypatch.setattr(train_app, "export_pruned", spy)
+    monkeypatch.setattr(execute, "export_pruned", spy)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=[f"paths.output_dir={tmp_path}", f"data.data_dir={data_dir}",

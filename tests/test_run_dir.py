@@ -1,4 +1,4 @@
-"""apps/run_dir.py: a run dir that holds a run is not overwritten, refused runs write nothing into
+"""runs/run_dir.py: a run dir that holds a run is not overwritten, refused runs write nothing into
 their run dir (through the CLI, where Hydra writes .hydra/ and train.log), and an unwritable run
 dir is named before training."""
 import shutil
@@ -59,7 +59,7 @@ def test_refused_runs_write_nothing_into_their_run_dir(first, tmp_path, data_dir
 
 
 def test_an_unwritable_run_dir_is_named_before_training(tmp_path, data_dir, monkeypatch):
-    import headprune.apps.run_dir as run_dir
+    import headprune.runs.run_dir as run_dir
 
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from headprune import Loaders, Pruner, get_metric
-from headprune.apps import train as train_app
 from headprune.apps.train import run
+from headprune.runs import export as run_export
 from headprune.selection.layer_policies import GlobalPolicy
 from headprune.selection.pruner import RunObserver
 from headprune.selection.schedules import Iterative
@@ -114,7 +114,7 @@ def test_the_export_is_evaluated_from_its_saved_folder(tmp_path, data_dir, monke
     """A save that writes wrong weights changes the export's evaluation, not the run's own numbers:
     the evaluation reads the folder as a user loads it."""
     good = run(compose_train(tmp_path / "good", data_dir, *TINY_LM, "logger=none"))
-    save = train_app.save_pruned
+    save = run_export.save_pruned
 
     def broken_save(model, directory, **kwargs):
         save(model, directory, **kwargs)
@@ -123,7 +123,7 @@ def test_the_export_is_evaluated_from_its_saved_folder(tmp_path, data_dir, monke
         weights[name] = torch.zeros_like(weights[name])
         save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
 
-    monkeypatch.setattr(train_app, "save_pruned", broken_save)
+    monkeypatch.setattr(run_export, "save_pruned", broken_save)
     bad = run(compose_train(tmp_path / "bad", data_dir, *TINY_LM, "logger=none"))
     assert bad["final"]["val"] == good["final"]["val"]  # the in-memory model is the same
     # results.json says which number is which: final.val of the masked model in memory, the

@@ -137,7 +137,6 @@ def test_the_kl_steps_train_on_generated_blocks(llama_dir, tmp_path, data_dir, m
 def test_bad_settings_are_refused_before_any_work(overrides, pattern, llama_dir, tmp_path, data_dir):
     base = _cli(llama_dir, "data.calibration=self")
     if overrides[0] == "model=tiny_bert":  # an encoder: refused naming data.calibration (sst2 has no such option)
-        from headprune.apps.train import _setup  # noqa: F401  (the check is on the model, tested directly)
         from headprune.data.self_calibration import check_model
         from tests.helpers import tiny_bert
 

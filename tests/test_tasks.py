@@ -71,6 +71,7 @@ def test_a_run_whose_model_head_does_not_match_model_task_is_refused_before_any_
     model.task says) under model.task=classification with SST-2: refused once the model is loaded,
     before the run builds anything on it or writes anything, naming model.task and the allowed values."""
     import headprune.apps.train as train
+    import headprune.runs.assembly as assembly
     from headprune import save_pruned
     from tests.helpers import UNEVEN, compose_train, tiny_llama, tiny_tokenizer
 
@@ -80,7 +81,7 @@ def test_a_run_whose_model_head_does_not_match_model_task_is_refused_before_any_
     def no_work(*args, **kwargs):
         raise AssertionError("the run built its module on a model it had not checked against model.task")
 
-    monkeypatch.setattr(train, "HeadPruneModule", no_work)
+    monkeypatch.setattr(assembly, "HeadPruneModule", no_work)
     cfg = compose_train(tmp_path / "run", data_dir, "model=tiny_bert", f"model.pretrained={tmp_path / 'lm'}",
                         "model.random_init=false", "~model.config_overrides")
     with pytest.raises(ValueError, match=r"model.task=classification does not fit the model: its head \(LlamaForCausalLM"

@@ -17,6 +17,8 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import headprune.apps.train as train_app
+import headprune.runs.execute as execute
+import headprune.runs.export as run_export
 from headprune import HeadMask, head_layout, load_pruned
 from headprune.apps.config_paths import config_dir
 from headprune.apps.train import run
@@ -398,7 +400,7 @@ def train_cfg(cfg_factory):
 @pytest.mark.slow  # a training run: over ~2 s
 def test_train_run_exports_the_pruned_model(train_cfg, tmp_path, tokenizer, monkeypatch):
     seen = {}
-    export = train_app.export_pruned
+    export = execute.export_pruned
 
     def spy(module, *args, **kwargs):  # the trained model as evaluated, just before the export
         seen["state"] = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
@@ -406,7 +408,7 @@ def test_train_run_exports_the_pruned_model(train_cfg, tmp_path, tokenizer, monk
         seen["layout"] = head_layout(module.model)  # heads already removed during fit (pruning.physical)
         export(module, *args, **kwargs)
 
-    monkeypatch.setattr(train_app, "export_pruned", spy)
+    monkeypatch.setattr(execute, "export_pruned", spy)
     assert train_cfg.export is True  # the default; `export=false` skips it
     res = train_app.run(train_cfg)
     saved = json.loads((tmp_path / "results.json").read_text())
@@ -442,7 +444,7 @@ def test_export_folds_learned_l0_gates(tmp_path, tokenizer):
     with torch.no_grad():
         evaluated = module.model(**batch).logits
     results = RunResults(tmp_path)
-    train_app.export_pruned(module, tmp_path / "export", results, baseline_params={})
+    run_export.export_pruned(module, tmp_path / "export", results, baseline_params={})
     assert results.data["final"]["l0_gates_folded"] == {"closed_heads": 2, "heads_per_layer": [3, 3, 3]}
     reloaded = load_pruned(tmp_path / "export").eval()
     with torch.no_grad():
@@ -468,13 +470,13 @@ def test_fast_dev_run_reports_perplexity(cfg_factory, tmp_path):
 
 @pytest.mark.slow  # a training run: over ~2 s
 def test_pruned_export_reloads_with_the_trained_models_logits(cfg_factory, tmp_path, monkeypatch):
-    saved, save_pruned = {}, train_app.save_pruned
+    saved, save_pruned = {}, run_export.save_pruned
 
     def keep_model(model, directory, **kwargs):  # the trained model, pruned in place
         saved["model"] = model
         return save_pruned(model, directory, **kwargs)
 
-    monkeypatch.setattr(train_app, "save_pruned", keep_model)
+    monkeypatch.setattr(run_export, "save_pruned", keep_model)
     run(cfg_factory(*TINY_GPT2, "schedule=iterative", "schedule.target_sparsity=0.5", "schedule.step=0.25",
                     "schedule.baseline_epochs=1", "schedule.epochs_per_round=1", "optim.optimizer.lr=1e-3"))
     res = _results(tmp_path)

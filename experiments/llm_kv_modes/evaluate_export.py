@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from headprune.evaluation import llm_suite
-from headprune.apps.components import build
+from headprune.runs.components import build
 from headprune.atomic import write_json_atomic
 from headprune.deploy.hf import load_pruned
 from headprune.models import load_tokenizer

@@ -23,7 +23,7 @@ def main(run: Path) -> None:
     from omegaconf import OmegaConf
 
     from headprune.evaluation import llm_suite as evaluations
-    from headprune.apps.components import build
+    from headprune.runs.components import build
     from headprune.apps.config_schema import register_schemas
     from headprune.deploy.hf import load_pruned
     from headprune.models import load_tokenizer

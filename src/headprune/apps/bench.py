@@ -18,7 +18,7 @@ import transformers
 from omegaconf import DictConfig, OmegaConf
 
 from headprune import load_pruned
-from headprune.apps.components import instantiate_group
+from headprune.runs.components import instantiate_group
 from headprune.apps.config_paths import config_dir
 from headprune.bench.config import apply_quick, check, register_bench_schema
 from headprune.bench.report import summary, write_reports

@@ -112,18 +112,24 @@ def _json(t: torch.Tensor):
     return [_json(row) for row in t]
 
 
-def head_diagnostics(model: nn.Module, mask: HeadMask, dataloader, tokenizer=None,
-                     metrics: Sequence[str] = ("entropy", "confidence", "magnitude"),
-                     duplicate_threshold: float = 0.2, special_threshold: float = 0.8,
-                     max_batches: int | None = None) -> HeadDiagnostics:
-    """Redundancy, special-token share and `metrics` importance of the alive heads on `dataloader`."""
+def check_options(metrics: Sequence[str], duplicate_threshold: float, special_threshold: float) -> None:
+    """The `diagnostics:` options head_diagnostics takes, refused naming the field and what is
+    allowed (a run checks them when its settings are built, before any work)."""
     unknown = [m for m in metrics if m not in METRICS]
     if unknown:
         raise ValueError(f"diagnostics.metrics={list(metrics)!r} has unknown names {unknown}; "
                          f"allowed: {', '.join(sorted(METRICS))}")
     for name, value in (("duplicate_threshold", duplicate_threshold), ("special_threshold", special_threshold)):
-        if not 0 <= value <= 1:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise ValueError(f"diagnostics.{name}={value!r} must be in [0, 1]")
+
+
+def head_diagnostics(model: nn.Module, mask: HeadMask, dataloader, tokenizer=None,
+                     metrics: Sequence[str] = ("entropy", "confidence", "magnitude"),
+                     duplicate_threshold: float = 0.2, special_threshold: float = 0.8,
+                     max_batches: int | None = None) -> HeadDiagnostics:
+    """Redundancy, special-token share and `metrics` importance of the alive heads on `dataloader`."""
+    check_options(metrics, duplicate_threshold, special_threshold)
     n_layers, n_heads = mask.num_layers, mask.num_heads
     layout = head_layout(model)
     ids = special_token_ids(model, tokenizer)

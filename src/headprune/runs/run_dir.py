@@ -1,5 +1,6 @@
-"""A run's folder: refused or checked before anything is written into it, then given its config
-record (`.hydra/`) and its log file.
+"""A run's folder: refused or checked before anything is written into it; the log records of the
+checks held until the run's log file exists (the Hydra app writes its config record `.hydra/` and
+train.log once every check has passed: apps/train.py).
 
 Hydra itself is told not to write there (`hydra.output_subdir: null`, console-only job logging in
 conf/train.yaml), because it would do so before the task starts: a run refused for landing on a
@@ -13,9 +14,6 @@ import os
 import tempfile
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
-RECORD_DIR = ".hydra"
 LOG_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
@@ -43,25 +41,6 @@ class LogBuffer:
         self.handler.close()
 
 
-def prepare(output_dir: Path, cfg: DictConfig) -> logging.Handler | None:
-    """Once every check has passed (`refuse_to_overwrite` included): check the folder can be
-    written, then write the config record and open the log file (returned: close it at the end)."""
-    check_writable(output_dir)
-    hydra = _hydra_config()
-    if hydra is None:  # called as a function (tests, notebooks): no Hydra record, no log file
-        return None
-    if is_rank_zero():
-        record = output_dir / RECORD_DIR
-        record.mkdir(exist_ok=True)
-        OmegaConf.save(cfg, record / "config.yaml")
-        OmegaConf.save(OmegaConf.create({"hydra": hydra}), record / "hydra.yaml")
-        OmegaConf.save(hydra.overrides.task, record / "overrides.yaml")
-    handler = logging.FileHandler(output_dir / f"{hydra.job.name}.log")
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
-    logging.getLogger().addHandler(handler)
-    return handler
-
-
 def refuse_to_overwrite(output_dir: Path, resuming: bool, overwrite: bool) -> None:
     """A finished or running run's folder is never written over by a new run, unless asked to
     (`overwrite=true`) or resuming it (`ckpt_path=...`; offered only when the folder holds a
@@ -85,12 +64,3 @@ def check_writable(output_dir: Path) -> None:
     except OSError as err:
         raise PermissionError(f"the run dir {output_dir} (hydra.run.dir / paths.output_dir) cannot be written: "
                               f"{err.strerror}; allowed: a folder you can create files in") from None
-
-
-def _hydra_config():
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return HydraConfig.get()
-    except ValueError:
-        return None

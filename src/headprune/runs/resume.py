@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Mapping
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from headprune.engine.step_fit import RUN_STATE
 from headprune.results import flatten
@@ -34,8 +34,9 @@ def experiment(config: dict) -> dict:
     return {k: v for k, v in flat.items() if k not in FREE}
 
 
-def check_resume(cfg: DictConfig, ckpt_path: str, output_dir: Path, epochs: int, recovery=None) -> dict | None:
-    """Refuse a resume that cannot continue this run (naming what differs, or what `recovery`
+def check_resume(config: Mapping, ckpt_path: str, output_dir: Path, epochs: int, recovery=None) -> dict | None:
+    """Refuse a resume that cannot continue this run, whose settings are `config` (`RunSpec.record`:
+    the resolved composed config) (naming what differs, or what `recovery`
     needs and lacks); return the finished run's results when there is nothing left to do (None: go on).
     A run that trains no epoch resumes only from a recovery's step-budget checkpoint
     (`<run dir>/recovery/last.ckpt`), which holds the run's state (`step_fit.RUN_STATE`)."""
@@ -56,7 +57,7 @@ def check_resume(cfg: DictConfig, ckpt_path: str, output_dir: Path, epochs: int,
                          "no epoch; this schedule trains epochs: allowed: the run's checkpoints/last.ckpt")
     saved = checkpoint[RUN_STATE]["pruner"].get("config") if in_recovery else _saved_config(checkpoint, output_dir)
     if saved is not None:
-        now, before = experiment(OmegaConf.to_container(cfg, resolve=True)), experiment(saved)
+        now, before = experiment(dict(config)), experiment(saved)
         differ = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
         if differ:
             shown = ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in differ[:8])

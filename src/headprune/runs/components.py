@@ -1,7 +1,11 @@
-"""Lightning components built from Hydra config groups (loggers, callbacks), shared by the apps."""
+"""The objects a run builds from Hydra `_target_` nodes: `build` (one object, the object's own
+error raised as it is), `instantiate_group` (every entry of `logger:` / `callbacks:`), and the two
+factories a `RunSpec` holds for what it builds only when the run needs it (`Factory`: the data
+module, the Trainer; `GroupFactory`: loggers, callbacks)."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -31,3 +35,27 @@ def instantiate_group(group: DictConfig | None) -> list:
     if not group:
         return []
     return [instantiate(c) for c in group.values() if isinstance(c, DictConfig) and "_target_" in c]
+
+
+@dataclass(frozen=True)
+class Factory:
+    """One object of a `_target_` node, built when called (`build`), with the run's own arguments
+    (the data module's tokenizer, the Trainer's callbacks)."""
+
+    node: DictConfig
+
+    def __call__(self, **kwargs):
+        return build(self.node, **kwargs)
+
+    def __repr__(self) -> str:
+        return str(self.node.get("_target_"))
+
+
+@dataclass(frozen=True)
+class GroupFactory:
+    """The objects of a name -> `_target_` node mapping (`logger:`, `callbacks:`), built when called."""
+
+    node: DictConfig | None
+
+    def __call__(self) -> list:
+        return instantiate_group(self.node)

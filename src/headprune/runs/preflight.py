@@ -1,35 +1,41 @@
 """Settings that could only fail later fail here, before any training, naming the field and
-what is allowed."""
+what is allowed: `check_settings` when a `RunSpec` is built (what the settings alone can tell),
+`check_model` once the model is loaded (what needs its shape)."""
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
-from headprune.apps.objectives import OBJECTIVES
 from headprune.engine.offload import check_dense_device
-from headprune.tasks import Task, check_model_task
+from headprune.runs.objectives import OBJECTIVES
+from headprune.tasks import check_model_task, get_task
+
+if TYPE_CHECKING:
+    from headprune.runs.spec import RunSpec
 
 
-def check_settings(cfg: DictConfig, schedule, layer_policy, recovery, budget, task: Task) -> None:
-    """What the config alone can tell (the recovery and the budget check their own fit with the
-    schedule and the policy); `task`: the run's Task (model.task)."""
-    for name in ("max_epochs", "min_epochs", "max_steps"):
-        if cfg.trainer.get(name) not in (None, -1):
-            raise ValueError(f"trainer.{name}={cfg.trainer.get(name)} is not allowed: the schedule sets the number of "
-                             "epochs (schedule.baseline_epochs + rounds x schedule.epochs_per_round + "
-                             "schedule.recover_epochs); set those instead")
-    if schedule.num_rounds and cfg.data.get("score_samples", 1) == 0:
+def check_settings(spec: RunSpec) -> None:
+    """What the settings alone can tell: the model's task fits the data, the schedule's stop rule
+    is one the task reports, the recovery and the budget fit the schedule and the policy (each
+    checks its own fit), the dense copy's place fits the budget, and the objectives exist."""
+    task, data = spec.task, spec.data
+    if get_task(data.task) is not task:
+        raise ValueError(f"model.task={task.name} does not fit data={data.name or data.load}, which holds "
+                         f"{data.task} data; allowed: model.task={data.task}, or a {task.name} data config")
+    schedule, recovery, budget = spec.schedule, spec.recovery, spec.budget
+    schedule.check_metrics(task.val_metrics, task.name)
+    if schedule.num_rounds and data.score_samples == 0:
         raise ValueError("data.score_samples=0 leaves no held-out examples to score heads on; allowed: >= 1 "
                          "(or schedule.target_sparsity=0 to train without pruning)")
     recovery.check(schedule)
-    if schedule.num_rounds and cfg.data.get("score_samples") is not None:
-        recovery.check_calibration(int(cfg.data.score_samples))
-    if recovery.needs_train_data and schedule.num_rounds and cfg.data.get("max_train_samples", None) == 0:
-        steps = getattr(recovery, "steps_setting", None) or f"recovery.steps={cfg.recovery.get('steps')}"
+    if schedule.num_rounds and data.score_samples is not None:
+        recovery.check_calibration(int(data.score_samples))
+    if recovery.needs_train_data and schedule.num_rounds and data.max_train_samples == 0:
+        steps = getattr(recovery, "steps_setting", None) or f"recovery.steps={getattr(recovery, 'steps', None)}"
         raise ValueError(f"recovery={type(recovery).__name__.lower()} trains {steps} steps on the training blocks, but "
                          "data.max_train_samples=0 leaves none; allowed: data.max_train_samples > 0 or null")
-    budget.check(schedule, layer_policy)
-    check_dense_device(cfg.pruning.get("dense_device", "run"), budget.kind)
-    names = list(cfg.get("objectives") or ["headline"])
+    budget.check(schedule, spec.layer_policy)
+    check_dense_device(spec.pruning.dense_device, budget.kind)
+    names = list(spec.objectives)
     for name in names:
         if name not in OBJECTIVES:
             raise ValueError(f"objectives: {name!r} is not allowed; allowed: {', '.join(OBJECTIVES)}")
@@ -42,14 +48,15 @@ def check_settings(cfg: DictConfig, schedule, layer_policy, recovery, budget, ta
                              f"{', '.join('val_' + m for m in task.val_metrics)} or a task-free objective")
 
 
-def check_model(model, schedule, layer_policy, budget, task: Task) -> None:
-    """What needs the model's shape: its head does the run's `task` (model.task), the budget fits
+def check_model(model, spec: RunSpec) -> None:
+    """What needs the model's shape: its head does the run's task (model.task), the budget fits
     the model (a head remains, the sequence fits the positions, a KV cache exists), the policy's
     floor fits a layer."""
     from headprune.heads.adapters import model_shape
 
     from headprune.heads.hybrid import blockwise_refusal
 
+    task, schedule, layer_policy, budget = spec.task, spec.schedule, spec.layer_policy, spec.budget
     check_model_task(model, task, "model.task")
     layers, heads = model_shape(model)
     budget.check_model(model, schedule, task)
