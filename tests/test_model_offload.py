@@ -271,3 +271,25 @@ def test_the_runtime_places_a_streamed_model_without_moving_its_blocks():
     pruner = Pruner(model, get_metric("magnitude"), OneShot(target_sparsity=0.5, baseline_epochs=0, epochs_per_round=0),
                     UniformPolicy(), model_device="cpu")
     assert offload_of(pruner.model) is offload  # the Pruner keeps the runtime's offload
+
+
+def test_kv_modes_on_the_streamed_model_equal_the_resident_run(copying, tmp_path):
+    """kv_modes=measured (full / windowed / removed per KV group, measured losses) and its refit."""
+    from headprune.selection.kv_modes import KVModes
+
+    def run(folder, streamed):
+        model = tiny("llama")
+        where = "cpu" if streamed else "run"
+        pruner = Pruner(model, get_metric("magnitude"),
+                        OneShot(target_sparsity=0.5, baseline_epochs=0, epochs_per_round=0),
+                        MeasuredPolicy(profile_samples=None), {"kind": "kv", "target": 0.5, "seq": 12},
+                        make_recovery("refit"), results=RunResults(folder), dense_device=where, model_device=where,
+                        kv_modes=KVModes(choice="measured", sink=2, window=4, samples=None))
+        return model, pruner, pruner.run(Loaders(_loader(4), _loader(4, seed=1)))
+
+    resident, streamed = run(tmp_path / "run", False), run(tmp_path / "cpu", True)
+    _check_same_run(resident, streamed)
+    assert streamed[2]["final"]["kv_layout"] == resident[2]["final"]["kv_layout"]
+    assert "window" in str(streamed[2]["final"]["kv_layout"]["modes"])
+    assert streamed[2]["model_device"]["peak_resident_blocks"] == 1
+    assert streamed[2]["dense_copy"]["peak_resident_blocks"] == 1
