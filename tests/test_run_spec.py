@@ -50,7 +50,11 @@ def test_from_config_reads_every_part_of_an_experiment(experiment, tmp_path, dat
 @pytest.mark.parametrize("override, pattern", [
     ("pruning.dense_device=gpu", r"pruning.dense_device='gpu' is not allowed; allowed: run .*cpu"),
     ("pruning.physical=yes", r"pruning.physical='yes' is not allowed; allowed: true or false"),
-    ("+pruning.dense=cpu", r"pruning.dense is not a setting of pruning; allowed: physical, rearrange, dense_device"),
+    ("+pruning.dense=cpu", r"pruning.dense is not a setting of pruning; allowed: physical, rearrange, dense_device, "
+                           r"model_device"),
+    ("++pruning.model_device=gpu", r"pruning.model_device='gpu' is not allowed; allowed: run .*cpu"),
+    ("++pruning.model_device=cpu", r"pruning.model_device=cpu streams the pruned model's blocks, which only runs without "
+                                  r"training, but the schedule .* trains the model"),
     ("diagnostics.metrics=[nope]", r"diagnostics.metrics=\['nope'\] has unknown names .*allowed: .*taylor"),
     ("diagnostics.special_threshold=2", r"diagnostics.special_threshold=2 must be in \[0, 1\]"),
     ("+trainer.max_epochs=3", r"trainer.max_epochs=3 is not allowed: the schedule sets the number of epochs"),
@@ -113,3 +117,16 @@ def test_the_python_api_runs_a_spec_as_the_app_runs_its_config(tmp_path, data_di
     assert app["final"]["pruned"] == api["final"]["pruned"]
     assert app["final"]["val"] == pytest.approx(api["final"]["val"], rel=1e-6)
     assert app["baseline"]["val"] == pytest.approx(api["baseline"]["val"], rel=1e-6)
+
+
+def test_pruning_model_device_reaches_the_pruner_and_the_placement(tmp_path, data_dir):
+    """`pruning.model_device=cpu` (a run without training): the spec hands it to the run's
+    placement and its Pruner, whose results.json `model_device` block says where the blocks lived."""
+    from headprune.apps.train import run as app_run
+
+    res = app_run(compose_train(
+        tmp_path, data_dir, *TINY_LM_MODEL, *(f"data.{k}={v}" for k, v in LM.items()), "metric=magnitude",
+        "schedule=one_shot", "schedule.target_sparsity=0.5", "schedule.baseline_epochs=0", "schedule.epochs_per_round=0",
+        "recovery=none", "logger=none", "callbacks=none", "diagnostics.enabled=false", "export=false",
+        "++pruning.model_device=cpu"))
+    assert res["model_device"]["where"] == "cpu" and res["config"]["pruning"]["model_device"] == "cpu"

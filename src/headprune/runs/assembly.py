@@ -54,7 +54,7 @@ def assemble(spec: RunSpec, runtime: Runtime | None = None) -> Setup:
     model = spec.model.build(num_labels=datamodule.num_labels)
     check_model(model, spec)  # its head does model.task, before any work
     if not spec.trains:
-        runtime.place(model)
+        runtime.place(model, model_device=spec.pruning.model_device)
     spec.kv_modes.check_model(model, task)
     recovery.check_model(model)
     self_calibration.check_datamodule(datamodule, model, trains=spec.trains or recovery.needs_train_data)
@@ -78,7 +78,7 @@ def assemble(spec: RunSpec, runtime: Runtime | None = None) -> Setup:
                                            "(never the validation set reported in val)")
     pruner = Pruner(model, metric, schedule, spec.layer_policy, spec.budget, recovery, mask=module.head_mask,
                     rearrange=spec.pruning.rearrange, results=results, kv_modes=spec.kv_modes,
-                    dense_device=spec.pruning.dense_device, task=task,
+                    dense_device=spec.pruning.dense_device, model_device=spec.pruning.model_device, task=task,
                     dense_factory=lambda: runtime.place(spec.model.build(num_labels=datamodule.num_labels)))
     pruning = HeadPruning(pruner, diagnostics=spec.diagnostics.options(), check_consistency=spec.check_consistency,
                           physical=spec.pruning.physical)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from headprune.engine.offload import check_dense_device
+from headprune.engine.offload import check_dense_device, check_model_device
 from headprune.runs.objectives import OBJECTIVES
+from headprune.selection.pruner import training_of
 from headprune.tasks import check_model_task, get_task
 
 if TYPE_CHECKING:
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
 def check_settings(spec: RunSpec) -> None:
     """What the settings alone can tell: the model's task fits the data, the schedule's stop rule
     is one the task reports, the recovery and the budget fit the schedule and the policy (each
-    checks its own fit), the dense copy's place fits the budget, and the objectives exist."""
+    checks its own fit), the dense copy's and the pruned model's places fit the budget and the
+    training, and the objectives exist."""
     task, data = spec.task, spec.data
     if get_task(data.task) is not task:
         raise ValueError(f"model.task={task.name} does not fit data={data.name or data.load}, which holds "
@@ -35,6 +37,8 @@ def check_settings(spec: RunSpec) -> None:
                          "data.max_train_samples=0 leaves none; allowed: data.max_train_samples > 0 or null")
     budget.check(schedule, spec.layer_policy)
     check_dense_device(spec.pruning.dense_device, budget.kind)
+    check_model_device(spec.pruning.model_device, budget.kind,
+                       training_of(schedule, recovery) or ("trainer.fast_dev_run" if spec.trains else None))
     names = list(spec.objectives)
     for name in names:
         if name not in OBJECTIVES:

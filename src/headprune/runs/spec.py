@@ -53,11 +53,13 @@ class OutputSpec:
 @dataclass(frozen=True)
 class PruningSpec:
     """`pruning:` how pruned heads leave the model, whether each layer's choice is re-made by the
-    mask's Fisher, and where the frozen dense copy lives (conf/train.yaml says more)."""
+    mask's Fisher, where the frozen dense copy lives and where the pruned model's blocks live in a
+    run without training (conf/train.yaml says more)."""
 
     physical: bool = True
     rearrange: bool = False
     dense_device: str = "run"  # run or cpu (engine.offload.DENSE_DEVICES); checked with the budget
+    model_device: str = "run"  # run or cpu (engine.offload.MODEL_DEVICES); checked with the budget and training
 
     def __post_init__(self) -> None:
         _check_types(self, "pruning.")
