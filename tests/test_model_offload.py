@@ -32,34 +32,46 @@ from tests.helpers import V, tiny
 
 
 class HomeReads(TorchFunctionMode):
-    """Inside a reconstruction: any op but metadata on a home copy (an inference tensor, `copying`)
-    outside a move is an error: on an accelerator it would mix devices (the block's weights read
-    outside `blocks_held`)."""
+    """Reads of a block's home copy (an inference tensor, `copying`) outside a move. `strict`
+    (inside a reconstruction): any op but metadata on one is an error (the block's weights read
+    outside `blocks_held`); else (the whole run): an op that mixes one with another tensor of more
+    than 0 dimensions is, as it would mix devices on an accelerator (CPU 0-dim scalars mix freely)."""
 
-    moving = False
+    moving = False  # set while `copying` moves a block
+
+    def __init__(self, strict: bool):
+        super().__init__()
+        self.strict = strict
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not HomeReads.moving and getattr(func, "__name__", "") not in METADATA:
-            for value in [*args, *kwargs.values()]:
-                if isinstance(value, torch.Tensor) and value.is_inference():
-                    raise AssertionError(f"{getattr(func, '__name__', func)} read a block's home copy off the device")
+            tensors = [v for v in [*args, *kwargs.values()] if isinstance(v, torch.Tensor)]
+            tensors += [t for v in [*args, *kwargs.values()] if isinstance(v, (list, tuple)) for t in v
+                        if isinstance(t, torch.Tensor)]
+            home = [t for t in tensors if t.is_inference()]
+            other = [t for t in tensors if not t.is_inference() and t.dim() > 0]
+            if home and (other or self.strict):
+                raise AssertionError(f"{getattr(func, '__name__', func)} read a block's home copy off the device")
         return func(*args, **kwargs)
 
 
 METADATA = {"__get__", "size", "dim", "stride", "numel", "is_inference", "data_ptr", "untyped_storage",
             "storage_offset", "__len__", "__hash__", "__eq__",
-            "new_zeros"}  # output_bias gives every block a zero bias where the block is
+            "new_zeros",  # output_bias gives every block a zero bias where the block is
+            "index_select"}  # surgery slices a block where it is (its index moved there)
 
 
 reconstruction_after_round = Reconstruction.after_round
+pruner_run = Pruner.run
 
 
 @pytest.fixture
 def copying(monkeypatch):
     """Block moves that copy (module docstring); the home copies are inference tensors, so a weight
-    written at home instead of on the device (outside `blocks_held`) raises. Returns weak references
-    to the storages of every copy made on the way to the device."""
+    written at home instead of on the device (outside `blocks_held`) raises, and `HomeReads` watches
+    every Pruner run and reconstruction. Returns weak references to the storages of every copy made
+    on the way to the device."""
     to_device: list = []
 
     def transfer(self, block, device):
@@ -81,11 +93,16 @@ def copying(monkeypatch):
             HomeReads.moving = False
 
     def after_round(self, ctx, record):
-        with HomeReads():
+        with HomeReads(strict=True):
             return reconstruction_after_round(self, ctx, record)
+
+    def run(self, *args, **kwargs):
+        with HomeReads(strict=False):
+            return pruner_run(self, *args, **kwargs)
 
     monkeypatch.setattr(BlockOffload, "transfer", transfer)
     monkeypatch.setattr(Reconstruction, "after_round", after_round)
+    monkeypatch.setattr(Pruner, "run", run)
     return to_device
 
 
