@@ -310,3 +310,29 @@ def test_kv_modes_on_the_streamed_model_equal_the_resident_run(copying, tmp_path
     assert "window" in str(streamed[2]["final"]["kv_layout"]["modes"])
     assert streamed[2]["model_device"]["peak_resident_blocks"] == 1
     assert streamed[2]["dense_copy"]["peak_resident_blocks"] == 1
+
+
+@pytest.mark.slow
+def test_the_cli_streams_both_models_and_exports_what_the_resident_run_exports(tmp_path, data_dir):
+    """headprune-train with `pruning.model_device=cpu pruning.dense_device=cpu` on a refit run with
+    Taylor scores and physical removal: results.json's rounds and val equal the resident run's, it
+    records both models' residency (one block each at a time), and the export holds the same weights."""
+    from safetensors.torch import load_file
+
+    from headprune.apps.train import run
+    from tests.helpers import TINY_LM_MODEL, compose_train
+
+    untrained = [*TINY_LM_MODEL, "logger=none", "callbacks=none", "data.max_train_samples=16", "data.score_samples=8",
+                 "data.max_validation_samples=8", "data.block_size=32", "schedule=one_shot", "metric=taylor",
+                 "schedule.baseline_epochs=0", "schedule.epochs_per_round=0", "schedule.target_sparsity=0.5",
+                 "recovery=refit", "diagnostics.enabled=false"]
+    resident = run(compose_train(tmp_path / "run", data_dir, *untrained))
+    streamed = run(compose_train(tmp_path / "cpu", data_dir, *untrained, "pruning.model_device=cpu",
+                                 "pruning.dense_device=cpu"))
+    assert _without_seconds(streamed["rounds"]) == _without_seconds(resident["rounds"])
+    assert streamed["final"]["val"] == resident["final"]["val"]
+    assert streamed["model_device"]["where"] == "cpu" and streamed["model_device"]["peak_resident_blocks"] == 1
+    assert streamed["dense_copy"]["peak_resident_blocks"] == 1 and resident["model_device"]["where"] == "run"
+    weights = [load_file(next((tmp_path / w / "export").glob("*.safetensors"))) for w in ("run", "cpu")]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
