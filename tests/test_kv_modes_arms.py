@@ -26,6 +26,7 @@ RAN_WITH = {
     "removal_refit": ["kv_modes=none", "layer_policy=attention_drop", "recovery=refit", "data.score_samples=2"],
     "retrieval": ["kv_modes=retrieval"],
     "retrieval_85": ["kv_modes=retrieval", "budget.target=0.15"],
+    "retrieval_uniform": ["kv_modes=retrieval", "kv_modes.unit_value=uniform"],
     "retrieval_33": ["kv_modes=retrieval", "budget.target=0.67"],
     "retrieval_2048": ["kv_modes=retrieval", "budget.seq=2048", "data.block_size=2048", "evaluation.perplexity_seqs=[2048]",
                        "evaluation.passkey_lengths=[2048]"],

@@ -93,6 +93,41 @@ def test_a_window_loses_the_larger_of_attention_mass_and_retrieval(monkeypatch):
         [f * (1 - m) for f, m in zip(_flat(plain["kv_modes"]["full_value"]), _flat(mass))])
 
 
+def test_uniform_unit_values_read_only_the_share_a_window_loses(monkeypatch):
+    """kv_modes.unit_value=uniform: every unit full is worth 1, windowed 1 - max(mass, retrieval),
+    whatever the metric's scores; the knapsack then keeps full the units a window costs most."""
+    from headprune.selection import kv_modes
+    from headprune.selection.budgets import KVBudget
+    from headprune.selection.layer_policies import GlobalPolicy
+
+    model = _model()
+    mask = HeadMask.for_model(model)
+    loader = [{"input_ids": torch.randint(3, 64, (1, 64), generator=torch.Generator().manual_seed(1))}]
+    scores = torch.tensor([[5.0, 5.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # the metric favours layer 0's unit 0
+    costs = KVBudget(target=0.5, batch=1, seq=64).mode_table(model, sink=SINK, window=WINDOW)
+    retrieval = [[0.0, 0.0], [0.0, 0.99]]
+    monkeypatch.setattr(kv_modes, "retrieval_scores", lambda *args, **kw: (retrieval, 16))
+    mass = attention_mass(model, loader, kv_group_heads(model), SINK, WINDOW)
+    layouts = {}
+    for value in ("metric", "uniform"):
+        layout, report = KVModes("retrieval", SINK, WINDOW, removal="last", unit_value=value).choose(
+            model, mask, scores, loader, costs, 0.5, GlobalPolicy(min_heads_per_layer=0))
+        layouts[value] = layout.modes
+        if value == "uniform":
+            assert report["kv_modes"]["full_value"] == [[1.0, 1.0], [1.0, 1.0]]
+            assert _flat(report["kv_modes"]["window_value"]) == pytest.approx(
+                [1 - max(m, r) for m, r in zip(_flat(mass), _flat(retrieval))])
+            assert report["kv_modes"]["unit_value"] == "uniform"
+    assert layouts["uniform"][1][1] == "full" and layouts["metric"][1][1] == "window", layouts
+
+
+def test_uniform_unit_values_refused_where_nothing_reads_them():
+    with pytest.raises(ValueError, match=r"kv_modes=measured does not read it; allowed: kv_modes.unit_value=metric"):
+        KVModes("measured", SINK, WINDOW, unit_value="uniform")
+    with pytest.raises(ValueError, match=r"kv_modes.unit_value='flat' is not allowed; allowed: metric .*, uniform"):
+        KVModes("retrieval", SINK, WINDOW, unit_value="flat")
+
+
 def _flat(rows):
     return [v for row in rows for v in row]
 

@@ -10,6 +10,8 @@
 #   retrieval, retrieval_85, retrieval_33              kv_modes=retrieval: a window loses the larger of the
 #                                                      attention mass and the retrieval score, at 2/3, 85%, 1/3
 #   retrieval_2048, retrieval_33_2048                  the same at a 2048-token context, 2/3 and 1/3 removed
+#   retrieval_uniform                                  retrieval with kv_modes.unit_value=uniform (every unit full
+#                                                      worth 1, not its Fisher score), 2/3 removed
 #   measured                                           each unit's measured loss rise windowed / removed
 #   removal                                            kv_modes=none: the budget's own knapsack removes KV groups
 #   removal_refit                                      kv_modes=none, attention_drop + refit (2 calibration blocks)
@@ -37,7 +39,7 @@ case ${1:-all} in
     a) one attention_mass true; one removal false; one attention_mass_last false; one attention_mass_85_last false
        one attention_mass_33_last false; one attention_mass_85 false ;;
     b) one retrieval false; one retrieval_85 false; one retrieval_33 false; one removal_refit false; one measured false ;;
-    c) one retrieval_2048 true; one retrieval_33_2048 false ;;
+    c) one retrieval_2048 true; one retrieval_33_2048 false; one retrieval_uniform false ;;
     one) one "$2" "${3:-false}" ;;
     all) "$0" a; "$0" b; "$0" c ;;
 esac

@@ -58,6 +58,7 @@ from headprune.tasks import CAUSAL_LM, Task, task_for
 log = logging.getLogger(__name__)
 CHOICES = ("none", "measured", "attention_mass", "retrieval")
 REMOVALS = ("any", "last")
+UNIT_VALUES = ("metric", "uniform")
 
 
 @dataclass
@@ -66,13 +67,16 @@ class KVModes:
     attention_mass or retrieval (module docstring); `sink` + `window`: what a windowed unit keeps;
     `samples`: calibration blocks measured on (null: every one); `removal`: any (the knapsack
     weighs removal like the other two) or last (no unit removed while every unit windowed fits the
-    budget)."""
+    budget); `unit_value` (attention_mass, retrieval): what a unit kept full is worth, the metric's
+    unit score or 1 for every unit (the choice then reads only the share a window loses: the
+    metric's scores on the calibration text rank the units that copy from far back low)."""
 
     choice: str = "none"
     sink: int = 64
     window: int = 448
     samples: Optional[int] = 1
     removal: str = "any"
+    unit_value: str = "metric"
 
     def __post_init__(self) -> None:
         if self.choice not in CHOICES:
@@ -84,6 +88,13 @@ class KVModes:
         if self.removal != "any" and not self.active:
             raise ValueError(f"kv_modes.removal={self.removal} chooses between windows and removal, which "
                              "kv_modes=none does not do; allowed: kv_modes.removal=any with kv_modes=none")
+        if self.unit_value not in UNIT_VALUES:
+            raise ValueError(f"kv_modes.unit_value={self.unit_value!r} is not allowed; allowed: metric (the metric's "
+                             "unit score), uniform (1 for every unit)")
+        if self.unit_value != "metric" and self.choice not in ("attention_mass", "retrieval"):
+            raise ValueError(f"kv_modes.unit_value={self.unit_value} sets what a unit full is worth for the attention "
+                             f"statistics; kv_modes={self.choice} does not read it; allowed: kv_modes.unit_value=metric "
+                             "with kv_modes=none or measured")
         if self.samples is not None and (isinstance(self.samples, bool) or self.samples < 1):
             raise ValueError(f"kv_modes.samples={self.samples!r} must be an integer >= 1 or null (every calibration "
                              "block)")
@@ -94,7 +105,7 @@ class KVModes:
 
     def record(self) -> dict:
         return {"choice": self.choice, "sink": self.sink, "window": self.window, "samples": self.samples,
-                "removal": self.removal}
+                "removal": self.removal, "unit_value": self.unit_value}
 
     def check(self, schedule, layer_policy, recovery, budget, *, block_size: int | None, rearrange: bool,
               world_size: int = 1, resuming: bool = False) -> None:
@@ -167,7 +178,10 @@ class KVModes:
             measured = {"base_loss": base, "removed_rise": removed_rise, "window_rise": window_rise}
         else:
             mass = attention_mass(model, batches, units, self.sink, self.window)
-            full = unit_values(layer_policy.unit_scores(scores, mask.alive()), units)
+            if self.unit_value == "uniform":
+                full = [[1.0] * len(units) for _ in mass]
+            else:
+                full = unit_values(layer_policy.unit_scores(scores, mask.alive()), units)
             measured = {"mass_beyond_window": mass}
             lost = mass
             if self.choice == "retrieval":
