@@ -23,6 +23,7 @@ RENDERED = {
     "quickstart": {"rounds.md", "physical_timing.md"},
     "llm_kv_modes": {"results.md"},
     "llm_uneven": {"results.md", "targets.md", "summary.md", "answers.md", "llm_uneven.csv"},
+    "scale/model_device": {"results.md"},
 }
 # experiment -> {page that quotes tables (relative to the repo): the rendered files it quotes}
 QUOTED = {
@@ -36,6 +37,7 @@ QUOTED = {
     "quickstart": {"experiments/quickstart/README.md": ["rounds.md", "physical_timing.md"]},
     "llm_uneven": {"experiments/llm_uneven/README.md": ["results.md", "targets.md"],
                    "docs/guide_uneven_gguf.md": ["summary.md"]},
+    "scale/model_device": {"experiments/scale/model_device/README.md": ["results.md"]},
 }
 
 
