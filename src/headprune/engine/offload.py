@@ -24,7 +24,9 @@ and needs no change. Three things do:
 - a backward pass (Fisher / Taylor scores: gradients with respect to the head mask) would keep
   every block's device weights alive in the autograd graph until it runs; with `grads=True` the
   graph saves a reference to the home copy instead and fetches it to the device when the backward
-  needs it (saved-tensor hooks), one tensor at a time.
+  needs it (saved-tensor hooks), one tensor at a time. Under autocast the graph saves the cast
+  copies (new tensors), which stay until the backward: headprune's runs without training score in
+  the weights' dtype (no autocast around the pipeline), so this does not arise there.
 
 Moving a block keeps its Parameter objects (`Module.to` swaps their `.data`), so code holding a
 Parameter sees the home copy once the block left. On a CPU run home and device are the same and
