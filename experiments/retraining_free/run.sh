@@ -10,7 +10,7 @@
 #   (d) fisher_bc         (b) + bias compensation (FLAP: the removed heads' mean output into O's bias)
 #   (e) fisher_refit      (b) + the output projection refit on the kept heads (ridge, closed form)
 #   (f) refit_rank_refit  removal ranked by the refit's leftover error (per head), no rearrangement, + the refit
-#   (g) fisher_refit_kl   (e), then $STEPS steps of the KL to the unpruned model (every weight, batch 32,
+#   (g) fisher_refit_kl   (e), then 100 steps of the KL to the unpruned model (every weight, batch 32,
 #                         alpha 1, temperature 1, lr 5e-5) in one run (recovery=chain)
 # and, on the 4k-sentence model (`finetune4k`: experiment=sst2_finetune on 4,000 sentences, 2 epochs),
 # (b), (c), (d), (e), (f), (g) at budget=flops budget.target=0.3 (batch 32, seq 128), and (`heads4k`)
@@ -28,28 +28,19 @@ OUT=${OUT:-experiments/retraining_free/runs}
 FT=${FT:-experiments/metric_curves/runs/finetune/export}
 FT4K=${FT4K:-$OUT/finetune4k/export}
 CACHE=${CACHE:-$OUT/latency_cache}
-STEPS=${STEPS:-100}
 # recorded in wall.json; set it when running from an exported copy of a commit (git archive), which has no .git
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD)}
-declare -A ARM=(
-    [taylor]="metric=taylor pruning.rearrange=false recovery=none"
-    [fisher]="metric=fisher pruning.rearrange=true recovery=none"
-    [fisher_ls]="metric=fisher pruning.rearrange=true recovery=least_squares"
-    [fisher_bc]="metric=fisher pruning.rearrange=true recovery=bias_compensation"
-    [fisher_refit]="metric=fisher pruning.rearrange=true recovery=refit"
-    [refit_rank_refit]="metric=refit_error metric.unit=head pruning.rearrange=false recovery=refit"
-    [fisher_refit_kl]="metric=fisher pruning.rearrange=true recovery=chain recovery.options.distill.steps=$STEPS recovery.options.distill.alpha=1.0 recovery.options.distill.temperature=1.0"
-)
-# the KL stage trains on the training text the model was fine-tuned on
-KL_DATA="data.max_train_samples=null"
-one() {  # one <name> <overrides...>   (model: $MODEL, default $FT)
-    local dir=$OUT/$1; shift
+# each arm is a config, conf/experiment/retraining_free/<arm>.yaml (its header says what it sets; the
+# fisher_refit_kl arm's 100 KL steps train on the fine-tuned model's training text); a run adds its budget
+one() {  # one <run name> <arm> <overrides...>   (model: $MODEL, default $FT)
+    local dir=$OUT/$1 arm=$2; shift 2
+    [ -f "conf/experiment/retraining_free/$arm.yaml" ] || { echo "run.sh: no arm $arm (conf/experiment/retraining_free/)" >&2; exit 2; }
     [ -f "$dir/results.json" ] && grep -q '"export_dir"' "$dir/results.json" && return 0
     [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $(basename "$dir") "* ]] && return 0
     local start end load0
     start=$(date +%s.%N)
     load0=$(cut -d' ' -f1 /proc/loadavg)
-    headprune-train experiment=retraining_free model.pretrained=${MODEL:-$FT} hydra.run.dir=$dir overwrite=true "$@"
+    headprune-train experiment=retraining_free/$arm model.pretrained=${MODEL:-$FT} hydra.run.dir=$dir overwrite=true "$@"
     end=$(date +%s.%N)
     python -c "import json,os; json.dump({'wall_seconds': round($end - $start, 1), 'threads': os.environ.get('OMP_NUM_THREADS'),
         'load_start': $load0, 'load_end': float(open('/proc/loadavg').read().split()[0]),
@@ -58,7 +49,7 @@ one() {  # one <name> <overrides...>   (model: $MODEL, default $FT)
 heads() {
     for arm in taylor fisher fisher_ls; do
         for s in 0.5 0.6 0.7 0.8; do
-            one "${arm}_heads_${s}" ${ARM[$arm]} budget=heads schedule.target_sparsity=$s
+            one "${arm}_heads_${s}" $arm budget=heads schedule.target_sparsity=$s
         done
     done
 }
@@ -66,7 +57,7 @@ latency() {
     for seq in 64 128; do
         for t in 0.9 0.8 0.7; do
             for arm in taylor fisher fisher_ls; do
-                one "${arm}_latency_${t}_seq${seq}" ${ARM[$arm]} budget=latency budget.target=$t budget.seq=$seq \
+                one "${arm}_latency_${t}_seq${seq}" $arm budget=latency budget.target=$t budget.seq=$seq \
                     budget.cache_dir=$CACHE
             done
         done
@@ -75,9 +66,7 @@ latency() {
 refit() {
     for arm in fisher_refit refit_rank_refit fisher_bc fisher_refit_kl; do
         for s in 0.5 0.6 0.7 0.8; do
-            local extra=""
-            [ $arm = fisher_refit_kl ] && extra=$KL_DATA
-            one "${arm}_heads_${s}" ${ARM[$arm]} budget=heads schedule.target_sparsity=$s $extra
+            one "${arm}_heads_${s}" $arm budget=heads schedule.target_sparsity=$s
         done
     done
 }
@@ -91,7 +80,7 @@ flops4k() {
     for arm in fisher fisher_ls fisher_refit refit_rank_refit fisher_bc fisher_refit_kl; do
         local extra=""
         [ $arm = fisher_refit_kl ] && extra="data.max_train_samples=4000"
-        MODEL=$FT4K one "${arm}_flops4k_0.3" ${ARM[$arm]} budget=flops budget.target=0.3 $extra
+        MODEL=$FT4K one "${arm}_flops4k_0.3" $arm budget=flops budget.target=0.3 $extra
     done
 }
 heads4k() {  # no tuning and the refit first, at every share; then the other repairs
@@ -99,7 +88,7 @@ heads4k() {  # no tuning and the refit first, at every share; then the other rep
         for s in 0.5 0.6 0.7 0.8; do
             local extra=""
             [ $arm = fisher_refit_kl ] && extra="data.max_train_samples=4000"
-            MODEL=$FT4K one "${arm}_heads4k_${s}" ${ARM[$arm]} budget=heads schedule.target_sparsity=$s $extra
+            MODEL=$FT4K one "${arm}_heads4k_${s}" $arm budget=heads schedule.target_sparsity=$s $extra
         done
     done
 }

@@ -1,0 +1,79 @@
+"""The arms of experiments/llm_kv_modes and experiments/retraining_free are configs
+(conf/experiment/<experiment>/<arm>.yaml): each composes to what the arm's command line composed
+when it ran (`experiment=<experiment>` plus the overrides its run.sh used to pass, kept here as the
+record), and every arm run.sh names has a config. (llm_uneven, llm_calibration, llm_iterative:
+tests/test_experiment_configs.py, against their raw files' config blocks.)"""
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from headprune.apps.config_schema import register_schemas
+from tests.helpers import compose_train
+
+register_schemas()
+
+ROOT = Path(__file__).resolve().parents[1]
+# the overrides each arm ran with before it became a config (llm_kv_modes/run.sh's ARM array at 0b03af8)
+KV_MODES = {
+    "attention_mass": ["kv_modes=attention_mass", "kv_modes.removal=any"],
+    "attention_mass_85": ["kv_modes=attention_mass", "kv_modes.removal=any", "budget.target=0.15"],
+    "attention_mass_last": ["kv_modes=attention_mass", "kv_modes.removal=last"],
+    "attention_mass_85_last": ["kv_modes=attention_mass", "kv_modes.removal=last", "budget.target=0.15"],
+    "attention_mass_33_last": ["kv_modes=attention_mass", "kv_modes.removal=last", "budget.target=0.67"],
+    "measured": ["kv_modes=measured"],
+    "removal": ["kv_modes=none"],
+    # new since: two calibration blocks (the refit's holdout needs one to choose its damp on)
+    "removal_refit": ["kv_modes=none", "layer_policy=attention_drop", "recovery=refit", "data.score_samples=2"],
+    "retrieval": ["kv_modes=retrieval"],
+    "retrieval_85": ["kv_modes=retrieval", "budget.target=0.15"],
+    "retrieval_uniform": ["kv_modes=retrieval", "kv_modes.unit_value=uniform"],
+    "retrieval_33": ["kv_modes=retrieval", "budget.target=0.67"],
+    "retrieval_2048": ["kv_modes=retrieval", "budget.seq=2048", "data.block_size=2048", "evaluation.perplexity_seqs=[2048]",
+                       "evaluation.passkey_lengths=[2048]"],
+    "retrieval_33_2048": ["kv_modes=retrieval", "budget.target=0.67", "budget.seq=2048", "data.block_size=2048",
+                          "evaluation.perplexity_seqs=[2048]", "evaluation.passkey_lengths=[2048]"],
+}
+# retraining_free/run.sh's ARM array at 03553f2 (STEPS=100; the KL arm's heads runs added data.max_train_samples=null)
+RETRAINING_FREE = {
+    "taylor": ["metric=taylor", "pruning.rearrange=false", "recovery=none"],
+    "fisher": ["metric=fisher", "pruning.rearrange=true", "recovery=none"],
+    "fisher_ls": ["metric=fisher", "pruning.rearrange=true", "recovery=least_squares"],
+    "fisher_bc": ["metric=fisher", "pruning.rearrange=true", "recovery=bias_compensation"],
+    "fisher_refit": ["metric=fisher", "pruning.rearrange=true", "recovery=refit"],
+    "refit_rank_refit": ["metric=refit_error", "metric.unit=head", "pruning.rearrange=false", "recovery=refit"],
+    "fisher_refit_kl": ["metric=fisher", "pruning.rearrange=true", "recovery=chain", "recovery.options.distill.steps=100",
+                        "recovery.options.distill.alpha=1.0", "recovery.options.distill.temperature=1.0",
+                        "data.max_train_samples=null"],
+}
+RAN_WITH = {"llm_kv_modes": KV_MODES, "retraining_free": RETRAINING_FREE}
+CASES = [(e, a) for e, arms in RAN_WITH.items() for a in sorted(arms)]
+
+
+def _plain(cfg) -> dict:
+    return OmegaConf.to_container(cfg, resolve=False)
+
+
+@pytest.mark.parametrize("experiment,arm", CASES)
+def test_each_arm_config_composes_what_its_command_line_did(experiment, arm):
+    as_config = compose_train("/tmp/unused", "/tmp/unused", f"experiment={experiment}/{arm}")
+    as_overrides = compose_train("/tmp/unused", "/tmp/unused", f"experiment={experiment}", *RAN_WITH[experiment][arm])
+    assert _plain(as_config) == _plain(as_overrides)
+
+
+# the arms each run.sh names: llm_kv_modes `one <arm> true|false`, retraining_free `one "<run>" <arm>` and
+# the `for arm in ...` lists it loops over
+NAMED = {"llm_kv_modes": [r"\bone ([a-z]\w*) (?:true|false)"],
+         "retraining_free": [r"for arm in ([a-z_ ]+); do"]}
+
+
+@pytest.mark.parametrize("experiment", sorted(RAN_WITH))
+def test_every_arm_run_sh_runs_has_a_config(experiment):
+    lines = (ROOT / f"experiments/{experiment}/run.sh").read_text().splitlines()
+    code = [line for line in lines if not line.lstrip().startswith("#")]
+    named = {arm for line in code for pattern in NAMED[experiment] for found in re.findall(pattern, line)
+             for arm in found.split()} - {"arm"}
+    configs = {p.stem for p in (ROOT / f"conf/experiment/{experiment}").glob("*.yaml")}
+    assert named == configs and configs == set(RAN_WITH[experiment]), (named ^ configs, configs ^ set(RAN_WITH[experiment]))
+    assert not any("declare -A" in line for line in code)
