@@ -117,3 +117,43 @@ def test_the_cli_setting_is_refused_before_anything_is_written(tmp_path, data_di
     with pytest.raises(ValueError, match=r"data.calibration_corpora=\['tinyshakespeare', 'c4'\]: unknown \['c4'\]"):
         run(cfg)
     assert not (tmp_path / "results.json").exists() and not (tmp_path / ".hydra").exists()
+
+
+# -- token ids once per process ----------------------------------------------------------------------
+def test_a_corpus_is_tokenized_once_per_process_for_each_text_and_tokenizer(monkeypatch):
+    """tokenize_corpus: the ids a fresh encode gives; the same text with a tokenizer of the same JSON
+    (another instance too: tests build theirs in temporary folders) is not encoded again, and each
+    caller gets its own copy; another text, or a tokenizer with other merges, is encoded anew; a
+    tokenizer without a Rust backend (ByteTokenizer) is never reused; four are kept, oldest out."""
+    from collections import OrderedDict
+
+    import torch
+
+    import headprune.data.language_model as lm
+    from tests.helpers import bpe_tokenizer, byte_tokenizer
+
+    monkeypatch.setattr(lm, "_TOKENIZED", OrderedDict())
+    encoded = []
+
+    def counting(tok):
+        encode = tok.encode
+        monkeypatch.setattr(tok, "encode", lambda *a, **k: encoded.append(a[0]) or encode(*a, **k))
+        return tok
+
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
+    tok = counting(byte_tokenizer())
+    first = lm.tokenize_corpus(tok, text)
+    assert torch.equal(first, torch.tensor(byte_tokenizer().encode(text, add_special_tokens=False)))
+    first[0] = -1  # the caller's own copy
+    again = lm.tokenize_corpus(counting(byte_tokenizer()), text)
+    assert torch.equal(again, torch.tensor(byte_tokenizer().encode(text, add_special_tokens=False)))
+    assert encoded == [text]
+    merged = lm.tokenize_corpus(counting(bpe_tokenizer()), text)  # "h e" and "Ġ t" merged: fewer ids
+    assert len(merged) < len(again) and encoded == [text, text]
+    byte = ByteTokenizer()
+    assert torch.equal(lm.tokenize_corpus(byte, text), lm.tokenize_corpus(byte, text)) and len(lm._TOKENIZED) == 2
+    for i in range(3):
+        lm.tokenize_corpus(tok, f"{text}{i}")
+    assert len(lm._TOKENIZED) == 4 and len(encoded) == 5
+    lm.tokenize_corpus(tok, text)  # the oldest (text, byte tokenizer) went out: encoded again
+    assert encoded[-1] == text and len(encoded) == 6

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from headprune.data.language_model import held_out_start
+from headprune.data.language_model import held_out_start, tokenize_corpus
 from headprune.data.textdata import read_table
 
 SHAKESPEARE_VALIDATION_SHARE = 0.1  # conf/data/tinyshakespeare.yaml
@@ -67,8 +67,7 @@ def corpus_text(name: str, part: str, data_dir: str | Path | None, field: str = 
 
 def corpus_ids(name: str, part: str, tokenizer, data_dir: str | Path | None, field: str = "corpus") -> torch.Tensor:
     """(N,) token ids of `part` of corpus `name` (no special tokens)."""
-    ids = torch.tensor(tokenizer.encode(corpus_text(name, part, data_dir, field), add_special_tokens=False),
-                       dtype=torch.long)
+    ids = tokenize_corpus(tokenizer, corpus_text(name, part, data_dir, field))
     if name == "tinyshakespeare":
         cut = held_out_start(len(ids), SHAKESPEARE_VALIDATION_SHARE)
         return ids[:cut] if part == "train" else ids[cut:]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from headprune.data.language_model import held_out_start
+from headprune.data.language_model import held_out_start, tokenize_corpus
 from headprune.tasks import CAUSAL_LM, check_model_task
 
 
@@ -85,7 +85,7 @@ def text_windows(tokenizer, text: str, seq: int, max_tokens: int | None = None, 
     bos_token_id = getattr(tokenizer, "bos_token_id", None) if bos else None
     if bos and bos_token_id is None:
         raise ValueError("bos=True but the tokenizer has no bos_token_id; allowed: bos=False")
-    ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)  # (N,)
+    ids = tokenize_corpus(tokenizer, text)  # (N,)
     if validation_share is not None:
         ids = ids[held_out_start(len(ids), validation_share):]
     return Windows.cut(ids, seq, bos_token_id, max_tokens)
