@@ -42,6 +42,8 @@ def check_ranks(model, mask, when: str) -> None:
     """Every rank holds the same head mask and the same weights (a collective; `when` names the
     point of the run in the error)."""
     params = list(model.parameters())
-    digest = torch.stack([t.detach().double().sum() for t in params] + [t.detach().double().pow(2).sum() for t in params])
+    device = mask.mask.device  # a streamed model's blocks sit in host memory (engine.offload): sums gathered here
+    digest = torch.stack([t.detach().double().sum().to(device) for t in params] +
+                         [t.detach().double().pow(2).sum().to(device) for t in params])
     if not all_equal(mask.mask) or not all_equal(digest):
         raise RuntimeError(f"{when}: the head masks or the weights differ between ranks")
