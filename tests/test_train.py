@@ -75,17 +75,24 @@ COMBINATIONS = _combinations()
 
 
 @pytest.fixture(scope="module")
-def composed(tmp_path_factory, data_dir):
-    """composed(group, option): the train config of the combination holding `group=option`,
-    composed once for this module."""
-    cache = {}
+def compose_once(tmp_path_factory, data_dir):
+    """compose_once(*overrides): the train config with these overrides, composed once for this
+    module (an experiment alone serves the compose test, the preset test and each of its arms)."""
+    cache, out = {}, tmp_path_factory.mktemp("composed")
 
+    def get(*overrides):
+        if overrides not in cache:
+            cache[overrides] = compose_train(out, data_dir, *overrides)
+        return cache[overrides]
+    return get
+
+
+@pytest.fixture(scope="module")
+def composed(compose_once):
+    """composed(group, option): the train config of the combination holding `group=option`."""
     def get(group, option):
         (i,) = [i for i, c in enumerate(COMBINATIONS) if c.get(group) == option]
-        if i not in cache:
-            cache[i] = compose_train(tmp_path_factory.mktemp("composed"), data_dir,
-                                     *(f"{g}={o}" for g, o in COMBINATIONS[i].items()))
-        return cache[i]
+        return compose_once(*(f"{g}={o}" for g, o in COMBINATIONS[i].items()))
     return get
 
 
@@ -105,16 +112,10 @@ PRESETS = [(g, o) for g in GROUPS for o in _options(g) if _base(g, o) is not Non
 
 
 @pytest.fixture(scope="module")
-def composed_alone(tmp_path_factory, data_dir):
-    """composed_alone("group=option"): the train config with that one override, composed once for
-    this module (a base, experiment=llm_kv, serves each of its 19 arms)."""
-    cache, out = {}, tmp_path_factory.mktemp("presets")
-
-    def get(override):
-        if override not in cache:
-            cache[override] = compose_train(out, data_dir, override)
-        return cache[override]
-    return get
+def composed_alone(compose_once):
+    """composed_alone("group=option"): the train config with that one override (compose_once: a
+    base, experiment=llm_kv, serves each of its arms; an experiment is composed alone once)."""
+    return compose_once
 
 
 @pytest.mark.parametrize("group,option", PRESETS)
