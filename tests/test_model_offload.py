@@ -336,3 +336,18 @@ def test_the_cli_streams_both_models_and_exports_what_the_resident_run_exports(t
     weights = [load_file(next((tmp_path / w / "export").glob("*.safetensors"))) for w in ("run", "cpu")]
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_a_plain_deep_copy_of_a_streamed_model_is_refused():
+    """copy.deepcopy would copy the blocks' hooks, which move the original's blocks: it raises;
+    `without_offload` gives a plain copy."""
+    from headprune.engine.offload import without_offload
+
+    model = tiny("llama")
+    stream_model(model)
+    with pytest.raises(RuntimeError, match="copied with host_copy / dense_copy, or inside without_offload"):
+        copy.deepcopy(model)
+    with without_offload(model):
+        plain = copy.deepcopy(model)
+    assert offload_of(plain) is None and offload_of(model) is not None
+    assert all(not block._forward_pre_hooks for block in plain.model.layers)

@@ -139,6 +139,11 @@ class BlockOffload:
         self.handles: list = []
         self.install()
 
+    def __deepcopy__(self, memo):
+        # a deep copy of the model would copy its blocks' hooks, which move the ORIGINAL's blocks
+        raise RuntimeError("a streamed model (engine.offload) is copied with host_copy / dense_copy, or inside "
+                           "without_offload(model); copy.deepcopy would copy hooks that move the original's blocks")
+
     # -- installation ---------------------------------------------------------------------------
     def install(self) -> None:
         for i, block in enumerate(self.blocks):
