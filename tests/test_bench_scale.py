@@ -108,6 +108,7 @@ def test_scale_readme_blocks_regenerate_from_the_committed_bench_json():
     assert collect.llama_params(collect.TARGETS["Llama-3.1-70B"]) == 70_553_706_496
 
 
+@pytest.mark.slow
 def test_quick_scale_with_streamed_models_chooses_the_same_heads_holding_one_block(tmp_path):
     """bench.scale.model_device=cpu: scoring, allocation and refit with the models' blocks streamed
     allocate what the resident run allocates; the device held one block of each model at a time
