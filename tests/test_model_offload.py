@@ -243,7 +243,7 @@ def test_a_dense_copy_of_the_streamed_model_is_a_plain_model(copying):
     ({"model_device": "gpu"}, None, r"pruning.model_device='gpu' is not allowed; allowed: run .*cpu"),
     ({"model_device": "cpu"}, {"kind": "latency"}, r"pruning.model_device=cpu streams .* budget=latency"),
     ({"model_device": "cpu", "schedule": OneShot(target_sparsity=0.5, baseline_epochs=0, epochs_per_round=1)}, None,
-     r"pruning.model_device=cpu .* but the schedule \(1 epochs.*allowed: pruning.model_device=run"),
+     r"pruning.model_device=cpu .* but the schedule \(1 epoch\(s\).*allowed: pruning.model_device=run"),
     ({"model_device": "cpu", "recovery": Distill(steps=3)}, None,
      r"pruning.model_device=cpu .* but the recovery's step budget \(recovery.steps=3\) trains the model"),
 ])

@@ -92,7 +92,7 @@ def training_of(schedule, recovery: Recovery) -> str | None:
     """What trains the model in a run with `schedule` and `recovery` (for refusals of settings
     that only run without training), or None when nothing does."""
     if schedule.total_epochs() > 0:
-        return (f"the schedule ({schedule.total_epochs()} epochs: schedule.baseline_epochs, epochs_per_round, "
+        return (f"the schedule ({schedule.total_epochs()} epoch(s): schedule.baseline_epochs, epochs_per_round, "
                 "recover_epochs)")
     if recovery.needs_train_data:
         steps = getattr(recovery, "steps_setting", None) or f"recovery.steps={getattr(recovery, 'steps', None)}"
