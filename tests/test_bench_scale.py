@@ -23,6 +23,7 @@ def llama_bytes(spec: dict, bytes_per_param: int = 4) -> int:
     return (vocab * e + layers * per_layer + e) * bytes_per_param  # + embeddings (tied), final norm
 
 
+@pytest.mark.slow  # ~14 s alone (load 4.8): a child process per stage, each starting torch
 def test_quick_scale_runs_every_stage_in_a_child_with_its_peak_per_model_byte(tmp_path):
     """Quick mode: the tiny Llama through load, dense evaluation, Fisher scoring, the measured KV
     allocation, refit, KL steps and export; each row's ratio is its net peak over the model's
