@@ -10,6 +10,7 @@ at most one block of each model is on the device at any time of the whole run, t
 pass through the streamed model (gradients w.r.t. the head mask) keeps no block's device copy
 alive, and that the settings a streamed model cannot honour are refused before any work."""
 import copy
+import json
 import weakref
 
 import pytest
@@ -351,3 +352,28 @@ def test_a_plain_deep_copy_of_a_streamed_model_is_refused():
         plain = copy.deepcopy(model)
     assert offload_of(plain) is None and offload_of(model) is not None
     assert all(not block._forward_pre_hooks for block in plain.model.layers)
+
+
+@pytest.mark.slow
+def test_the_gpu_script_runs_its_code_path_on_the_cpu(tmp_path):
+    """experiments/scale/model_device/gpu.py (the device's own peak, whole vs streamed; for a GPU)
+    runs on the CPU with no device peak to read: both runs prune and repair alike, the streamed one
+    one block of each model at a time; without a GPU, --device cuda exits 2."""
+    import subprocess
+    import sys
+
+    from tests.helpers import EXPERIMENTS, REPO
+
+    def gpu(*args: str) -> int:
+        return subprocess.run([sys.executable, str(EXPERIMENTS / "scale" / "model_device" / "gpu.py"), *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=600).returncode
+
+    out = tmp_path / "gpu.json"
+    assert gpu("--device", "cpu", "--shape", "llama_tiny", "--dtype", "float32", "--seq", "16", "--samples", "4",
+               "--batch-size", "2", "--rounds", "1", "--threads", "1", "--out", str(out)) == 0
+    run, cpu = json.loads(out.read_text())["rows"]
+    assert (run["model_device"], cpu["model_device"]) == ("run", "cpu") and run["device_peak_bytes"] is None
+    assert cpu["val"] == run["val"] and cpu["heads_per_layer"] == run["heads_per_layer"]
+    assert cpu["model_residency"]["peak_resident_blocks"] == 1 == cpu["dense_residency"]["peak_resident_blocks"]
+    if not torch.cuda.is_available():
+        assert gpu("--out", str(tmp_path / "none.json")) == 2 and not (tmp_path / "none.json").exists()
