@@ -16,15 +16,20 @@ windowed units were all removed returns None), so it computes bit for bit what i
 without the hooks. Flash-attention kernels take no
 per-head mask and are refused.
 
-At generation the same hook gives each windowed layer a cache layer of its own
-(`WindowedCacheLayer`, swapped into a transformers DynamicCache the first time the layer
-writes to it): full KV heads keep every token, windowed ones their sinks and last `window`
-tokens (the slots the next query may see, and the oldest of the window, which it may not:
-sink + window in all, what `costs.tables.kv_mode_costs` counts), so the cache holds what the
-layout keeps. What a forward's keys look like to the kernel does not change: the layer hands
-the kernel one (B, KV heads, T, D) tensor per step (a transient, one layer's worth) with a
-windowed head's dropped slots zero, which its mask bars anyway, so `generate()` computes what
-the masked full-sequence forward computes.
+With a cache (generation, or any forward given one) the same hook gives each windowed layer a
+cache layer of its own (`WindowedCacheLayer`, swapped into a transformers DynamicCache the first
+time the layer writes to it): full KV heads keep every token, windowed ones their sinks and last
+`window` tokens (the slots the next query may see, and the oldest of the window, which it may
+not: sink + window in all, what `costs.tables.kv_mode_costs` counts), so the cache holds what
+the layout keeps. Such a forward does only the work the layout keeps: the hook arms the module
+(`heads.windowed_attention`), the cache layer hands the kernel the full heads' keys (B, F, T, D)
+and keeps the windowed heads' held + new keys (B, W, n, D) aside, and the attention call runs
+the family's kernel twice, full units' query heads over every key under the model's mask,
+windowed units' over their held slots under a mask built from the slots, so no (B, all KV
+heads, T, D) tensor is built and at a decode step a windowed head reads sink + window keys (the
+new token written over the oldest window token, which the new query may not see), and
+`generate()` computes what the masked full-sequence forward computes (to float rounding: the
+masked keys it no longer sums over had weight exactly zero).
 
 Positions are cache slots: query i of a forward that finds `past` tokens in the cache sits at
 slot past + i, key j at slot j; a windowed head at slot p sees keys j <= p with j < sink or
@@ -42,6 +47,7 @@ from transformers.cache_utils import DynamicLayer
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
 from headprune.heads.latent import is_latent
 from headprune.heads.surgery import prune_heads
+from headprune.heads.windowed_attention import HeadSplit, SplitCall, arm, disarm
 
 FULL, WINDOW, REMOVED = "full", "window", "removed"
 MODES = (FULL, WINDOW, REMOVED)
@@ -154,6 +160,7 @@ class KVWindows:
     def __init__(self, layout: KVLayout):
         self.layout = layout
         self._handles: list = []
+        self._splits: dict = {}  # layer -> (kept heads, device, query HeadSplit, KV heads' windowed flags)
 
     def attach(self, model: nn.Module) -> "KVWindows":
         self.layout.check(model)
@@ -171,7 +178,7 @@ class KVWindows:
             if WINDOW in self.layout.modes[layer]:
                 attention = adapter.attention(block)
                 hook = attention.register_forward_pre_hook(self._make_hook(model, layer), with_kwargs=True)
-                self._handles.append(hook)
+                self._handles += [hook, attention.register_forward_hook(disarm, always_call=True)]
         setattr(model, KV_LAYOUT_ATTR, self.layout)
         self._model = model
         return self
@@ -200,6 +207,17 @@ class KVWindows:
         groups = adapter.kv_groups(model.config, layer_heads(model, layer))
         return [self.layout.modes[layer][g] == WINDOW for g in groups]
 
+    def split_heads(self, model: nn.Module, layer: int, device: torch.device) -> tuple[HeadSplit, list[bool]]:
+        """(the kernel's query heads as full and windowed units' halves, `kv_windowed`): what the
+        split attention call and the cache layer need, kept while the layer's heads stay."""
+        kept = tuple(layer_heads(model, layer))
+        known = self._splits.get(layer)
+        if known is None or known[0] != kept or known[1] != device:
+            windowed = self.slot_windowed(model, layer).to(device)  # (H,)
+            known = (kept, device, HeadSplit.of(windowed), self.kv_windowed(model, layer))
+            self._splits[layer] = known
+        return known[2], known[3]
+
     def _make_hook(self, model: nn.Module, layer: int):
         sink, window = self.layout.sink, self.layout.window
 
@@ -213,18 +231,20 @@ class KVWindows:
                                  "KV units cannot restrict it; windows are supported where the decoder layer passes "
                                  "attention_mask by keyword (the Llama layout)")
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]  # (B, Q, hidden)
-            windowed = self.slot_windowed(model, layer).to(hidden.device)  # (H,)
-            if not bool(windowed.any()):
+            heads, kv_windowed = self.split_heads(model, layer, hidden.device)
+            if not len(heads.window):
                 return None
-            mask = kwargs["attention_mask"]  # None, or (B, 1, Q, K) additive float or boolean
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
-            index = getattr(module, "layer_idx", layer)
-            if cache is not None:
-                install_cache_layer(cache, index, self.kv_windowed(model, layer), sink, window)
-            past = cache.get_seq_length(index) if cache is not None else 0
+            if cache is not None:  # the split call (heads.windowed_attention): only the kept keys are read
+                index = getattr(module, "layer_idx", layer)
+                cache_layer = install_cache_layer(cache, index, kv_windowed, sink, window)
+                arm(module, SplitCall(cache_layer, heads, sink, window, model.config._attn_implementation))
+                return None
+            windowed = self.slot_windowed(model, layer).to(hidden.device)  # (H,)
+            mask = kwargs["attention_mask"]  # None, or (B, 1, Q, K) additive float or boolean
             n_q = hidden.shape[1]
-            n_k = mask.shape[-1] if mask is not None else past + n_q
-            queries = torch.arange(past, past + n_q, device=hidden.device)
+            n_k = mask.shape[-1] if mask is not None else n_q
+            queries = torch.arange(n_q, device=hidden.device)
             keys = torch.arange(n_k, device=hidden.device)
             allowed = window_allowed(queries, keys, sink, window)  # (Q, K)
             allowed = allowed[None] | ~windowed[:, None, None]  # (H, Q, K): full heads unrestricted here
@@ -244,54 +264,92 @@ class KVWindows:
 class WindowedCacheLayer(DynamicLayer):
     """One layer's KV cache when some of its KV heads are windowed: `keys` / `values` (B, full
     heads, T, D) hold every token of the full heads, `window_keys` / `window_values` (B, windowed
-    heads, <= sink + window, D) a windowed head's sinks and `window` latest tokens
-    (`window_slots` says which). `length` counts every
-    token seen, so masks and positions go on as for a full cache. `update` returns the whole
-    layer's keys for this forward's queries (module docstring): windowed heads' other slots zero."""
+    heads, <= sink + window, D) a windowed head's sinks and `window` latest tokens (`window_slots`
+    says which, ascending; the tensors hold them in the order of `slots`). `length` counts every
+    token seen, so masks and positions go on as for a full cache.
+
+    `update` (only in a forward its `KVWindows` hook armed: `armed`) returns the full heads'
+    keys and values, what the full units' query heads attend to, and leaves in `step` the
+    windowed heads' held + new keys and their slots for the split attention call (`take_step`,
+    heads.windowed_attention), keeping sinks + window. Once the windows are full, a one-token
+    step writes the new token in place of the oldest window token (which the new query may not
+    see; a ring after the sinks), so the held keys are exactly those the query sees and nothing
+    is copied but the new token."""
 
     def __init__(self, windowed: list[bool], sink: int, window: int):
         super().__init__()
         self.windowed, self.sink, self.window = list(windowed), sink, window
         self.length = 0
+        self.armed = False  # set by the KVWindows hook for one forward (heads.windowed_attention.arm)
+        self.step = None  # (window keys (B, W, n, D), values, slots (n,), new slots (Q,) or None) of this forward
+        self.ring = sink  # where the oldest window token is held once the windows are full
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[1] != len(self.windowed):
             raise ValueError(f"the cache layer was made for {len(self.windowed)} KV heads, the attention gave "
                              f"{key_states.shape[1]}")
         self.device = key_states.device
-        flags = torch.tensor(self.windowed, device=self.device)
-        self.full_heads, self.window_heads = (~flags).nonzero().flatten(), flags.nonzero().flatten()
+        self.heads = HeadSplit.of(torch.tensor(self.windowed, device=self.device))
+        self.full_heads, self.window_heads = self.heads.full, self.heads.window
         b, _, _, d = key_states.shape
         self.keys = key_states.new_zeros(b, len(self.full_heads), 0, d)  # (B, F, 0, D)
         self.values = value_states.new_zeros(b, len(self.full_heads), 0, value_states.shape[-1])
         self.window_keys = key_states.new_zeros(b, len(self.window_heads), 0, d)  # (B, W, 0, D)
         self.window_values = value_states.new_zeros(b, len(self.window_heads), 0, value_states.shape[-1])
-        self.window_slots = torch.zeros(0, dtype=torch.long, device=self.device)  # (n,)
+        self.slots = torch.zeros(0, dtype=torch.long, device=self.device)  # (n,): the held tokens' slots
         self.is_initialized = True
 
+    @property
+    def window_slots(self) -> torch.Tensor:
+        """(n,): the slots a windowed head holds, ascending."""
+        return self.slots.sort().values
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.armed:
+            raise ValueError("a windowed KV cache layer was written outside a forward its KVWindows hook armed (the "
+                             "windows detached, or the cache passed to another model): its full heads' keys alone "
+                             "are not the layer's keys; attach the layout's KVWindows, or use a fresh cache")
+        self.armed = False
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        new = torch.arange(self.length, self.length + key_states.shape[-2], device=self.device)
-        self.length += key_states.shape[-2]
-        self.keys = torch.cat([self.keys, key_states[:, self.full_heads]], dim=-2)
-        self.values = torch.cat([self.values, value_states[:, self.full_heads]], dim=-2)
-        window_keys = torch.cat([self.window_keys, key_states[:, self.window_heads]], dim=-2)  # (B, W, n, D)
-        window_values = torch.cat([self.window_values, value_states[:, self.window_heads]], dim=-2)
-        slots = torch.cat([self.window_slots, new])  # (n,)
-        keys = self._spread(key_states, self.keys, window_keys, slots)  # (B, H, T, D)
-        values = self._spread(value_states, self.values, window_values, slots)
+        n_new, first = key_states.shape[-2], self.length
+        self.length += n_new
+        full, window = self.heads.full_pick, self.heads.window_pick
+        if len(self.full_heads):
+            self.keys = torch.cat([self.keys, key_states[:, full]], dim=-2)  # (B, F, T, D)
+            self.values = torch.cat([self.values, value_states[:, full]], dim=-2)
+        if n_new == 1 and self.window_keys.shape[-2] == self.sink + self.window:  # the ring: one write in place
+            at = self.ring
+            self.window_keys[:, :, at] = key_states[:, window, 0]
+            self.window_values[:, :, at] = value_states[:, window, 0]
+            self.slots[at] = first
+            self.ring = self.sink + (at - self.sink + 1) % self.window
+            self.step = (self.window_keys, self.window_values, self.slots, None)  # every held slot visible
+            return self.keys, self.values
+        if self.ring != self.sink:  # the ring turned: held in ascending slots again, oldest after the sinks
+            order = self.slots.argsort()
+            self.window_keys, self.window_values = self.window_keys[:, :, order], self.window_values[:, :, order]
+            self.slots, self.ring = self.slots[order], self.sink
+        new = torch.arange(first, self.length, device=self.device)  # (Q,)
+        window_keys = torch.cat([self.window_keys, key_states[:, window]], dim=-2)  # (B, W, n, D)
+        window_values = torch.cat([self.window_values, value_states[:, window]], dim=-2)
+        slots = torch.cat([self.slots, new])  # (n,) ascending
+        self.step = (window_keys, window_values, slots, new)
         keep = (slots < self.sink) | (slots >= self.length - self.window)  # sinks + the last `window` tokens
-        self.window_keys, self.window_values = window_keys[:, :, keep], window_values[:, :, keep]
-        self.window_slots = slots[keep]
-        return keys, values
+        if not bool(keep.all()):
+            window_keys, window_values, slots = window_keys[:, :, keep], window_values[:, :, keep], slots[keep]
+        self.window_keys, self.window_values, self.slots = window_keys, window_values, slots
+        return self.keys, self.values
 
-    def _spread(self, like: torch.Tensor, full: torch.Tensor, window: torch.Tensor, slots: torch.Tensor):
-        """(B, H, T, D): the full heads' tokens and the windowed heads' held slots, zeros elsewhere."""
-        out = like.new_zeros(like.shape[0], like.shape[1], self.length, like.shape[-1])
-        out[:, self.full_heads] = full
-        out[:, self.window_heads[:, None], slots[None, :]] = window
-        return out
+    def take_step(self):
+        """(window keys (B, W, n, D), window values, their slots (n,), the new tokens' slots (Q,),
+        None when one new query sees every held slot) of the forward that just wrote, handed
+        over once."""
+        if self.step is None:
+            raise ValueError("the split attention of windowed KV units found no keys of this forward in its cache "
+                             "layer (the layer was not written in this forward)")
+        step, self.step = self.step, None
+        return step
 
     def held_tokens(self) -> tuple[int, int]:
         """(tokens each full head holds, tokens each windowed head holds); 0 where it has none."""
@@ -318,7 +376,7 @@ class WindowedCacheLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.keys = self.values = self.window_keys = self.window_values = None
-        self.length = 0
+        self.length, self.armed, self.step, self.ring = 0, False, None, self.sink
         self.is_initialized = False
 
     def _rows(self, pick) -> None:
@@ -350,9 +408,10 @@ def held_bytes(cache) -> int:
     return total
 
 
-def install_cache_layer(cache, index: int, windowed: list[bool], sink: int, window: int) -> None:
+def install_cache_layer(cache, index: int, windowed: list[bool], sink: int, window: int) -> WindowedCacheLayer:
     """Give layer `index` of a transformers cache a `WindowedCacheLayer` before its first write
-    (a DynamicCache's own layer, still empty, is replaced; one already windowed is kept). A
+    (a DynamicCache's own layer, still empty, is replaced; one already windowed is kept), and
+    return it. A
     cache of another kind, or a layer that already holds tokens, is refused: it would keep
     every token of the windowed heads."""
     cache = getattr(cache, "self_attention_cache", cache)
@@ -365,10 +424,11 @@ def install_cache_layer(cache, index: int, windowed: list[bool], sink: int, wind
             layers.append(DynamicLayer())
     layer = layers[index] if index < len(layers) else None
     if isinstance(layer, WindowedCacheLayer):
-        return
+        return layer
     if type(layer) is not DynamicLayer or layer.is_initialized:
         raise ValueError(f"layer {index} has windowed KV units but its cache layer is "
                          f"{type(layer).__name__ if layer is not None else 'missing'}"
                          f"{' holding tokens' if layer is not None and layer.is_initialized else ''}; windowed units "
                          "need an empty DynamicCache (generate()'s default) so that it keeps only sinks + window")
     layers[index] = WindowedCacheLayer(windowed, sink, window)
+    return layers[index]
