@@ -195,3 +195,35 @@ def test_a_family_that_does_not_look_its_kernel_up_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="without the split call of windowed KV units"), torch.no_grad():
         model(tokens(1, 4), cache=DynamicCache(config=model.config), use_cache=True)
     assert model.model.layers[1].self_attn.config is model.config
+
+
+def test_gradients_through_the_split_call_equal_the_masked_forwards():
+    """A forward with labels makes a cache unless told not to (use_cache defaults to True), so
+    scoring and training with windows attached may run the split call: its loss and gradients
+    equal the per-head-masked forward's (use_cache=False)."""
+    model = windowed("sdpa", (("window", "full"), ("window", "window"), ("full", "window")))
+    batch = tokens(2, 9)
+    grads = []
+    for use_cache in (True, False):
+        model.zero_grad()
+        loss = model(batch, labels=batch, use_cache=use_cache).loss
+        loss.backward()
+        grads.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
+    assert torch.allclose(grads[0][0], grads[1][0], atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[0][1], grads[1][1]))
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "qwen3", "phi3", "olmo2"])
+def test_other_families_decode_as_their_masked_forward(family, attn):
+    """The split call goes through each family's own kernel lookup and cache keyword (GPT-NeoX
+    passes its cache as `layer_past`): layer 1's first unit and all of layer 2's windowed (sink 1
+    + window 2), every step's logits equal the masked full forward's."""
+    from tests.helpers import tiny
+
+    model = tiny(family, attn=attn)
+    full = KVLayout.uniform(model, "full", sink=1, window=2).modes
+    modes = (full[0], ("window",) + full[1][1:], ("window",) * len(full[2]))
+    KVWindows(KVLayout(modes, sink=1, window=2)).attach(model)
+    cached, masked, _ = stepwise(model, tokens(2, 5, seed=3) % 90, steps=4)
+    assert torch.allclose(cached, masked, atol=1e-5)

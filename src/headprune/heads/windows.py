@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
 from headprune.heads.latent import is_latent
@@ -234,7 +234,7 @@ class KVWindows:
             heads, kv_windowed = self.split_heads(model, layer, hidden.device)
             if not len(heads.window):
                 return None
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)  # `cache`, GPT-NeoX's `layer_past`
             if cache is not None:  # the split call (heads.windowed_attention): only the kept keys are read
                 index = getattr(module, "layer_idx", layer)
                 cache_layer = install_cache_layer(cache, index, kv_windowed, sink, window)
