@@ -26,7 +26,7 @@ KV_MODES = {
     "removal": ["kv_modes=none"],
     # new since: two calibration blocks (the refit's holdout needs one to choose its damp on)
     "removal_refit": ["kv_modes=none", "layer_policy=attention_drop", "recovery=refit", "data.score_samples=2"],
-    "retrieval": ["kv_modes=retrieval"],
+    "retrieval": ["kv_modes=retrieval", "kv_modes.unit_value=metric"],
     "retrieval_85": ["kv_modes=retrieval", "budget.target=0.15"],
     "retrieval_uniform": ["kv_modes=retrieval", "kv_modes.unit_value=uniform"],
     "retrieval_33": ["kv_modes=retrieval", "budget.target=0.67"],
