@@ -35,6 +35,7 @@ from transformers.utils.output_capturing import _active_collector
 
 SPLIT_KERNEL = "headprune_windowed_split"  # the AttentionInterface name an armed module's forward looks up
 SPLIT_ATTR = "headprune_split"  # the SplitCall an armed attention module carries for one forward
+VIEW_ATTR = "headprune_kernel_config"  # the module's KernelConfig, kept between forwards
 SHARED_TENSOR_KWARGS = ("position_ids", "cache_position")  # tensors a kernel may get that are not per head
 
 
@@ -100,16 +101,24 @@ class KernelConfig:
 
 
 def arm(module: nn.Module, call: SplitCall) -> None:
-    """Route `module`'s next forward's attention through `split_attention` with `call`."""
-    if getattr(module, "config", None) is None:
+    """Route `module`'s next forward's attention through `split_attention` with `call`. The
+    module's plain attributes are written in its __dict__ directly (what nn.Module.__setattr__
+    does for them after its checks: this runs per layer at every decode step); its KernelConfig
+    is kept while the model's config stays the same object."""
+    state = module.__dict__
+    config = state.get("config")
+    if config is None:
         raise ValueError(f"windowed KV units at generation route the attention call through the module's config "
                          f"(_attn_implementation), and {type(module).__name__} has no config attribute; allowed: "
                          "families whose attention module looks its kernel up in transformers' AttentionInterface")
-    if isinstance(module.config, KernelConfig):
-        module.config = module.config.base
-    setattr(module, SPLIT_ATTR, call)
+    if isinstance(config, KernelConfig):
+        config = config.base
+    view = state.get(VIEW_ATTR)
+    if view is None or view.base is not config:
+        view = state[VIEW_ATTR] = KernelConfig(config)
+    state[SPLIT_ATTR] = call
     call.layer.armed = True
-    module.config = KernelConfig(module.config)
+    state["config"] = view
 
 
 def disarm(module: nn.Module, args, output) -> None:
@@ -117,14 +126,16 @@ def disarm(module: nn.Module, args, output) -> None:
     A forward that returned without calling `split_attention` (its family does not look its
     kernel up by `config._attn_implementation`) handed its kernel the full heads' keys alone:
     refused."""
-    call = getattr(module, SPLIT_ATTR, None)
-    if isinstance(getattr(module, "config", None), KernelConfig):
-        module.config = module.config.base
+    state = module.__dict__
+    config = state.get("config")
+    if isinstance(config, KernelConfig):
+        state["config"] = config.base
+    call = state.get(SPLIT_ATTR)
     if call is None:
         return
+    state[SPLIT_ATTR] = None
     unused = call.layer.armed or call.layer.step is not None
     call.layer.armed, call.layer.step = False, None
-    setattr(module, SPLIT_ATTR, None)
     if unused and output is not None:
         raise ValueError(f"{type(module).__name__} ran its attention without the split call of windowed KV units "
                          "(it does not look its kernel up in transformers' AttentionInterface by "
