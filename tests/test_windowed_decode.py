@@ -227,3 +227,18 @@ def test_other_families_decode_as_their_masked_forward(family, attn):
     KVWindows(KVLayout(modes, sink=1, window=2)).attach(model)
     cached, masked, _ = stepwise(model, tokens(2, 5, seed=3) % 90, steps=4)
     assert torch.allclose(cached, masked, atol=1e-5)
+
+
+def test_a_copy_made_after_the_original_ran_still_refuses_the_originals_windows():
+    """The hook checks once per module that it is the model's own: a deep copy's modules are
+    other modules, so the copy still refuses after the original has run (with and without a
+    cache)."""
+    import copy
+
+    model = windowed("sdpa")
+    with torch.no_grad():
+        model(tokens(1, 4), use_cache=False)
+        model(tokens(1, 4), cache=DynamicCache(config=model.config), use_cache=True)
+        twin = copy.deepcopy(model)
+        with pytest.raises(ValueError, match="attached to another model"):
+            twin(tokens(1, 4), cache=DynamicCache(config=twin.config), use_cache=True)

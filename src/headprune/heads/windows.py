@@ -38,6 +38,7 @@ their pad slots among the sinks (as HF's own sliding-window layers count them in
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +162,7 @@ class KVWindows:
         self.layout = layout
         self._handles: list = []
         self._splits: dict = {}  # layer -> (kept heads, device, query HeadSplit, KV heads' windowed flags)
+        self._checked: dict = {}  # layer -> weakref to the module found to be the model's own at that layer
 
     def attach(self, model: nn.Module) -> "KVWindows":
         self.layout.check(model)
@@ -222,10 +224,13 @@ class KVWindows:
         sink, window = self.layout.sink, self.layout.window
 
         def hook(module, args, kwargs):
-            adapter = get_adapter(model)
-            if adapter.attention(adapter.blocks(model)[layer]) is not module:
-                raise ValueError(f"the KV windows of layer {layer} were attached to another model (this one is a deep "
-                                 "copy of it?): attach KVWindows to the copy itself, or detach before copying")
+            checked = self._checked.get(layer)
+            if checked is None or checked() is not module:  # the model's own module (not a copy's), once per module
+                adapter = get_adapter(model)
+                if adapter.attention(adapter.blocks(model)[layer]) is not module:
+                    raise ValueError(f"the KV windows of layer {layer} were attached to another model (this one is a "
+                                     "deep copy of it?): attach KVWindows to the copy itself, or detach before copying")
+                self._checked[layer] = weakref.ref(module)
             if "attention_mask" not in kwargs:
                 raise ValueError(f"{type(module).__name__} is called without an attention_mask keyword, so windowed "
                                  "KV units cannot restrict it; windows are supported where the decoder layer passes "
