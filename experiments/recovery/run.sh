@@ -24,16 +24,14 @@ arm() {  # arm <name> <target> <seed>
     rounds=$(python -c "print(round($2 / 0.1))")
     dir=$OUT/${name}_${t}_s${seed}
     [ -f "$dir/results.json" ] && grep -q '"stop_reason"' "$dir/results.json" && return 0
-    local args=(experiment=iterative_vs_one_shot pruning.physical=false seed=$seed hydra.run.dir=$dir
-                trainer.enable_progress_bar=false overwrite=true)
+    [ -f "conf/experiment/recovery/$name.yaml" ] || { echo "run.sh: no arm $name (conf/experiment/recovery/)" >&2; exit 2; }
+    # each arm is a config, conf/experiment/recovery/<arm>.yaml; the run adds its seed, its target and, for
+    # one_shot_long / dense, the epochs the iterative arm's rounds take
+    local args=(experiment=recovery/$name seed=$seed hydra.run.dir=$dir trainer.enable_progress_bar=false overwrite=true)
     case $name in
-        one_shot_short) args+=(schedule=one_shot schedule.target_sparsity=$t schedule.epochs_per_round=1) ;;
-        one_shot_long)  args+=(schedule=one_shot schedule.target_sparsity=$t schedule.epochs_per_round=$rounds) ;;
-        iterative)      args+=(schedule.target_sparsity=$t) ;;
-        distill)        args+=(schedule.target_sparsity=$t recovery=distill) ;;
-        distill_hidden) args+=(schedule.target_sparsity=$t recovery=distill recovery.hidden_weight=1.0) ;;
-        dense)          args+=(schedule=one_shot schedule.target_sparsity=0.0 schedule.baseline_epochs=$((2 + rounds))
-                               schedule.epochs_per_round=0) ;;
+        one_shot_long) args+=(schedule.target_sparsity=$t schedule.epochs_per_round=$rounds) ;;
+        dense)         args+=(schedule.baseline_epochs=$((2 + rounds))) ;;
+        *)             args+=(schedule.target_sparsity=$t) ;;
     esac
     local start end
     start=$(date +%s)
