@@ -1,6 +1,7 @@
 """The Python blocks of the documentation site run as written (on a few SST-2-like sentences):
-docs/python_api.md's Pruner and prune_to_budget examples, and docs/extending.md's metric, layer
-policy and recovery, defined on the page and run together through a Pruner."""
+docs/python_api.md's Pruner and prune_to_budget examples and its RunSpec run (in a scratch folder
+whose `data` is the shared data), and docs/extending.md's metric, layer policy and recovery,
+defined on the page and run together through a Pruner."""
 import re
 from pathlib import Path
 
@@ -21,9 +22,9 @@ def _loaders(tokenizer) -> dict:
 
 
 @pytest.mark.slow  # ~35 s: a whole schedule and a budgeted prune of MiniLM
-def test_python_api_examples_run(tokenizer):
+def test_python_api_examples_run(tokenizer, tmp_path, data_dir, monkeypatch):
     blocks = _blocks("python_api.md")
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     scope = _loaders(tokenizer)
     exec(blocks[0], scope)  # noqa: S102 - the page's own code
     report, model = scope["report"], scope["model"]
@@ -32,6 +33,12 @@ def test_python_api_examples_run(tokenizer):
     exec(blocks[1], scope)  # noqa: S102
     assert scope["report"]["round"]["budget"]["predicted_share"] <= 0.5
     assert sum(map(len, scope["model"].headprune_layout)) < 72
+    (tmp_path / "data").symlink_to(data_dir, target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    run_scope: dict = {}
+    exec(blocks[2], run_scope)  # noqa: S102 - the RunSpec example, writing runs/tiny
+    assert run_scope["results"]["final"]["sparsity"] == 0.5
+    assert (tmp_path / "runs" / "tiny" / "results.json").is_file() and (tmp_path / "runs" / "tiny" / "export").is_dir()
 
 
 @pytest.mark.slow  # ~25 s: a two-round schedule of MiniLM
