@@ -271,51 +271,63 @@ def measured_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units:
 
 
 @torch.no_grad()
+def attention_maps(model: nn.Module, inputs: list[torch.Tensor], reduce, choice: str) -> None:
+    """Run `model` (eval mode, eager attention: its probabilities) on each of `inputs` (B, T) ids,
+    handing each layer's attention probabilities (B, H, Q, K) to `reduce(layer, weights)` as they
+    are made, one layer's maps at a time (dropped from the module's output after); `choice` names
+    the kv_modes statistic in errors."""
+    from headprune.scoring.attention import eager_attention
+
+    adapter = get_adapter(model)
+
+    def hook(layer: int):
+        def read(module, args, output):
+            if output[1] is None:
+                raise ValueError(f"kv_modes={choice} needs the attention probabilities, which this attention module "
+                                 "does not return under eager attention")
+            reduce(layer, output[1])
+            return (output[0], None, *output[2:])
+        return read
+
+    handles = [adapter.attention(block).register_forward_hook(hook(l)) for l, block in enumerate(adapter.blocks(model))]
+    was_training = model.training
+    model.eval()
+    try:
+        with eager_attention(model):
+            for ids in inputs:
+                model(input_ids=ids, use_cache=False)
+    finally:
+        model.train(was_training)
+        for handle in handles:
+            handle.remove()
+
+
 def attention_mass(model: nn.Module, batches: list[dict], units: list[list[int]], sink: int,
                    window: int) -> list[list[float]]:
     """mass[l][u]: the mean share of unit u's attention probability (its query heads, the queries
     at slots >= sink + window, every block) on keys outside its sinks and window; eager attention
     for the pass (its probabilities), one layer's maps at a time."""
-    from headprune.scoring.attention import eager_attention
-
     adapter = get_adapter(model)
-    blocks = adapter.blocks(model)
-    sums = [torch.zeros(adapter.num_heads(model.config), dtype=torch.float64) for _ in blocks]
+    n_layers = len(adapter.blocks(model))
+    sums = [torch.zeros(adapter.num_heads(model.config), dtype=torch.float64) for _ in range(n_layers)]
     count = [0]
 
-    def hook(layer: int):
-        def reduce(module, args, output):
-            weights = output[1]  # (B, H, Q, K) attention probabilities
-            if weights is None:
-                raise ValueError("kv_modes=attention_mass needs the attention probabilities, which this attention "
-                                 "module does not return under eager attention")
-            q = weights.shape[-2]
-            if q <= sink + window:
-                raise ValueError(f"kv_modes=attention_mass: blocks of {q} tokens have no key outside sink + window = "
-                                 f"{sink + window}")
-            slots = torch.arange(q, device=weights.device)
-            outside = ~window_allowed(slots[sink + window:], slots, sink, window)  # (Q', K)
-            outside &= slots[None, :] <= slots[sink + window:, None]
-            mass = (weights[:, :, sink + window:].float() * outside).sum(-1)  # (B, H, Q')
-            sums[layer] += mass.sum(dim=(0, 2)).double().cpu()
-            if layer == 0:
-                count[0] += mass.shape[0] * mass.shape[2]
-            return (output[0], None, *output[2:])
-        return reduce
+    def reduce(layer: int, weights: torch.Tensor) -> None:  # weights (B, H, Q, K)
+        q = weights.shape[-2]
+        if q <= sink + window:
+            raise ValueError(f"kv_modes=attention_mass: blocks of {q} tokens have no key outside sink + window = "
+                             f"{sink + window}")
+        slots = torch.arange(q, device=weights.device)
+        outside = ~window_allowed(slots[sink + window:], slots, sink, window)  # (Q', K)
+        outside &= slots[None, :] <= slots[sink + window:, None]
+        mass = (weights[:, :, sink + window:].float() * outside).sum(-1)  # (B, H, Q')
+        sums[layer] += mass.sum(dim=(0, 2)).double().cpu()
+        if layer == 0:
+            count[0] += mass.shape[0] * mass.shape[2]
 
-    handles = [adapter.attention(block).register_forward_hook(hook(l)) for l, block in enumerate(blocks)]
-    was_training = model.training
-    model.eval()
-    try:
-        with eager_attention(model):
-            for batch in batches:
-                model(input_ids=batch["input_ids"], use_cache=False)
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
+    attention_maps(model, [batch["input_ids"] for batch in batches], reduce, "attention_mass")
     per_head = [s / max(count[0], 1) for s in sums]
-    return [[float(per_head[l][heads].mean()) for heads in units] for l in range(len(blocks))]
+    return [[float(per_head[l][heads].mean()) for heads in units] for l in range(n_layers)]
 
 
 def retrieval_period(seq: int, sink: int, window: int) -> int:
@@ -339,7 +351,6 @@ def repeated_random_tokens(config, seq: int, period: int, seed: int = 0) -> torc
     return allowed[pick].repeat(seq // period + 1)[:seq][None]
 
 
-@torch.no_grad()
 def retrieval_scores(model: nn.Module, units: list[list[int]], sink: int, window: int, seq: int,
                      device, seed: int = 0) -> tuple[list[list[float]], int]:
     """(scores[l][u], period): per unit, its most retrieving query head's mean attention on the
@@ -347,38 +358,18 @@ def retrieval_scores(model: nn.Module, units: list[list[int]], sink: int, window
     key i - period + 1), over the queries i >= period + sink whose earlier copy exists, on one
     seeded `seq`-token sequence of random tokens repeating every `period` (> sink + window, so
     those keys are outside every window and past the sinks). Eager attention for the pass."""
-    from headprune.scoring.attention import eager_attention
-
     period = retrieval_period(seq, sink, window)
     ids = repeated_random_tokens(model.config, seq, period, seed).to(device)
-    adapter = get_adapter(model)
-    blocks = adapter.blocks(model)
-    per_head: list[torch.Tensor] = [torch.zeros(0)] * len(blocks)
+    per_head: dict[int, torch.Tensor] = {}
     queries = torch.arange(period + sink, seq, device=device)  # (Q,)
 
-    def hook(layer: int):
-        def reduce(module, args, output):
-            weights = output[1]  # (1, H, T, T) attention probabilities
-            if weights is None:
-                raise ValueError("kv_modes=retrieval needs the attention probabilities, which this attention module "
-                                 "does not return under eager attention")
-            echo = weights[0][:, queries, queries - period].float()  # (H, Q)
-            induction = weights[0][:, queries, queries - period + 1].float()  # (H, Q)
-            per_head[layer] = (echo + induction).mean(-1).double().cpu()  # (H,)
-            return (output[0], None, *output[2:])
-        return reduce
+    def reduce(layer: int, weights: torch.Tensor) -> None:  # weights (1, H, T, T)
+        echo = weights[0][:, queries, queries - period].float()  # (H, Q)
+        induction = weights[0][:, queries, queries - period + 1].float()  # (H, Q)
+        per_head[layer] = (echo + induction).mean(-1).double().cpu()  # (H,)
 
-    handles = [adapter.attention(block).register_forward_hook(hook(l)) for l, block in enumerate(blocks)]
-    was_training = model.training
-    model.eval()
-    try:
-        with eager_attention(model):
-            model(input_ids=ids, use_cache=False)
-    finally:
-        model.train(was_training)
-        for handle in handles:
-            handle.remove()
-    return [[float(per_head[l][heads].max()) for heads in units] for l in range(len(blocks))], period
+    attention_maps(model, [ids], reduce, "retrieval")
+    return [[float(per_head[l][heads].max()) for heads in units] for l in range(len(per_head))], period
 
 
 def kv_modes_round(model: nn.Module, mask: HeadMask, metric, kv_modes: KVModes, costs: LayerCosts, share: float,
