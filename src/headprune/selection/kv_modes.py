@@ -4,7 +4,7 @@
 mode cost table (`budget.mode_table`: a windowed unit costs (sink + window) / seq of a full one
 at the budget's seq) by the three-way knapsack (`selection.budgets.allocate_modes`).
 
-What a unit is worth, two ways:
+What a unit is worth, three ways:
 
 - `measured`: the calibration loss rise of the unit alone windowed, and of the unit alone removed,
   every other unit full (`Probe`: the loss from layer l on, blocks before it carried), on the
@@ -15,7 +15,8 @@ What a unit is worth, two ways:
   outside its sinks and recent window (averaged over its query heads and over the queries that
   have such keys, on the same long blocks; one eager forward per block), so a windowed unit keeps
   1 - mass of what it is worth full; full is worth the metric's unit score (the sum of its heads'
-  scores, shifted to be non-negative, as the cost budgets rank units).
+  scores, shifted to be non-negative, as the cost budgets rank units), or 1 for every unit with
+  `unit_value=uniform`.
 - `retrieval`: `attention_mass`, with each unit's share lost to a window the larger of its
   attention mass and its retrieval score (RazorAttention, 2407.15891: "echo" and "induction"
   heads): on one seeded sequence of random tokens repeating with a period longer than sink +
