@@ -24,8 +24,8 @@ KV_MODES = {
     "attention_mass_33_last": ["kv_modes=attention_mass", "kv_modes.removal=last", "budget.target=0.67"],
     "measured": ["kv_modes=measured"],
     "removal": ["kv_modes=none"],
-    # new since: two calibration blocks (the refit's holdout needs one to choose its damp on)
-    "removal_refit": ["kv_modes=none", "layer_policy=attention_drop", "recovery=refit", "data.score_samples=2"],
+    # new since: four calibration blocks (the refit's holdout needs one to choose its damp on)
+    "removal_refit": ["kv_modes=none", "layer_policy=attention_drop", "recovery=refit", "data.score_samples=4"],
     "retrieval": ["kv_modes=retrieval", "kv_modes.unit_value=metric"],
     "retrieval_85": ["kv_modes=retrieval", "budget.target=0.15"],
     "retrieval_uniform": ["kv_modes=retrieval", "kv_modes.unit_value=uniform"],
