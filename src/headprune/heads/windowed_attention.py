@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
-from transformers.utils.output_capturing import _active_collector
 
 SPLIT_KERNEL = "headprune_windowed_split"  # the AttentionInterface name an armed module's forward looks up
 SPLIT_ATTR = "headprune_split"  # the SplitCall an armed attention module carries for one forward
@@ -221,6 +220,10 @@ def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
 def assembled_weights(parts, query: torch.Tensor, n_keys: int) -> torch.Tensor | None:
     """The attention weights (B, H, Q, T) of both halves, when the model records attentions."""
+    # transformers' private record of what the forward collects, read here only (imported here so
+    # that a transformers without it fails only this path, not every import of the package)
+    from transformers.utils.output_capturing import _active_collector
+
     collected = _active_collector.get()
     if collected is None or "attentions" not in collected or any(w is None for _, _, w, _ in parts):
         return None
