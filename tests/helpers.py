@@ -438,6 +438,20 @@ def tiny_llama(tok, prune: dict | None = None, seed: int = 0, **overrides):
     return prune_heads(model, prune) if prune else model
 
 
+def kv_modes_cli(llama_dir, sink: int, window: int, *overrides, seq: int = 32, blocks: int = 2) -> list[str]:
+    """headprune-train overrides of a KV-mode run on `tiny_llama_folder`'s model without training:
+    `blocks` calibration and validation blocks of `seq` tokens of Tiny Shakespeare, half of the KV
+    bytes at `seq` kept (budget=kv), windows of `sink` + `window` tokens, magnitude scores, no repair;
+    then `overrides` (a later value of a key wins)."""
+    return [f"model.pretrained={llama_dir}", "model.random_init=true", "model.task=causal_lm", "data=tinyshakespeare",
+            f"data.block_size={seq}", f"data.score_samples={blocks}", "data.max_train_samples=0",
+            f"data.max_validation_samples={blocks}", f"data.eval_batch_size={blocks}", "schedule=one_shot",
+            "schedule.target_sparsity=0.5", "schedule.baseline_epochs=0", "schedule.epochs_per_round=0", "logger=none",
+            "callbacks=none", "diagnostics.enabled=false", "budget=kv", "budget.target=0.5", f"budget.seq={seq}",
+            "layer_policy=global", "layer_policy.min_heads_per_layer=0", "recovery=none", "metric=magnitude",
+            f"kv_modes.sink={sink}", f"kv_modes.window={window}", *overrides]
+
+
 def tiny_llama_folder(folder):
     """`folder` holding a config-only tiny Llama (2 layers, 4 query / 2 KV heads, hidden 32, 256
     positions) and the byte tokenizer with BOS (`tiny_tokenizer`): a `model.pretrained` for CLI runs

@@ -13,7 +13,7 @@ from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import KVLayout, KVWindows
 from headprune.selection.kv_modes import KVModes, attention_mass, measured_rises
-from tests.helpers import compose_train, llama, tiny_llama_folder
+from tests.helpers import compose_train, kv_modes_cli, llama, tiny_llama_folder
 
 SINK, WINDOW = 2, 6
 
@@ -25,12 +25,7 @@ def llama_dir(tmp_path_factory):
 
 
 def _cli(llama_dir, *overrides):
-    return [f"model.pretrained={llama_dir}", "model.random_init=true", "model.task=causal_lm", "data=tinyshakespeare",
-            "data.block_size=32", "data.score_samples=2", "data.max_train_samples=0", "data.max_validation_samples=2",
-            "data.eval_batch_size=2", "schedule=one_shot", "schedule.target_sparsity=0.5", "schedule.baseline_epochs=0",
-            "schedule.epochs_per_round=0", "logger=none", "callbacks=none", "diagnostics.enabled=false",
-            "budget=kv", "budget.target=0.5", "budget.seq=32", "layer_policy=global", "layer_policy.min_heads_per_layer=0",
-            "recovery=none", "metric=magnitude", f"kv_modes.sink={SINK}", f"kv_modes.window={WINDOW}", *overrides]
+    return kv_modes_cli(llama_dir, SINK, WINDOW, *overrides)
 
 
 def _llama(seed: int = 0):

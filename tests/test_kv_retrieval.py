@@ -12,7 +12,7 @@ from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.selection.kv_modes import (KVModes, attention_mass, repeated_random_tokens, retrieval_period,
                                           retrieval_scores)
-from tests.helpers import compose_train, llama, tiny_llama_folder
+from tests.helpers import compose_train, kv_modes_cli, llama, tiny_llama_folder
 
 SINK, WINDOW = 2, 6
 
@@ -132,14 +132,8 @@ def _flat(rows):
     return [v for row in rows for v in row]
 
 
-def _cli(llama_dir, *overrides):
-    return [f"model.pretrained={llama_dir}", "model.random_init=true", "model.task=causal_lm", "data=tinyshakespeare",
-            "data.block_size=64", "data.score_samples=1", "data.max_train_samples=0", "data.max_validation_samples=1",
-            "data.eval_batch_size=1", "schedule=one_shot", "schedule.target_sparsity=0.5", "schedule.baseline_epochs=0",
-            "schedule.epochs_per_round=0", "logger=none", "callbacks=none", "diagnostics.enabled=false",
-            "budget=kv", "budget.target=0.5", "budget.seq=64", "layer_policy=global", "layer_policy.min_heads_per_layer=0",
-            "recovery=none", "metric=magnitude", "kv_modes=retrieval", f"kv_modes.sink={SINK}",
-            f"kv_modes.window={WINDOW}", *overrides]
+def _cli(llama_dir, *overrides, seq: int = 64):
+    return kv_modes_cli(llama_dir, SINK, WINDOW, "kv_modes=retrieval", *overrides, seq=seq, blocks=1)
 
 
 def test_a_retrieval_run_records_the_scores_and_keeps_the_budget(tmp_path, llama_dir, data_dir):
@@ -159,5 +153,5 @@ def test_a_retrieval_run_records_the_scores_and_keeps_the_budget(tmp_path, llama
 
 def test_blocks_too_short_for_two_copies_are_refused_before_any_work(tmp_path, llama_dir, data_dir):
     with pytest.raises(ValueError, match=r"kv_modes=retrieval: a 16-token block .* allowed: data.block_size > 2 x"):
-        run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "data.block_size=16", "budget.seq=16")))
+        run(compose_train(tmp_path, data_dir, *_cli(llama_dir, seq=16)))
     assert not (tmp_path / "results.json").exists()
