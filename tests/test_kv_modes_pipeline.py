@@ -131,7 +131,7 @@ def test_a_run_chooses_applies_and_exports_the_kv_modes(choice, tmp_path, llama_
     (["layer_policy=uniform"], r"layer_policy=UniformPolicy allocates per layer; allowed: layer_policy=global"),
     (["data.block_size=16"], r"data.block_size=16 < budget.seq=32; allowed: data.block_size >= budget.seq"),
     (["kv_modes.window=30"], r"sink \+ kv_modes.window = 32 tokens cover the whole budget.seq=32"),
-    (["schedule.epochs_per_round=1", "recovery=finetune"], r"one round without training"),
+    (["schedule.epochs_per_round=1", "recovery=finetune"], r"one round without epochs"),
     (["pruning.rearrange=true"], r"allowed: pruning.rearrange=false"),
     (["kv_modes.choice=streaming"], r"kv_modes.choice='streaming' is not allowed; allowed: none, measured"),
     (["model.attn_implementation=flash_attention_2"], r"allowed: eager, sdpa"),

@@ -34,8 +34,13 @@ values above come from different scales (a metric's unit score, a share of atten
 single-unit probes that do not add up, and removing a unit the scale calls cheap can cost far more
 than windowing it (experiments/llm_kv_modes); with `any` the knapsack weighs all three.
 
-A run with kv modes is one round without training and without a repair (refused otherwise,
-before any work: `check`).
+A run with kv modes is one round without epochs and without a reconstruction (refused otherwise,
+before any work: `check`). It may train a step budget after the choice (`recovery=distill|lora`
+with `recovery.steps > 0`, the KL steps of LLM runs): the windows are attached by then, so every
+step's student forward is the windowed model's and the weights adapt to the layout the export
+keeps; a killed run resumes in those steps (the checkpoint carries the layout). A repair that
+solves against the dense model (refit, least squares, bias compensation) would have to see the
+windows in its least-squares targets and is refused.
 """
 from __future__ import annotations
 
@@ -122,12 +127,15 @@ class KVModes:
                              f"whole budget.seq={budget.seq} context, so a window would keep everything; allowed: "
                              f"sink + window < budget.seq")
         if schedule.num_rounds != 1 or schedule.total_epochs() > 0:
-            raise ValueError(f"{name} chooses the modes once, in one round without training; got {schedule.num_rounds} "
+            raise ValueError(f"{name} chooses the modes once, in one round without epochs; got {schedule.num_rounds} "
                              f"round(s) and {schedule.total_epochs()} epoch(s); allowed: schedule=one_shot with "
-                             "baseline_epochs=0, epochs_per_round=0 and recover_epochs=0")
-        if not isinstance(recovery, NoRecovery):
+                             "baseline_epochs=0, epochs_per_round=0 and recover_epochs=0 (train with recovery.steps)")
+        steps = trains_steps(recovery)
+        if not isinstance(recovery, NoRecovery) and not steps:
             raise ValueError(f"{name} applies no repair after the modes are chosen (a reconstruction would have to "
-                             f"see the windows); got recovery={type(recovery).__name__}; allowed: recovery=none")
+                             f"see the windows); got recovery={type(recovery).__name__}"
+                             f"{' with recovery.steps=0' if hasattr(recovery, 'steps') else ''}; allowed: recovery=none, "
+                             "or recovery=distill|lora with recovery.steps > 0 (the steps train with the windows on)")
         if getattr(layer_policy, "measures_layout", False) or layer_policy.same_units_per_layer:
             raise ValueError(f"{name} allocates the budget per unit itself; layer_policy="
                              f"{type(layer_policy).__name__} allocates per layer; allowed: layer_policy=global or "
@@ -143,8 +151,9 @@ class KVModes:
             retrieval_period(block_size, self.sink, self.window)
         if world_size > 1:
             raise ValueError(f"{name} measures on one process; got {world_size} processes; allowed: trainer.devices=1")
-        if resuming:
-            raise ValueError(f"{name}: a run without training has no checkpoint to resume; allowed: ckpt_path=null")
+        if resuming and not steps:
+            raise ValueError(f"{name}: a run without training has no checkpoint to resume; allowed: ckpt_path=null "
+                             "(or a run with recovery.steps > 0: its recovery/last.ckpt)")
 
     def check_model(self, model: nn.Module, task: Task | None = None) -> None:
         """The run's `task` (None: the model's head's) is causal LM and the kernel takes per-head masks."""
@@ -204,6 +213,14 @@ class KVModes:
                               "seq": int(batches[0]["input_ids"].shape[1]), "full_value": full,
                               "window_value": windowed, **measured, "seconds": round(time.perf_counter() - start, 3)}
         return layout, report
+
+
+def trains_steps(recovery) -> bool:
+    """Whether `recovery` trains a step budget after the round (`recovery=distill|lora` with
+    `steps > 0`): what a KV-mode run may do after choosing, with the windows on."""
+    from headprune.recovery.distill import Distilling
+
+    return isinstance(recovery, Distilling) and recovery.steps > 0
 
 
 def calibration_batches(loader, device, samples: int | None, max_batches: int | None) -> list[dict]:

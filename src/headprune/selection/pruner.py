@@ -52,7 +52,7 @@ from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.mask import HeadMask
 from headprune.heads.stacks import mask_sites, site_record
 from headprune.heads.surgery import kv_group_heads
-from headprune.heads.windows import KV_LAYOUT_ATTR
+from headprune.heads.windows import KV_LAYOUT_ATTR, KVLayout, KVWindows
 from headprune.recovery import Recovery, make_recovery
 from headprune.recovery.base import AFTER_RECOVERY, RecoveryContext
 from headprune.results import RunResults
@@ -217,16 +217,18 @@ class Pruner:
     def run_state(self, record: dict) -> dict:
         """What a recovery checkpoint taken during round `record` holds besides the weights, so a
         killed run continues there (`resume_in_round`): the run's state, the round's record so far,
-        the mask and the physical head layout."""
+        the mask, the physical head layout and the KV modes' layout (windows attached by the round)."""
+        kv_layout = getattr(self.model, KV_LAYOUT_ATTR, None)
         return {"pruner": self.state_dict(), "record": record, "mask": self.mask.mask.detach().cpu().clone(),
-                "layout": head_layout(self.model) if getattr(self.model, LAYOUT_ATTR, None) is not None else None}
+                "layout": head_layout(self.model) if getattr(self.model, LAYOUT_ATTR, None) is not None else None,
+                "kv_layout": kv_layout.to_json() if kv_layout is not None else None}
 
     def resume_in_round(self, state: dict, checkpoint: Path, loaders: Loaders) -> dict:
         """Continue a run killed during a recovery's step budget from that fit's checkpoint (`state`
         is its `run_state`): the model as loaded is the unpruned model (a run that trains no epoch
         starts from it), so the dense copy, the costs and the recovery's setup are made as round 1
-        made them; then the checkpoint's layout and mask, and the round's recovery continues at the
-        checkpoint's step (the stages it finished are not run again). Returns the round's record."""
+        made them; then the checkpoint's layout, mask and KV windows, and the round's recovery continues
+        at the checkpoint's step (the stages it finished are not run again). Returns the round's record."""
         from headprune.heads.surgery import apply_layout
 
         self.load_state_dict(state["pruner"])
@@ -234,6 +236,8 @@ class Pruner:
         if state["layout"] is not None:
             apply_layout(self.model, state["layout"])
         self.mask.mask.copy_(state["mask"].to(self.mask.mask.device))
+        if state.get("kv_layout") is not None:  # the KV modes round attached these before its recovery trained
+            KVWindows(KVLayout.from_json(state["kv_layout"], where="the checkpoint's kv_layout")).attach(self.model)
         self._resume_from = Path(checkpoint)
         log.info("resuming round %d's recovery from %s", state["record"]["round"], checkpoint)
         return self._recover(len(self.rounds), loaders, state["record"])
