@@ -64,6 +64,8 @@ def test_from_config_reads_every_part_of_an_experiment(experiment, tmp_path, dat
     ("model.task=regression", r"model.task='regression' is not allowed; allowed: classification, causal_lm"),
     ("overwrite=maybe", r"overwrite='maybe' is not allowed; allowed: true or false"),
     ("seed=0.5", r"seed=0.5 is not allowed; allowed: an integer"),
+    ("+evaluation.perplexity_seq=[4096]", r"evaluation.perplexity_seq is not a setting of evaluation; allowed: "
+                                          r"enabled, .*perplexity_seqs"),
 ])
 def test_a_bad_field_is_refused_when_the_spec_is_built(override, pattern, tmp_path, data_dir):
     """Refused by RunSpec.from_config itself, naming the field and what is allowed: nothing loaded,

@@ -33,7 +33,7 @@ def finish(run: Path) -> dict:
     tokenizer = load_tokenizer(cfg.model.pretrained)
     datamodule = build(cfg.data, tokenizer=tokenizer)
     datamodule.setup("fit")
-    settings = llm_suite.settings(cfg)
+    settings = llm_suite.EvaluationSettings(**data["config"]["evaluation"])
     model = load_pruned(run / "export", device=torch.device("cpu"), dtype=torch.float32).eval()
     start = time.perf_counter()
     block = data.setdefault("evaluation", llm_suite.header(settings, datamodule))

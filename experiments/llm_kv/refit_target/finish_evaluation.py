@@ -38,7 +38,7 @@ def main(run: Path) -> None:
     tokenizer = load_tokenizer(cfg.model.pretrained)
     datamodule = build(cfg.data, tokenizer=tokenizer)
     datamodule.setup("fit")
-    options = evaluations.settings(cfg)
+    options = evaluations.EvaluationSettings(**OmegaConf.to_container(cfg.evaluation, resolve=True))
     model = load_pruned(run / "export", device="cpu", dtype=torch.float32).eval()
     start = time.perf_counter()
     block = evaluations.header(options, datamodule)

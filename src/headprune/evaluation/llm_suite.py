@@ -36,8 +36,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional
 
-from omegaconf import DictConfig, OmegaConf
-
 from headprune.data.corpora import check_corpora, corpus_file, corpus_ids
 from headprune.tasks import CAUSAL_LM, Task, max_positions
 
@@ -142,12 +140,6 @@ class EvaluationSettings:
 
 
 SOURCES = {"dense": "in_memory_dense", "pruned": "export"}  # evaluation.<which>.source: the model each reads
-
-
-def settings(cfg: DictConfig) -> EvaluationSettings:
-    """The run's `evaluation:` block as settings (the defaults when it has none)."""
-    block = cfg.get("evaluation")
-    return EvaluationSettings(**OmegaConf.to_container(block, resolve=True)) if block else EvaluationSettings()
 
 
 def header(options: EvaluationSettings, datamodule) -> dict:

@@ -23,7 +23,6 @@ import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from headprune.evaluation import llm_suite
 from headprune.evaluation.llm_suite import EvaluationSettings
 from headprune.models.build import build_model
 from headprune.recovery.finetune import Finetune
@@ -252,7 +251,7 @@ class RunSpec:
             trainer=TrainerSpec(settings=OmegaConf.to_container(cfg.trainer, resolve=True), load=Factory(cfg.trainer)),
             diagnostics=_part(DiagnosticsSpec, cfg.get("diagnostics"), "diagnostics") if cfg.get("diagnostics")
             else DiagnosticsSpec(enabled=False),
-            evaluation=llm_suite.settings(cfg),
+            evaluation=_part(EvaluationSettings, cfg.get("evaluation"), "evaluation"),
             loggers=GroupFactory(cfg.get("logger")), callbacks=GroupFactory(cfg.get("callbacks")),
             seed=cfg.seed, objectives=tuple(cfg.get("objectives") or ["headline"]),
             check_consistency=cfg.get("check_consistency", False),
