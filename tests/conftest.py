@@ -59,6 +59,34 @@ def cfg_factory(tmp_path, data_dir):
     return make
 
 
+def pytest_addoption(parser):
+    parser.addoption("--test-times", metavar="PATH", default=None,
+                     help="append one JSON line per test to PATH: its node id, wall seconds and CPU seconds "
+                          "(setup + call + teardown; this process and the subprocesses it waited for). The "
+                          "`slow` marker's threshold is in CPU seconds, which a shared machine's load barely "
+                          "changes (docs/testing.md)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = item.config.getoption("--test-times")
+    if path is None:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    wall, cpu0 = time.perf_counter(), cpu()
+    yield
+    row = {"test": item.nodeid, "wall_s": round(time.perf_counter() - wall, 3), "cpu_s": round(cpu() - cpu0, 3)}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """A real_model test is a slow test: `pytest -m "not slow"` leaves the pretrained models out."""

@@ -57,6 +57,7 @@ def test_quick_scale_runs_every_stage_in_a_child_with_its_peak_per_model_byte(tm
     assert "- scale, kl at llama_tiny (0M parameters): peak" in text and "teacher live" in text
 
 
+@pytest.mark.slow  # 6.8 s wall (quick loop, load 5): the KL stage runs in a forkserver child starting torch
 def test_quick_scale_kl_with_a_cached_teacher_holds_no_teacher(tmp_path):
     """bench.scale.teacher_logits=cached: the KL stage's teacher is its top-k, built in the set-up,
     and the dense copy is freed before the steps (the row says cached)."""

@@ -29,6 +29,7 @@ def test_nonfinite_loss_stops_rolls_back_and_writes_strict_json(tmp_path, data_d
     assert saved["final"]["val"]["loss"] == pytest.approx(before["loss"], abs=1e-5)
 
 
+@pytest.mark.slow  # a training run of three epochs: 7.0 s wall (quick loop, load 5)
 def test_the_callback_runs_the_pruners_loop_at_the_schedules_epochs(tmp_path, data_dir):
     """Baseline after epoch 1, round 1 at its end, its result after epoch 2 (with that epoch's training
     time), round 2, its result after epoch 3: each record carries the training that preceded it, and
