@@ -74,7 +74,7 @@ def arm_config(tmp_path_factory, data_dir):
 
     def get(experiment, arm):
         if (experiment, arm) not in cache:
-            cfg = compose_train(out, data_dir, f"experiment={experiment}/{arm}")
+            cfg = compose_train(out, data_dir, f"experiment={experiment}" + (f"/{arm}" if arm else ""))
             cache[experiment, arm] = flat(OmegaConf.to_container(cfg, resolve=True))
         return cache[experiment, arm]
     return get
@@ -109,3 +109,32 @@ def test_run_sh_runs_the_arm_configs(experiment):
     code = re.sub(r"(^|\s)#.*", "", run_sh, flags=re.M)  # what runs, the comments aside
     named = set(re.findall(r"\bone (\w+)", code))
     assert named <= set(arms(experiment)), (experiment, named - set(arms(experiment)))
+
+
+# every experiment built on experiment=llm_kv, whose calibration default changed to self-generated
+# text after these runs: each arm pins what its committed runs calibrated on
+CALIBRATED = ("llm_kv", "llm_kv_modes", "llm_uneven", "llm_iterative", "llm_calibration")
+
+
+def raw_runs(experiment: str, arm: str) -> list:
+    """The committed raw files of `arm`: results/<arm>.json, or results/<arm>_<run tag>.json."""
+    tag = re.compile(rf"^{re.escape(arm)}(_(kv\d+|q\d+|dense))?\.json$")
+    return sorted(p for p in (EXPERIMENTS / experiment / "results").glob("*.json") if tag.match(p.name))
+
+
+CALIBRATED_ARMS = [(e, a) for e in CALIBRATED for a in arms(e) if raw_runs(e, a)]
+
+
+@pytest.mark.parametrize("experiment,arm", CALIBRATED_ARMS)
+def test_an_arm_calibrates_on_what_its_committed_runs_did(experiment, arm, arm_config):
+    """A run recorded before `data.calibration` existed (4d4d93e) calibrated on the corpus."""
+    composed = arm_config(experiment, arm)["data.calibration"]
+    for raw in raw_runs(experiment, arm):
+        recorded = json.loads(raw.read_text())["config"]["data"].get("calibration", "corpus")
+        assert composed == recorded, (f"experiment={experiment}/{arm}", raw.name)
+
+
+def test_llm_kv_calibrates_on_self_generated_text_by_default(arm_config):
+    """experiments/llm_calibration: self-generated calibration held best out of domain in every arm."""
+    assert arm_config("llm_kv", None)["data.calibration"] == "self"
+    assert len(CALIBRATED_ARMS) > 50
