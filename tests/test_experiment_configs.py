@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from headprune.apps.config_paths import config_dir
-from tests.helpers import EXPERIMENTS, compose_train
+from tests.helpers import EXPERIMENTS
 
 CONF = config_dir() / "experiment"
 EXPERIMENTS_WITH_ARMS = ("llm_uneven", "llm_calibration", "llm_iterative")
@@ -68,13 +68,14 @@ ARMS = [(e, a) for e in EXPERIMENTS_WITH_ARMS for a in arms(e)]
 
 
 @pytest.fixture(scope="module")
-def arm_config(tmp_path_factory, data_dir):
-    """arm_config(experiment, arm): experiment=<experiment>/<arm> composed and resolved, flattened."""
-    cache, out = {}, tmp_path_factory.mktemp("arms")
+def arm_config(train_config):
+    """arm_config(experiment, arm): experiment=<experiment>/<arm> composed (once per test process:
+    conftest.train_config) and resolved, flattened."""
+    cache = {}
 
     def get(experiment, arm):
         if (experiment, arm) not in cache:
-            cfg = compose_train(out, data_dir, f"experiment={experiment}" + (f"/{arm}" if arm else ""))
+            cfg = train_config(f"experiment={experiment}" + (f"/{arm}" if arm else ""))
             cache[experiment, arm] = flat(OmegaConf.to_container(cfg, resolve=True))
         return cache[experiment, arm]
     return get

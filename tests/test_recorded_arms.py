@@ -10,7 +10,6 @@ import pytest
 from omegaconf import OmegaConf
 
 from headprune.apps.config_schema import register_schemas
-from tests.helpers import compose_train
 
 register_schemas()
 
@@ -72,13 +71,12 @@ def _plain(cfg) -> dict:
 
 
 @pytest.mark.parametrize("experiment,arm", CASES)
-def test_each_arm_config_composes_what_its_command_line_did(experiment, arm):
+def test_each_arm_config_composes_what_its_command_line_did(experiment, arm, train_config):
     recorded = RAN_WITH[experiment][arm]
     old, per_run = recorded if isinstance(recorded, tuple) else (recorded, [])
     base = BASE.get(experiment, [f"experiment={experiment}"])
-    as_config = compose_train("/tmp/unused", "/tmp/unused", f"experiment={experiment}/{arm}", *per_run,
-                              *(RUN if experiment in BASE else []))
-    as_overrides = compose_train("/tmp/unused", "/tmp/unused", *base, *old)
+    as_config = train_config(f"experiment={experiment}/{arm}", *per_run, *(RUN if experiment in BASE else []))
+    as_overrides = train_config(*base, *old)
     assert _plain(as_config) == _plain(as_overrides)
 
 

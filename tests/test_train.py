@@ -75,16 +75,11 @@ COMBINATIONS = _combinations()
 
 
 @pytest.fixture(scope="module")
-def compose_once(tmp_path_factory, data_dir):
-    """compose_once(*overrides): the train config with these overrides, composed once for this
-    module (an experiment alone serves the compose test, the preset test and each of its arms)."""
-    cache, out = {}, tmp_path_factory.mktemp("composed")
-
-    def get(*overrides):
-        if overrides not in cache:
-            cache[overrides] = compose_train(out, data_dir, *overrides)
-        return cache[overrides]
-    return get
+def compose_once(train_config):
+    """compose_once(*overrides): the train config with these overrides, composed once per test
+    process (conftest.train_config: an experiment alone serves the compose test, the preset test, each
+    of its arms and the other modules reading arms), read-only."""
+    return train_config
 
 
 @pytest.fixture(scope="module")
