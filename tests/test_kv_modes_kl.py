@@ -58,6 +58,46 @@ def test_kl_steps_train_the_windowed_model_and_its_export_keeps_the_layout(tmp_p
     assert all(torch.equal(p, trained[n]) for n, p in loaded.state_dict().items() if n in trained)
 
 
+def test_gradient_checkpointing_trains_the_same_weights_recomputing_each_layer(tmp_path, llama_dir, data_dir,
+                                                                          monkeypatch):
+    """model.gradient_checkpointing=true (what a long-context KL step needs to fit in memory): the
+    steps run with every decoder layer checkpointed, each layer's attention (and its window hook)
+    runs again in the backward, and the trained weights equal the run without it (float rounding)."""
+    from headprune.models.build import checkpoint_activations
+
+    calls = {"forwards": 0, "checkpointed": []}
+    original = Distill.training_loss
+
+    def spy(self, model, batch, task):
+        calls["checkpointed"].append([bool(getattr(m, "gradient_checkpointing", False)) for m in model.model.layers])
+        return original(self, model, batch, task)
+
+    def count(module, args):
+        if torch.is_grad_enabled() and module.training:
+            calls["forwards"] += 1
+
+    monkeypatch.setattr(Distill, "training_loss", spy)
+    from transformers.models.llama import modeling_llama
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: count(module, args) if isinstance(module, modeling_llama.LlamaAttention) else None)
+    try:
+        run(compose_train(tmp_path / "ckpt", data_dir, *_cli(llama_dir, *KL, "model.gradient_checkpointing=true")))
+        with_checkpoints = calls["forwards"]
+        calls["forwards"] = 0
+        run(compose_train(tmp_path / "plain", data_dir, *_cli(llama_dir, *KL)))
+    finally:
+        handle.remove()
+    assert all(all(layers) for layers in calls["checkpointed"][:STEPS]) and len(calls["checkpointed"]) == 2 * STEPS
+    assert not any(any(layers) for layers in calls["checkpointed"][STEPS:])
+    assert with_checkpoints == 2 * calls["forwards"] > 0  # each layer's attention once more in every backward
+    ckpt, plain = (load_file(str(tmp_path / d / "export" / "model.safetensors")) for d in ("ckpt", "plain"))
+    assert all(torch.allclose(ckpt[k], plain[k], atol=1e-6) for k in plain)
+    with pytest.raises(ValueError, match=r"Linear does not support activation checkpointing .*allowed: "
+                                         r"model.gradient_checkpointing=false"):
+        checkpoint_activations(torch.nn.Linear(2, 2))
+
+
 @pytest.mark.parametrize("override,pattern", [
     (["recovery=distill", "recovery.steps=0"], r"no epochs after pruning .* or recovery.steps > 0"),
     (["recovery=lora", "recovery.steps=0"], r"recovery.steps=0 must be >= 1"),

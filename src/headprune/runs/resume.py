@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 # the config keys that define an experiment; a resume must not change any of them
 DEFINING = ("model", "data", "metric", "schedule", "layer_policy", "budget", "recovery", "pruning", "seed")
 # within those, what may change between the two parts of a run (where files are, how fast it loads,
-# where the dense copy and the pruned model's blocks live)
-FREE = ("data.data_dir", "data.num_workers", "budget.cache_dir", "pruning.dense_device", "pruning.model_device")
+# where the dense copy and the pruned model's blocks live, whether training recomputes activations)
+FREE = ("data.data_dir", "data.num_workers", "budget.cache_dir", "pruning.dense_device", "pruning.model_device",
+        "model.gradient_checkpointing")
 
 
 def experiment(config: dict) -> dict:
