@@ -29,6 +29,10 @@ KV_MODES = {
     "retrieval_85": ["kv_modes=retrieval", "budget.target=0.15"],
     "retrieval_uniform": ["kv_modes=retrieval", "kv_modes.unit_value=uniform"],
     "retrieval_33": ["kv_modes=retrieval", "budget.target=0.67"],
+    # new since the arms became configs: the command line each config equals
+    "retrieval_uniform_kl": ["kv_modes=retrieval", "kv_modes.unit_value=uniform", "recovery=distill", "recovery.steps=12",
+                             "recovery.alpha=1.0", "recovery.temperature=1.0", "recovery.checkpoint_every=2",
+                             "model.gradient_checkpointing=true", "data.max_train_samples=12", "data.batch_size=1"],
     "retrieval_2048": ["kv_modes=retrieval", "budget.seq=2048", "data.block_size=2048", "evaluation.perplexity_seqs=[2048]",
                        "evaluation.passkey_lengths=[2048]"],
     "retrieval_33_2048": ["kv_modes=retrieval", "budget.target=0.67", "budget.seq=2048", "data.block_size=2048",

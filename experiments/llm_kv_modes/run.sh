@@ -12,6 +12,7 @@
 #   retrieval_2048, retrieval_33_2048                  the same at a 2048-token context, 2/3 and 1/3 removed
 #   retrieval_uniform                                  retrieval with kv_modes.unit_value=uniform (every unit full
 #                                                      worth 1, not its Fisher score), 2/3 removed
+#   retrieval_uniform_kl                               retrieval_uniform's choice, then 12 KL steps with the windows on
 #   measured                                           each unit's measured loss rise windowed / removed
 #   removal                                            kv_modes=none: the budget's own knapsack removes KV groups
 #   removal_refit                                      kv_modes=none, attention_drop + refit (2 calibration blocks)
