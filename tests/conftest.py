@@ -89,11 +89,38 @@ def pytest_addoption(parser):
                           "changes (docs/testing.md)")
 
 
+def _freeze_survivors() -> None:
+    """Collect, then move every object still alive into the collector's permanent generation
+    (gc.freeze): the test process's ~550k objects (torch, transformers, the collected tests, the
+    module fixtures) are not scanned again by each full collection. A full collection took ~0.2 s;
+    the serial quick loop ran 64 of them, 14.2 s of its 112 s of CPU, and 2.2 s with this after each
+    test (cycles a test leaves are still collected: here, before the freeze)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_collection_finish(session):
+    _freeze_survivors()
+
+
+@pytest.fixture
+def unfrozen_gc():
+    """The collector as a process that froze nothing has it, for a test of code that freezes or one
+    counting live objects with gc.get_objects() (which leaves frozen ones out); refrozen after it."""
+    import gc
+
+    gc.unfreeze()
+    yield
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     path = item.config.getoption("--test-times")
     if path is None:
         yield
+        _freeze_survivors()
         return
     import json
     import resource
@@ -107,6 +134,7 @@ def pytest_runtest_protocol(item, nextitem):
     row = {"test": item.nodeid, "wall_s": round(time.perf_counter() - wall, 3), "cpu_s": round(cpu() - cpu0, 3)}
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+    _freeze_survivors()
 
 
 @pytest.hookimpl(tryfirst=True)

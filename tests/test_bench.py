@@ -359,7 +359,7 @@ def test_interleaved_alternates_cases_and_drops_warmup():
     assert {name: s.n for name, s in stats.items()} == {"a": 3, "b": 3, "c": 3}
 
 
-def test_interleaved_collects_only_what_its_calls_leave_and_unfreezes():
+def test_interleaved_collects_only_what_its_calls_leave_and_unfreezes(unfrozen_gc):
     """Between rounds the collector skips the objects alive before the timing (frozen, then thawed):
     a cycle made by a timed call is collected, the caller's objects are not rescanned."""
     import gc

@@ -241,7 +241,7 @@ def run_counted(layers: int, batches: list[dict], monkeypatch) -> dict:
 
 
 @pytest.mark.slow
-def test_tuning_streams_blocks_once_per_layer_and_holds_one_layer(monkeypatch):
+def test_tuning_streams_blocks_once_per_layer_and_holds_one_layer(monkeypatch, unfrozen_gc):  # get_objects(): all
     """Per batch and layer: the dense block once, the pruned block once up to its output
     projection and once whole (the last layer's whole runs are not needed): 2 passes' worth of
     MLPs and 3 of attention, linear in the layers (a forward per layer would be quadratic). The
