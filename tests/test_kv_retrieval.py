@@ -10,8 +10,8 @@ import torch
 from headprune.apps.train import run
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
-from headprune.selection.kv_modes import (KVModes, attention_mass, repeated_random_tokens, retrieval_period,
-                                          retrieval_scores)
+from headprune.selection.kv_modes import (KVModes, attention_mass, repeated_random_tokens, retrieval_batches,
+                                          retrieval_period, retrieval_scores)
 from tests.helpers import compose_train, kv_modes_cli, llama, tiny_llama_folder
 
 SINK, WINDOW = 2, 6
@@ -154,4 +154,53 @@ def test_a_retrieval_run_records_the_scores_and_keeps_the_budget(tmp_path, llama
 def test_blocks_too_short_for_two_copies_are_refused_before_any_work(tmp_path, llama_dir, data_dir):
     with pytest.raises(ValueError, match=r"kv_modes=retrieval: a 16-token block .* allowed: data.block_size > 2 x"):
         run(compose_train(tmp_path, data_dir, *_cli(llama_dir, seq=16)))
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_retrieval_blocks_repeat_beyond_the_window_and_score_only_the_repeat():
+    model = _model()
+    blocks = retrieval_batches(model.config, 64, SINK, WINDOW, 2, torch.device("cpu"))
+    assert len(blocks) == 2 and retrieval_batches(model.config, 64, SINK, WINDOW, 0, "cpu") == []
+    for seed, block in enumerate(blocks, start=1):
+        ids, labels = block["input_ids"], block["labels"]
+        assert torch.equal(ids, repeated_random_tokens(model.config, 64, 16, seed))  # period 16 > sink + window
+        assert (labels[0, :16] == -100).all() and torch.equal(labels[0, 16:], ids[0, 16:])
+    assert not torch.equal(blocks[0]["input_ids"], blocks[1]["input_ids"])
+
+
+def test_measured_reads_the_retrieval_blocks_beside_the_calibration(tmp_path, llama_dir, data_dir, monkeypatch):
+    """kv_modes=measured kv_modes.retrieval_blocks=1: the rises are measured on the calibration
+    blocks and one retrieval block (labels over its repeat only), which changes them; the report says so."""
+    from headprune.selection import kv_modes as module
+
+    seen = []
+    original = module.measured_rises
+
+    def spy(model, mask, batches, *args, **kwargs):
+        seen.append(batches)
+        return original(model, mask, batches, *args, **kwargs)
+
+    monkeypatch.setattr(module, "measured_rises", spy)
+    plain = run(compose_train(tmp_path / "plain", data_dir, *_cli(llama_dir, "kv_modes=measured", seq=64)))
+    both = run(compose_train(tmp_path / "both", data_dir, *_cli(llama_dir, "kv_modes=measured",
+                                                                "kv_modes.retrieval_blocks=1", seq=64)))
+    assert [len(b) for b in seen] == [1, 2]
+    assert torch.equal(seen[1][0]["input_ids"], seen[0][0]["input_ids"]) and "labels" not in seen[1][0]
+    extra = seen[1][1]
+    assert torch.equal(extra["labels"][0, :16], torch.full((16,), -100)) and extra["input_ids"].shape == (1, 64)
+    report = both["rounds"][0]["budget"]["kv_modes"]
+    assert report["retrieval_blocks"] == 1 and report["retrieval_period"] == 16
+    assert report["window_rise"] != plain["rounds"][0]["budget"]["kv_modes"]["window_rise"]
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (["kv_modes=attention_mass", "kv_modes.retrieval_blocks=1"],
+     r"kv_modes.retrieval_blocks=1 adds .* kv_modes=attention_mass measures no loss; allowed: kv_modes.retrieval_blocks=0"),
+    (["kv_modes=measured", "kv_modes.retrieval_blocks=-1"], r"kv_modes.retrieval_blocks=-1 must be an integer >= 0"),
+    (["kv_modes=measured", "kv_modes.retrieval_blocks=1", "data.block_size=16", "budget.seq=16"],
+     r"a 16-token block cannot hold two copies"),
+])
+def test_retrieval_blocks_refused_where_they_cannot_be_measured(overrides, pattern, tmp_path, llama_dir, data_dir):
+    with pytest.raises(ValueError, match=pattern):
+        run(compose_train(tmp_path, data_dir, *_cli(llama_dir, *overrides)))
     assert not (tmp_path / "results.json").exists()

@@ -14,6 +14,7 @@
 #                                                      worth 1, not its Fisher score), 2/3 removed
 #   retrieval_uniform_kl                               retrieval_uniform's choice, then 12 KL steps with the windows on
 #   measured                                           each unit's measured loss rise windowed / removed
+#   measured_retrieval                                 the same on the calibration block and one synthetic retrieval block
 #   removal                                            kv_modes=none: the budget's own knapsack removes KV groups
 #   removal_refit                                      kv_modes=none, attention_drop + refit (2 calibration blocks)
 # One arm (the dense model evaluated too with true):

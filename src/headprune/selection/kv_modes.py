@@ -11,6 +11,10 @@ What a unit is worth, three ways:
   first `samples` calibration blocks, which must be at least `budget.seq` tokens long (a window's
   cost shows only at long range). Full is worth the removal rise, windowed the removal rise
   minus the window rise, removed 0: the knapsack keeps the layout with the least summed rise.
+  `retrieval_blocks` adds that many synthetic retrieval blocks to the measured ones (random
+  tokens repeating with a period longer than sink + window, as `retrieval` reads, seeds 1, 2,
+  ...; only the repeated part is scored): natural text rarely needs a token from thousands back,
+  so on it alone the rises miss what a window costs a copy from far back (passkey retrieval).
 - `attention_mass`: training-free. The share of each unit's attention probability on keys
   outside its sinks and recent window (averaged over its query heads and over the queries that
   have such keys, on the same long blocks; one eager forward per block), so a windowed unit keeps
@@ -83,6 +87,7 @@ class KVModes:
     samples: Optional[int] = 1
     removal: str = "any"
     unit_value: str = "metric"
+    retrieval_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.choice not in CHOICES:
@@ -101,6 +106,13 @@ class KVModes:
             raise ValueError(f"kv_modes.unit_value={self.unit_value} sets what a unit full is worth for the attention "
                              f"statistics; kv_modes={self.choice} does not read it; allowed: kv_modes.unit_value=metric "
                              "with kv_modes=none or measured")
+        blocks = self.retrieval_blocks
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+            raise ValueError(f"kv_modes.retrieval_blocks={blocks!r} must be an integer >= 0")
+        if blocks and self.choice != "measured":
+            raise ValueError(f"kv_modes.retrieval_blocks={blocks} adds synthetic retrieval blocks to what kv_modes="
+                             f"measured measures; kv_modes={self.choice} measures no loss; allowed: "
+                             "kv_modes.retrieval_blocks=0, or kv_modes=measured")
         if self.samples is not None and (isinstance(self.samples, bool) or self.samples < 1):
             raise ValueError(f"kv_modes.samples={self.samples!r} must be an integer >= 1 or null (every calibration "
                              "block)")
@@ -111,7 +123,7 @@ class KVModes:
 
     def record(self) -> dict:
         return {"choice": self.choice, "sink": self.sink, "window": self.window, "samples": self.samples,
-                "removal": self.removal, "unit_value": self.unit_value}
+                "removal": self.removal, "unit_value": self.unit_value, "retrieval_blocks": self.retrieval_blocks}
 
     def check(self, schedule, layer_policy, recovery, budget, *, block_size: int | None, rearrange: bool,
               world_size: int = 1, resuming: bool = False) -> None:
@@ -147,7 +159,7 @@ class KVModes:
             raise ValueError(f"{name} measures on the calibration blocks, which must be at least the budget's context: "
                              f"data.block_size={block_size} < budget.seq={budget.seq}; allowed: data.block_size >= "
                              "budget.seq")
-        if self.choice == "retrieval":
+        if self.choice == "retrieval" or self.retrieval_blocks:
             retrieval_period(block_size, self.sink, self.window)
         if world_size > 1:
             raise ValueError(f"{name} measures on one process; got {world_size} processes; allowed: trainer.devices=1")
@@ -181,11 +193,16 @@ class KVModes:
         units = kv_group_heads(model)
         batches = calibration_batches(loader, mask.mask.device, self.samples, max_batches)
         if self.choice == "measured":
-            removed_rise, window_rise, base = measured_rises(model, mask, batches, units, self.sink, self.window,
-                                                             task_for(model, task))
+            extra = retrieval_batches(model.config, int(batches[0]["input_ids"].shape[1]), self.sink, self.window,
+                                      self.retrieval_blocks, mask.mask.device)
+            removed_rise, window_rise, base = measured_rises(model, mask, batches + extra, units, self.sink,
+                                                             self.window, task_for(model, task))
             full = removed_rise
             windowed = [[r - w for r, w in zip(rs, ws)] for rs, ws in zip(removed_rise, window_rise)]
             measured = {"base_loss": base, "removed_rise": removed_rise, "window_rise": window_rise}
+            if extra:
+                measured["retrieval_period"] = retrieval_period(int(extra[0]["input_ids"].shape[1]), self.sink,
+                                                                self.window)
         else:
             mass = attention_mass(model, batches, units, self.sink, self.window)
             if self.unit_value == "uniform":
@@ -367,6 +384,22 @@ def repeated_random_tokens(config, seq: int, period: int, seed: int = 0) -> torc
     allowed = torch.tensor([i for i in range(config.vocab_size) if i not in special])
     pick = torch.randint(len(allowed), (period,), generator=torch.Generator().manual_seed(seed))
     return allowed[pick].repeat(seq // period + 1)[:seq][None]
+
+
+def retrieval_batches(config, seq: int, sink: int, window: int, n: int, device) -> list[dict]:
+    """`n` synthetic retrieval blocks of `seq` tokens (seeds 1..n): random tokens repeating every
+    `retrieval_period` tokens, labels -100 over the first copy, so a loss scores only tokens whose
+    earlier copy lies beyond sink + window (past the sinks once the period exceeds them)."""
+    if n == 0:
+        return []
+    period = retrieval_period(seq, sink, window)
+    out = []
+    for seed in range(1, n + 1):
+        ids = repeated_random_tokens(config, seq, period, seed).to(device)  # (1, seq)
+        labels = ids.clone()
+        labels[:, :period] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
 
 
 def retrieval_scores(model: nn.Module, units: list[list[int]], sink: int, window: int, seq: int,
