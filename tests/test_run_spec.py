@@ -24,8 +24,8 @@ register_schemas()
 
 @pytest.mark.parametrize("experiment", ["quickstart", "retraining_free", "llm_kv", "llm_iterative", "decoder_kv",
                                         "layer_sensitivity", "michel2019_bert_sst2"])
-def test_from_config_reads_every_part_of_an_experiment(experiment, tmp_path, data_dir):
-    cfg = compose_train(tmp_path, data_dir, f"experiment={experiment}")
+def test_from_config_reads_every_part_of_an_experiment(experiment, train_config):
+    cfg = train_config(f"experiment={experiment}")  # read-only, composed once per process (conftest)
     spec = RunSpec.from_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True)
     assert spec.record() == resolved  # results.json `config`, the resume's comparison, the loggers' hyperparameters
