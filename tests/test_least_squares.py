@@ -210,7 +210,7 @@ def held_tensor_bytes(exclude: set[int]) -> int:
 
 def run_counted(layers: int, batches: list[dict], monkeypatch) -> dict:
     """Tune a Llama of `layers` layers, counting attention and MLP runs (both models) and the peak
-    of tensor bytes held whenever a layer's normal equations take a batch."""
+    of tensor bytes held whenever a layer's normal equations take a batch, beyond those held before."""
     import headprune.recovery.normal_equations as ne
 
     model = tiny_gqa_llama(layers)
@@ -226,12 +226,14 @@ def run_counted(layers: int, batches: list[dict], monkeypatch) -> dict:
             handles.append(block.mlp.register_forward_pre_hook(lambda *a: counts.__setitem__("mlp", counts["mlp"] + 1)))
     params = {t.untyped_storage().data_ptr() for m in (model, dense) for t in [*m.parameters(), *m.buffers()]}
     params |= {mask.mask.untyped_storage().data_ptr()}
+    gc.collect()
+    before = held_tensor_bytes(params)  # what the process held already (an earlier run's leftovers): not this run's
     peak = {"bytes": 0}
     add = ne.NormalEquations.add
 
     def add_and_measure(self, *args):
         add(self, *args)
-        peak["bytes"] = max(peak["bytes"], held_tensor_bytes(params))
+        peak["bytes"] = max(peak["bytes"], held_tensor_bytes(params) - before)
 
     monkeypatch.setattr(ne.NormalEquations, "add", add_and_measure)
     report = tune_scales(model, mask, dense, batches, LeastSquares())
