@@ -4,6 +4,7 @@ the recovery trains), the export keeps the layout with the trained weights, a ki
 in its steps with the windows back on (a real process, SIGKILL) to the uninterrupted weights, and
 the repairs that cannot see windows stay refused. Tiny Llama built from a config."""
 import json
+import sys
 
 import pytest
 import torch
@@ -126,8 +127,6 @@ def test_a_killed_kl_run_resumes_with_its_windows_to_the_uninterrupted_weights(t
     overrides = _cli(llama_dir, *KL, *steps)
     whole = run(compose_train(tmp_path / "whole", data_dir, *overrides))
     killed = tmp_path / "killed"
-    import sys
-
     cmd = [sys.executable, "-m", "headprune.apps.train", *overrides, f"data.data_dir={data_dir}",
            f"hydra.run.dir={killed}"]
     step = _kill_after_first_checkpoint(cmd, killed)

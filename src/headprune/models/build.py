@@ -136,9 +136,10 @@ def checkpoint_activations(model):
     (transformers' activation checkpointing, non-reentrant, so frozen embeddings under LoRA still
     pass gradients): any training of it (epochs, a recovery's steps) holds one layer's activations
     at a time instead of all of them, for about one more forward per step. A long context is what
-    needs it: a KL step of SmolLM2-135M at 4096 tokens with windowed KV units outgrew 18 GB
-    without it. Evaluation and scoring in eval mode are unchanged (transformers checkpoints only
-    in training mode). Refused for a model class that cannot."""
+    needs it: a KL step of SmolLM2-135M at 4096 tokens with windowed KV units was killed out of
+    memory at 18 GB without it, 5 GB with it (experiments/llm_kv_modes/kl_memory). Evaluation
+    and scoring in eval mode are unchanged (transformers checkpoints only in training mode).
+    Refused for a model class that cannot."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"model.gradient_checkpointing=true: {type(model).__name__} does not support activation "
                          "checkpointing in transformers; allowed: model.gradient_checkpointing=false")
