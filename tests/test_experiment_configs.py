@@ -139,3 +139,19 @@ def test_llm_kv_calibrates_on_self_generated_text_by_default(arm_config):
     """experiments/llm_calibration: self-generated calibration held best out of domain in every arm."""
     assert arm_config("llm_kv", None)["data.calibration"] == "self"
     assert len(CALIBRATED_ARMS) > 50
+
+
+GIVEN = [a for a in arms("llm_kv_modes") if "given" in (CONF / "llm_kv_modes" / f"{a}.yaml").read_text()]
+
+
+@pytest.mark.parametrize("arm", GIVEN)
+def test_a_given_layout_arm_reads_a_committed_raw_file(arm, arm_config):
+    """An llm_kv_modes arm with kv_modes=given trains or evaluates a layout some committed run chose:
+    its kv_modes.layout is a raw results file of that experiment, holding final.kv_layout."""
+    from headprune.selection.kv_modes import read_kv_layout
+
+    composed = arm_config("llm_kv_modes", arm)
+    assert composed["kv_modes.choice"] == "given"
+    source = composed["kv_modes.layout"]
+    assert source.startswith("experiments/llm_kv_modes/results/"), source
+    assert read_kv_layout(str(EXPERIMENTS.parent / source)).options(), source

@@ -15,6 +15,8 @@
 #   retrieval_uniform_kl                               retrieval_uniform's choice, then 12 KL steps with the windows on
 #   measured                                           each unit's measured loss rise windowed / removed
 #   measured_retrieval                                 the same on the calibration block and one synthetic retrieval block
+#   measured_kl                                        measured's layout (kv_modes=given, from results/measured.json), then
+#                                                      retrieval_uniform_kl's 12 KL steps
 #   removal                                            kv_modes=none: the budget's own knapsack removes KV groups
 #   removal_refit                                      kv_modes=none, attention_drop + refit (2 calibration blocks)
 # One arm (the dense model evaluated too with true):

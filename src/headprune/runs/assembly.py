@@ -55,7 +55,7 @@ def assemble(spec: RunSpec, runtime: Runtime | None = None) -> Setup:
     check_model(model, spec)  # its head does model.task, before any work
     if not spec.trains:
         runtime.place(model, model_device=spec.pruning.model_device)
-    spec.kv_modes.check_model(model, task)
+    spec.kv_modes.check_model(model, task, spec.budget, spec.layer_policy)
     recovery.check_model(model)
     self_calibration.check_datamodule(datamodule, model, trains=spec.trains or recovery.needs_train_data)
     metric = with_eos_ids(spec.metric, model, tokenizer)

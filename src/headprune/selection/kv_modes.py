@@ -31,6 +31,12 @@ What a unit is worth, three ways:
   are not the few that fetch a fact from thousands of tokens back (passkey retrieval fell from
   0.80 to 0.20 with attention_mass at 2/3 of the KV bytes removed; experiments/llm_kv_modes).
 
+- `given`: no choice. The layout of an earlier run, read from `layout` (its results.json, which
+  records `final.kv_layout`; its export folder or that folder's headprune_kv_modes.json), checked
+  before any work against the model's shape, the window sizes set here, the budget and the layer
+  policy's caps. Why: a layout that took an hour to measure can be trained (KL steps) or evaluated
+  again without measuring it again, and recoveries compared on one layout.
+
 The layer policy's caps bound the removed units per layer (windows are not removal); its
 `unit_scores` are what `attention_mass` reads. `removal=last` removes no unit when every unit
 windowed fits the budget (the knapsack then chooses only between full and windowed): the two
@@ -57,7 +63,7 @@ import torch
 from torch import nn
 
 from headprune.costs.tables import LayerCosts
-from headprune.heads.adapters import get_adapter
+from headprune.heads.adapters import get_adapter, model_shape
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import FULL, KERNELS, KV_LAYOUT_ATTR, REMOVED, WINDOW, KVLayout, KVWindows, window_allowed
@@ -66,7 +72,7 @@ from headprune.recovery.none import NoRecovery
 from headprune.tasks import CAUSAL_LM, Task, task_for
 
 log = logging.getLogger(__name__)
-CHOICES = ("none", "measured", "attention_mass", "retrieval")
+CHOICES = ("none", "measured", "attention_mass", "retrieval", "given")
 REMOVALS = ("any", "last")
 UNIT_VALUES = ("metric", "uniform")
 
@@ -79,7 +85,9 @@ class KVModes:
     weighs removal like the other two) or last (no unit removed while every unit windowed fits the
     budget); `unit_value` (attention_mass, retrieval): what a unit kept full is worth, the metric's
     unit score or 1 for every unit (the choice then reads only the share a window loses: the
-    metric's scores on the calibration text rank the units that copy from far back low)."""
+    metric's scores on the calibration text rank the units that copy from far back low);
+    `retrieval_blocks` (measured): synthetic retrieval blocks measured beside the calibration ones;
+    `layout` (given, and only there): the file or folder the layout is read from."""
 
     choice: str = "none"
     sink: int = 64
@@ -88,6 +96,7 @@ class KVModes:
     removal: str = "any"
     unit_value: str = "metric"
     retrieval_blocks: int = 0
+    layout: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.choice not in CHOICES:
@@ -116,6 +125,23 @@ class KVModes:
         if self.samples is not None and (isinstance(self.samples, bool) or self.samples < 1):
             raise ValueError(f"kv_modes.samples={self.samples!r} must be an integer >= 1 or null (every calibration "
                              "block)")
+        self.given_layout: KVLayout | None = None
+        if (self.layout is not None) != (self.choice == "given"):
+            raise ValueError(f"kv_modes.layout={self.layout!r} names the layout kv_modes=given puts on the model; "
+                             f"with kv_modes={self.choice} " + ("it must be null" if self.layout is not None else
+                             "it is required") + "; allowed: kv_modes=given with kv_modes.layout=<results.json, export "
+                             "folder or headprune_kv_modes.json>, or kv_modes.layout=null")
+        if self.choice == "given":
+            if self.samples is not None or self.removal != "any":
+                raise ValueError(f"kv_modes=given measures and chooses nothing, so kv_modes.samples={self.samples} and "
+                                 f"kv_modes.removal={self.removal} would be ignored; allowed: kv_modes.samples=null, "
+                                 "kv_modes.removal=any")
+            self.given_layout = read_kv_layout(self.layout)
+            if (self.given_layout.sink, self.given_layout.window) != (self.sink, self.window):
+                raise ValueError(f"kv_modes.layout={self.layout} keeps sink {self.given_layout.sink} + window "
+                                 f"{self.given_layout.window} tokens per windowed unit, but kv_modes.sink={self.sink} "
+                                 f"and kv_modes.window={self.window}; allowed: kv_modes.sink={self.given_layout.sink} "
+                                 f"kv_modes.window={self.given_layout.window}")
 
     @property
     def active(self) -> bool:
@@ -123,7 +149,8 @@ class KVModes:
 
     def record(self) -> dict:
         return {"choice": self.choice, "sink": self.sink, "window": self.window, "samples": self.samples,
-                "removal": self.removal, "unit_value": self.unit_value, "retrieval_blocks": self.retrieval_blocks}
+                "removal": self.removal, "unit_value": self.unit_value, "retrieval_blocks": self.retrieval_blocks,
+                "layout": self.layout}
 
     def check(self, schedule, layer_policy, recovery, budget, *, block_size: int | None, rearrange: bool,
               world_size: int = 1, resuming: bool = False) -> None:
@@ -155,20 +182,22 @@ class KVModes:
         if rearrange:
             raise ValueError(f"{name} chooses each unit's mode by its own value; pruning.rearrange=true would re-choose "
                              "removed units after it; allowed: pruning.rearrange=false")
-        if block_size is None or block_size < budget.seq:
+        if self.choice != "given" and (block_size is None or block_size < budget.seq):
             raise ValueError(f"{name} measures on the calibration blocks, which must be at least the budget's context: "
                              f"data.block_size={block_size} < budget.seq={budget.seq}; allowed: data.block_size >= "
                              "budget.seq")
         if self.choice == "retrieval" or self.retrieval_blocks:
             retrieval_period(block_size, self.sink, self.window)
         if world_size > 1:
-            raise ValueError(f"{name} measures on one process; got {world_size} processes; allowed: trainer.devices=1")
+            raise ValueError(f"{name} runs on one process (the choice measures on it, the windows are attached to it); got {world_size} processes; allowed: trainer.devices=1")
         if resuming and not steps:
             raise ValueError(f"{name}: a run without training has no checkpoint to resume; allowed: ckpt_path=null "
                              "(or a run with recovery.steps > 0: its recovery/last.ckpt)")
 
-    def check_model(self, model: nn.Module, task: Task | None = None) -> None:
-        """The run's `task` (None: the model's head's) is causal LM and the kernel takes per-head masks."""
+    def check_model(self, model: nn.Module, task: Task | None = None, budget=None, layer_policy=None) -> None:
+        """The run's `task` (None: the model's head's) is causal LM and the kernel takes per-head
+        masks; kv_modes=given's layout fits the model, `budget` (its target share of the mode
+        table) and `layer_policy`'s caps (`given`), before any work."""
         if not self.active:
             return
         if task_for(model, task) is not CAUSAL_LM:
@@ -178,6 +207,9 @@ class KVModes:
         if kernel not in KERNELS:
             raise ValueError(f"kv_modes={self.choice}: windowed units need a per-head mask, which "
                              f"model.attn_implementation={kernel} does not take; allowed: {', '.join(KERNELS)}")
+        if self.choice == "given" and budget is not None and layer_policy is not None:
+            alive = torch.ones(model_shape(model), dtype=torch.bool)
+            self.given(model, alive, self.table(budget, model), budget.target, layer_policy)
 
     def table(self, budget, dense: nn.Module) -> LayerCosts:
         """The budget's KV mode cost table for these window sizes."""
@@ -190,6 +222,10 @@ class KVModes:
         from headprune.selection.budgets import allocate_modes
 
         start = time.perf_counter()
+        if self.choice == "given":
+            layout, report = self.given(model, mask.alive(), costs, share, layer_policy)
+            report["kv_modes"] = {**self.record(), "seconds": round(time.perf_counter() - start, 3)}
+            return layout, report
         units = kv_group_heads(model)
         batches = calibration_batches(loader, mask.mask.device, self.samples, max_batches)
         if self.choice == "measured":
@@ -230,6 +266,68 @@ class KVModes:
                               "seq": int(batches[0]["input_ids"].shape[1]), "full_value": full,
                               "window_value": windowed, **measured, "seconds": round(time.perf_counter() - start, 3)}
         return layout, report
+
+
+    def given(self, model: nn.Module, alive: torch.Tensor, costs: LayerCosts, share: float,
+              layer_policy) -> tuple[KVLayout, dict]:
+        """kv_modes=given's layout and its report (as the knapsack's: modes, options, predicted
+        cost and share), refused when it is not the model's shape, costs more than `share` of
+        the dense cost, or removes more of a layer than the layer policy's caps allow."""
+        from headprune.selection.budgets import cost_limit
+
+        layout = self.given_layout
+        where = f"kv_modes.layout={self.layout}"
+        try:
+            layout.check(model)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        options = layout.options()
+        missing = [l for l, option in enumerate(options) if option not in costs.cost[l]]
+        if missing:
+            raise ValueError(f"{where}: layer {missing[0]} keeps {options[missing[0]]} (units full, windowed), which "
+                             "the budget's cost table has no entry for")
+        cost = costs.total(options)
+        if cost - costs.fixed > cost_limit(costs, share) * (1 + 1e-9):
+            raise ValueError(f"{where} keeps {cost / costs.dense:.4f} of the dense {costs.unit}, more than the budget's "
+                             f"{share:.4f}; allowed: budget.target >= {cost / costs.dense:.4f}, or a smaller layout")
+        group = len(kv_group_heads(model)[0])
+        caps = layer_policy.caps(alive)  # alive (layers, heads): the heads still in the model
+        for l, layer in enumerate(layout.modes):
+            if layer.count(REMOVED) * group > caps[l]:
+                raise ValueError(f"{where} removes {layer.count(REMOVED)} unit(s) of layer {l}; the layer policy lets "
+                                 f"it lose at most {caps[l]} head(s); allowed: a layer_policy whose caps allow it "
+                                 "(layer_policy.min_heads_per_layer, max_prune_per_layer)")
+        report = {"modes": [list(layer) for layer in layout.modes], "options": [list(o) for o in options],
+                  "target_share": share, "predicted_cost": cost, "dense_cost": costs.dense,
+                  "predicted_share": cost / costs.dense, "unit": costs.unit}
+        return layout, report
+
+
+def read_kv_layout(path: str) -> KVLayout:
+    """The KV layout at `path`: a run's results.json (`final.kv_layout`), an export folder (its
+    headprune_kv_modes.json) or such a file; refused, naming the file, when it holds none."""
+    import json
+    from pathlib import Path
+
+    from headprune.deploy.hf import MODES_FILE
+
+    where = f"kv_modes.layout={path}"
+    file = Path(path)
+    if file.is_dir():
+        file = file / MODES_FILE
+    if not file.is_file():
+        raise ValueError(f"{where}: no such file ({file}); allowed: a run's results.json, an export folder with "
+                         f"{MODES_FILE}, or such a file")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{where}: {file} is not valid JSON ({err})") from None
+    if isinstance(data, dict) and isinstance(data.get("final"), dict):
+        if "kv_layout" not in data["final"]:
+            raise ValueError(f"{where}: {file} is a results.json without final.kv_layout (a run without kv modes, or "
+                             "one that did not finish)")
+        data = data["final"]["kv_layout"]
+    return KVLayout.from_json(data, where=str(file))
 
 
 def trains_steps(recovery) -> bool:
