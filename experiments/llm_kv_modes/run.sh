@@ -17,6 +17,8 @@
 #   measured_retrieval                                 the same on the calibration block and one synthetic retrieval block
 #   measured_kl                                        measured's layout (kv_modes=given, from results/measured.json), then
 #                                                      retrieval_uniform_kl's 12 KL steps
+#   retrieval_33_kl, retrieval_85_kl, retrieval_2048_kl  retrieval_33's / _85's / _2048's layouts (kv_modes=given), then
+#                                                      the same KL steps (24 of 2048 tokens at 2048)
 #   removal                                            kv_modes=none: the budget's own knapsack removes KV groups
 #   removal_refit                                      kv_modes=none, attention_drop + refit (2 calibration blocks)
 # One arm (the dense model evaluated too with true):
