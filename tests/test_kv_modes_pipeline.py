@@ -175,3 +175,20 @@ def test_removal_last_is_refused_without_kv_modes(tmp_path, llama_dir, data_dir)
     with pytest.raises(ValueError, match=r"kv_modes.removal=last .* allowed: kv_modes.removal=any with kv_modes=none"):
         run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "kv_modes=none", "kv_modes.removal=last")))
     assert not (tmp_path / "results.json").exists()
+
+
+def test_measured_modes_are_measured_on_self_generated_calibration(tmp_path, llama_dir, data_dir):
+    """data.calibration=self: the rises kv_modes=measured weighs are measured on the blocks the dense
+    model sampled (the run dir's cache), not on the corpus: its base loss is the dense model's loss
+    on the first of those cached blocks (kv_modes.samples=1)."""
+    from headprune.data.self_calibration import CACHE
+    from headprune.models.build import build_model
+
+    res = run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "kv_modes=measured", "data.calibration=self",
+                                                      "data.self_calibration.batch_size=2")))
+    assert res["calibration"]["source"] == "self"
+    blocks = torch.load(tmp_path / CACHE)["score"]  # (2, 32) sampled ids
+    assert blocks.shape == (2, 32)
+    dense = build_model(str(llama_dir), task="causal_lm", random_init=True, attn_implementation="sdpa", seed=0).eval()
+    expected = _loss(dense, [{"input_ids": blocks[:1]}])
+    assert res["rounds"][0]["budget"]["kv_modes"]["base_loss"] == pytest.approx(expected, rel=1e-5)
