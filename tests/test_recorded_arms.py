@@ -14,6 +14,10 @@ from headprune.apps.config_schema import register_schemas
 register_schemas()
 
 ROOT = Path(__file__).resolve().parents[1]
+# the KL steps of llm_kv_modes' KL arms (retrieval_uniform_kl's, measured_kl's)
+KL_STEPS = ["recovery=distill", "recovery.steps=12", "recovery.alpha=1.0", "recovery.temperature=1.0",
+            "recovery.checkpoint_every=2", "model.gradient_checkpointing=true", "data.max_train_samples=12",
+            "data.batch_size=1"]
 # the overrides each arm ran with before it became a config (llm_kv_modes/run.sh's ARM array at 0b03af8)
 KV_MODES = {
     "attention_mass": ["kv_modes=attention_mass", "kv_modes.removal=any"],
@@ -36,6 +40,17 @@ KV_MODES = {
                              "model.gradient_checkpointing=true", "data.max_train_samples=12", "data.batch_size=1"],
     "retrieval_2048": ["kv_modes=retrieval", "budget.seq=2048", "data.block_size=2048", "evaluation.perplexity_seqs=[2048]",
                        "evaluation.passkey_lengths=[2048]"],
+    "retrieval_uniform_self": ["kv_modes=retrieval", "kv_modes.unit_value=uniform", "data.calibration=self"],
+    "measured_self": ["kv_modes=measured", "data.calibration=self"],
+    "measured_kl": ["kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/measured.json", *KL_STEPS],
+    "retrieval_33_kl": ["kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/retrieval_33.json",
+                        *KL_STEPS, "budget.target=0.67"],
+    "retrieval_85_kl": ["kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/retrieval_85.json",
+                        *KL_STEPS, "budget.target=0.15"],
+    "retrieval_2048_kl": ["kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/retrieval_2048.json",
+                          *KL_STEPS, "budget.seq=2048", "data.block_size=2048", "data.max_train_samples=24",
+                          "recovery.steps=24", "recovery.checkpoint_every=4", "evaluation.perplexity_seqs=[2048]",
+                          "evaluation.passkey_lengths=[2048]"],
     "retrieval_33_2048": ["kv_modes=retrieval", "budget.target=0.67", "budget.seq=2048", "data.block_size=2048",
                           "evaluation.perplexity_seqs=[2048]", "evaluation.passkey_lengths=[2048]"],
 }

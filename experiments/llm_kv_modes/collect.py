@@ -18,9 +18,11 @@ from pathlib import Path
 from headprune.report import DASH, Column, gather, load_results, markdown, number, read_json, text, write
 
 HERE = Path(__file__).resolve().parent
-ARMS = ["removal", "removal_refit", "attention_mass", "attention_mass_last", "measured", "retrieval", "retrieval_uniform",
-        "retrieval_uniform_kl", "attention_mass_85", "attention_mass_85_last", "retrieval_85", "attention_mass_33_last", "retrieval_33"]
-ARMS_2048 = ["retrieval_2048", "retrieval_33_2048"]  # a 2048-token context; dense: retrieval_2048's evaluation.dense
+ARMS = ["removal", "removal_refit", "attention_mass", "attention_mass_last", "measured", "measured_self",
+        "measured_retrieval", "measured_kl", "retrieval", "retrieval_uniform", "retrieval_uniform_self",
+        "retrieval_uniform_kl", "attention_mass_85", "attention_mass_85_last", "retrieval_85", "retrieval_85_kl",
+        "attention_mass_33_last", "retrieval_33", "retrieval_33_kl"]
+ARMS_2048 = ["retrieval_2048", "retrieval_2048_kl", "retrieval_33_2048"]  # a 2048-token context; dense: retrieval_2048's evaluation.dense
 # the issue's targets without training, by the share of the KV bytes kept: (ppl rise %, passkey share of dense's)
 TARGETS = {0.67: (1.0, None), 0.34: (3.0, 0.9), 0.15: (8.0, 0.8)}  # None: the issue sets none
 
@@ -69,7 +71,8 @@ def rows(runs: dict[str, dict], dense: dict, seq: int = 4096) -> list[dict]:
                     "ts_change": ts_change, "sst": sst, "sst_change": sst_change,
                     "ratio": sst_change / ts_change if ts_change > 0 else None, "passkey": pruned["passkey"],
                     "seconds": choice_seconds(data), "target": data["budget"]["target"], "wall": data.get("wall", {}),
-                    "kl_steps": data["rounds"][0].get("distill", {}).get("steps")})
+                    "kl_steps": data["rounds"][0].get("distill", {}).get("steps"),
+                    "calibration": data.get("calibration", {}).get("source", "corpus")})
     return out
 
 
@@ -87,6 +90,7 @@ ARM_COLUMNS = [
     text("by depth 0 / .25 / .5 / .75 / 1", lambda r: depths(r["passkey"])),
     Column("choice s", lambda r: number(r["seconds"], ".0f"), True),
     Column("KL steps", lambda r: str(r["kl_steps"]) if r.get("kl_steps") else DASH, True),
+    text("calibration", lambda r: r.get("calibration") or DASH),
 ]
 
 
@@ -164,7 +168,9 @@ def render(directory: Path = HERE) -> dict[str, str]:
              "the mode choice took (measurement and knapsack). `_last`: kv_modes.removal=last (no unit removed while",
              "every unit windowed fits the budget; the retrieval arms too). KL steps: optimizer steps of the KL to the",
              "dense model after the choice, with the windows on (one 4096-token block a step; the targets are for no",
-             "training).", "",
+             "training); `measured_kl` and the other `_kl` arms train the layout of the arm they name (kv_modes=given,",
+             "read from its raw file here), so their choice s is only the layout's check. Calibration: the block the",
+             "choice measured on (corpus: Tiny Shakespeare's training part; self: sampled from the dense model).", "",
              *markdown(ARM_COLUMNS, [dense_row(runs, dense), *table]),
              "", targets_heading(4096), "",
              *markdown(target_columns(dense_key), table)]
