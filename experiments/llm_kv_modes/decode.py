@@ -1,7 +1,7 @@
 """Decode speed and the cache held of KV-mode exports against the dense model, and the bound.
 
     python experiments/llm_kv_modes/decode.py ../llmruns/llm_kv_modes/<arm>/export [...] \
-        [--contexts 4096 8192] [--new-tokens 16] [--repeats 5]
+        [--contexts 4096 8192] [--new-tokens 16] [--repeats 5] [--device cuda --out decode_h200.json]
 
 For each context: one prompt of `context - new_tokens` seeded random token ids (batch 1); each
 model (the dense origin, then each export loaded as a user loads it: `load_pruned`, its windows
@@ -12,8 +12,9 @@ speed-up over dense, the bytes the cache holds after the prefill (`heads.windows
 its share of dense's, and the bound: Amdahl with the dense decode's attention share (a hooked
 pass, `bench.decoder.attention_share`) and the export's attention FLOPs over the same steps, a
 windowed unit's heads attending to at most sink + window keys (`costs.flops.attention_flops`).
-Writes decode.json beside this script (one entry per context and model, replacing an earlier entry
-of the same pair; threads, load average).
+Writes decode.json beside this script, or `--out` (one entry per context and model, replacing an
+earlier entry of the same pair; device, threads, load average). `--device cuda`: every model and
+the prompt on the GPU, timed with CUDA events, float32 as on CPU.
 """
 from __future__ import annotations
 
@@ -60,18 +61,19 @@ def decode_flops(model, context: int, new_tokens: int) -> float:
     return total
 
 
-def measure(exports: list[Path], context: int, new_tokens: int, repeats: int) -> list[dict]:
-    models = [load_pruned(e).eval() for e in exports]
+def measure(exports: list[Path], context: int, new_tokens: int, repeats: int,
+            device: torch.device = torch.device("cpu")) -> list[dict]:
+    models = [load_pruned(e).eval().to(device) for e in exports]
     origin = origin_of(str(exports[0]), None, "export")
-    dense = load_dense(origin, models[0], str(exports[0]), torch.device("cpu"), torch.float32).eval()
+    dense = load_dense(origin, models[0], str(exports[0]), device, torch.float32).eval()
     names = ["dense", *[e.parent.name for e in exports]]
     every = [dense, *models]
     prompt = torch.randint(0, dense.config.vocab_size, (1, context - new_tokens),
-                           generator=torch.Generator().manual_seed(0))
+                           generator=torch.Generator().manual_seed(0)).to(device)  # (1, T)
     with torch.no_grad():
         starts = [prefill(m, prompt) for m in every]  # (cache, next token) per model
     held = [held_bytes(cache) for cache, _ in starts]
-    clock = Clock("cpu")
+    clock = Clock(device)
     cases = {name: Case(run=lambda state, m=m: decode(m, *state, new_tokens),
                         setup=lambda s=s: (copy.deepcopy(s[0]), s[1]))
              for name, m, s in zip(names, every, starts)}
@@ -88,9 +90,14 @@ def measure(exports: list[Path], context: int, new_tokens: int, repeats: int) ->
                      "per_token_spread_ms": step.spread(), "speedup": speedup, "dense_attention_share": share,
                      "kept_attention_work": kept, "bound": bound, "ratio_to_bound": speedup / bound,
                      "held_bytes": held[i], "held_share": held[i] / held[0], "repeats": step.n,
-                     "threads": torch.get_num_threads(), "load_average_end": list(os.getloadavg())})
+                     "device": device_name(device), "threads": torch.get_num_threads(), "load_average_end": list(os.getloadavg())})
         print(json.dumps(rows[-1]))
     return rows
+
+
+def device_name(device: torch.device) -> str:
+    """'cpu', or the GPU's name (e.g. 'NVIDIA H200')."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def main() -> None:
@@ -99,11 +106,16 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--out", default="decode.json", help="file name beside this script")
     args = parser.parse_args()
-    out = HERE / "decode.json"
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no GPU visible to torch")
+    out = HERE / args.out
     rows = json.loads(out.read_text()) if out.is_file() else []
     for context in args.contexts:
-        new = measure(args.exports, context, args.new_tokens, args.repeats)
+        new = measure(args.exports, context, args.new_tokens, args.repeats, device)
         taken = {(r["model"], r["context"]) for r in new}
         rows = [r for r in rows if (r["model"], r["context"]) not in taken] + new
         out.write_text(json.dumps(rows, indent=1) + "\n")  # after each context: a later one may be stopped

@@ -1,4 +1,5 @@
-"""The attention call of a layer with windowed KV units when it runs with a cache (generation).
+"""The attention call of a layer with windowed KV units: with a cache (generation), and without
+one (scoring, training, evaluation), where the windowed heads attend chunk by chunk.
 
 Why: with one kernel call per layer, every query head attends over every key slot of the layer,
 so a windowed unit's heads would read the whole context (a per-head mask only hides it) and the
@@ -16,8 +17,19 @@ How the call gets here without touching each family: the `KVWindows` pre-hook ar
 (`arm`: a `SplitCall` on it, its `config` replaced, for this one forward, by a `KernelConfig`
 that names `SPLIT_KERNEL`, registered with transformers' AttentionInterface), so the module's
 forward looks up `split_attention` where it looks up its kernel; a forward hook (`disarm`,
-run even when the forward raises) puts the model's config back. Forwards without a cache never
-come here (they keep the per-head mask of `heads.windows`).
+run even when the forward raises) puts the model's config back.
+
+Without a cache (`BandCall`) the same split runs over the layer's own keys: the full units'
+heads under the model's mask (sdpa's causal path when it has none), the windowed units' heads
+in chunks of max(window, `MIN_CHUNK`) queries, each chunk over only the key slots its queries
+may see (the sinks and the band from window - 1 before its first query to its last), so a
+windowed head costs about T x (sink + window + chunk) scores instead of T x T and no (B, H, T, T)
+mask is built. Why: at 4096 tokens with a 64 + 448 window the per-head-masked kernel spent most
+of a SmolLM2 forward on scores a window throws away. A module class not yet seen to look its
+kernel up also gets the per-head mask in its `attention_mask` (what the kernel reads if the call
+never comes here), and one seen not to keeps it (`ROUTES`). Prefill with a cache (more queries
+than a chunk) is chunked the same way. When the model records attention weights nothing is
+chunked (the weights are the whole (Q, K) map).
 
 A key at slot k is visible to a windowed head's query at slot q iff k <= q and (k < sink or
 k > q - window) (`heads.windows.window_allowed`); the model's own mask (padding, causality) is
@@ -36,6 +48,8 @@ SPLIT_KERNEL = "headprune_windowed_split"  # the AttentionInterface name an arme
 SPLIT_ATTR = "headprune_split"  # the SplitCall an armed attention module carries for one forward
 VIEW_ATTR = "headprune_kernel_config"  # the module's KernelConfig, kept between forwards
 SHARED_TENSOR_KWARGS = ("position_ids", "cache_position")  # tensors a kernel may get that are not per head
+MIN_CHUNK = 128  # queries per chunk of windowed heads, at least (the window, when larger)
+ROUTES: dict[type, bool] = {}  # attention module class -> whether its forward looked its kernel up (BandCall)
 
 
 def pick(indices: torch.Tensor) -> slice | torch.Tensor:
@@ -83,6 +97,45 @@ class SplitCall:
     window: int
     kernel: str
 
+    def begin(self) -> None:
+        self.layer.armed = True
+
+    def end(self, module: nn.Module, output) -> None:
+        """After the forward: refused when it never called the split kernel (module docstring)."""
+        unused = self.layer.armed or self.layer.step is not None
+        self.layer.armed, self.layer.step = False, None
+        if unused and output is not None:
+            raise ValueError(f"{type(module).__name__} ran its attention without the split call of windowed KV units "
+                             "(it does not look its kernel up in transformers' AttentionInterface by "
+                             "config._attn_implementation), so its kernel saw only the full units' keys; windowed units "
+                             "at generation are not supported for this family (forwards without a cache are)")
+
+
+@dataclass
+class BandCall:
+    """One forward without a cache: the layer's query heads (`heads`) and KV heads (`kv`) split
+    into full and windowed units' halves, the model's own `mask` (None, or (B, 1, Q, K)) and the
+    per-head mask the module was also handed (`per_head`, None when its class is known to look
+    its kernel up); `used`: the split kernel ran."""
+
+    heads: HeadSplit
+    kv: HeadSplit
+    sink: int
+    window: int
+    kernel: str
+    mask: torch.Tensor | None
+    per_head: torch.Tensor | None
+    used: bool = False
+
+    def begin(self) -> None:
+        self.used = False
+
+    def end(self, module: nn.Module, output) -> None:
+        """After the forward: record whether the module's class looks its kernel up; one that did
+        not computed with the per-head mask it was handed, which is correct."""
+        if output is not None:
+            ROUTES[type(module)] = self.used
+
 
 class KernelConfig:
     """The attention module's config during an armed forward: every field the model's config
@@ -116,7 +169,7 @@ def arm(module: nn.Module, call: SplitCall) -> None:
     if view is None or view.base is not config:
         view = state[VIEW_ATTR] = KernelConfig(config)
     state[SPLIT_ATTR] = call
-    call.layer.armed = True
+    call.begin()
     state["config"] = view
 
 
@@ -133,13 +186,7 @@ def disarm(module: nn.Module, args, output) -> None:
     if call is None:
         return
     state[SPLIT_ATTR] = None
-    unused = call.layer.armed or call.layer.step is not None
-    call.layer.armed, call.layer.step = False, None
-    if unused and output is not None:
-        raise ValueError(f"{type(module).__name__} ran its attention without the split call of windowed KV units "
-                         "(it does not look its kernel up in transformers' AttentionInterface by "
-                         "config._attn_implementation), so its kernel saw only the full units' keys; windowed units "
-                         "at generation are not supported for this family (forwards without a cache are)")
+    call.end(module, output)
 
 
 def family_kernel(module: nn.Module, kernel: str):
@@ -177,6 +224,99 @@ def window_mask(mask: torch.Tensor | None, queries: torch.Tensor | None, slots: 
     return held.masked_fill(~allowed, torch.finfo(held.dtype).min)
 
 
+def per_head_mask(mask: torch.Tensor | None, windowed: torch.Tensor, n_q: int, sink: int, window: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The model's mask (None: causal; or (B, 1, Q, K) additive or boolean) widened to every query
+    head, (B or 1, H, Q, K), the heads of windowed units (`windowed`, (H,) bool) also barred from
+    keys outside their sinks and window: what one kernel call over all heads needs. Queries are
+    the last `n_q` key slots."""
+    device = windowed.device
+    n_k = mask.shape[-1] if mask is not None else n_q
+    queries = torch.arange(n_k - n_q, n_k, device=device)[:, None]  # (Q, 1)
+    keys = torch.arange(n_k, device=device)[None, :]  # (1, K)
+    allowed = (keys <= queries) & ((keys < sink) | (keys > queries - window))  # (Q, K)
+    allowed = allowed[None] | ~windowed[:, None, None]  # (H, Q, K): full heads unrestricted here
+    if mask is None:  # sdpa's causal shortcut: causality is ours to add
+        allowed = allowed & (keys <= queries)[None]
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None]
+    if mask.dtype == torch.bool:
+        return mask & allowed[None]  # (B, H, Q, K)
+    return mask.masked_fill(~allowed[None], torch.finfo(mask.dtype).min)  # (B, H, Q, K)
+
+
+def recording_attentions() -> bool:
+    """Whether the running forward collects attention weights (output_attentions)."""
+    from transformers.utils.output_capturing import _active_collector  # private; read here only
+
+    collected = _active_collector.get()
+    return collected is not None and "attentions" in collected
+
+
+def windowed_chunks(kernel, module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    mask: torch.Tensor | None, queries: torch.Tensor, slots: torch.Tensor, sink: int, window: int,
+                    **kwargs) -> torch.Tensor:
+    """The windowed heads' output (B, Q, Hw, Dv), chunk by chunk of max(window, MIN_CHUNK)
+    queries: query (B, Hw, Q, D) at slots `queries` (ascending), keys / values (B, W, n, D) at
+    `slots` (ascending), the model's mask (B, 1, Q, T) or None; each chunk's kernel call reads
+    the key slots below `sink` and those from window - 1 before its first query to its last."""
+    chunk = max(window, MIN_CHUNK)
+    outs = []
+    for start in range(0, query.shape[2], chunk):
+        end = min(start + chunk, query.shape[2])
+        first, last = int(queries[start]), int(queries[end - 1])
+        seen = ((slots < sink) | ((slots > first - window) & (slots <= last))).nonzero().flatten()  # (n',)
+        take = pick(seen)
+        rows = mask[..., start:end, :] if mask is not None and mask.shape[-2] > 1 else mask
+        part = window_mask(rows, queries[start:end], slots[seen], sink, window, query.dtype)
+        out, _ = kernel(module, query[:, :, start:end], keys[:, :, take], values[:, :, take], part, **kwargs)
+        outs.append(out)  # (B, q, Hw, Dv)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def joined(heads: HeadSplit, parts: dict, n_heads: int) -> torch.Tensor:
+    """The halves' outputs (B, Q, h, Dv) back in head order, (B, Q, H, Dv)."""
+    if heads.order is not None:  # two blocks (or one): the outputs concatenate
+        outs = [parts[half][1] for half in heads.order if half in parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    first = parts["full"][1]
+    output = first.new_empty(*first.shape[:2], n_heads, first.shape[-1])  # (B, Q, H, Dv)
+    for index, out, *_ in parts.values():
+        output.index_copy_(2, index, out)
+    return output
+
+
+def band_attention(module: nn.Module, call: BandCall, kernel, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, **kwargs):
+    """A forward without a cache (module docstring): query (B, H, Q, D), key / value (B, KV, T, D)
+    every KV head the layer computes. Returns ((B, Q, H, Dv), weights or None)."""
+    heads, kv = call.heads, call.kv
+    if recording_attentions():  # the whole (Q, K) map is asked for: one call under the per-head mask
+        mask = call.per_head if call.per_head is not None else per_head_mask(
+            call.mask, heads_flags(heads, query.shape[1], query.device), query.shape[2], call.sink, call.window,
+            query.dtype)
+        return kernel(module, query, key, value, mask, **kwargs)
+    parts = {}
+    if len(heads.full):
+        out, _ = kernel(module, query[:, heads.full_pick], key[:, kv.full_pick], value[:, kv.full_pick], call.mask,
+                        **kwargs)
+        parts["full"] = (heads.full, out)
+    if len(heads.window):
+        n_q, n_k = query.shape[2], key.shape[2]
+        slots = torch.arange(n_k, device=query.device)
+        out = windowed_chunks(kernel, module, query[:, heads.window_pick], key[:, kv.window_pick],
+                              value[:, kv.window_pick], call.mask, slots[n_k - n_q:], slots, call.sink, call.window,
+                              **kwargs)
+        parts["window"] = (heads.window, out)
+    return joined(heads, parts, query.shape[1]), None
+
+
+def heads_flags(heads: HeadSplit, n_heads: int, device) -> torch.Tensor:
+    """(H,) bool: which query heads are windowed units'."""
+    flags = torch.zeros(n_heads, dtype=torch.bool, device=device)
+    flags[heads.window] = True
+    return flags
+
+
 def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, **kwargs):
     """`module`'s attention with its query heads split (module docstring). query (B, H, Q, D);
@@ -193,6 +333,14 @@ def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                              f"{type(module).__name__} passes its kernel the tensor {name!r}, which may be per head "
                              f"(not done); allowed tensor arguments: {', '.join(SHARED_TENSOR_KWARGS)}")
     kernel, heads = family_kernel(module, call.kernel), call.heads
+    if isinstance(call, BandCall):
+        call.used = True
+        group = getattr(module, "num_key_value_groups", 1)
+        if len(heads.full) != len(call.kv.full) * group or len(heads.window) != len(call.kv.window) * group:
+            raise ValueError(f"{type(module).__name__}: {len(heads.full)} + {len(heads.window)} query heads for "
+                             f"{len(call.kv.full)} full + {len(call.kv.window)} windowed KV heads are not groups of "
+                             f"num_key_value_groups={group}")
+        return band_attention(module, call, kernel, query, key, value, **kwargs)
     window_keys, window_values, slots, queries = call.layer.take_step()  # (B, W, n, D) x2, (n,), (Q,) or None
     group = getattr(module, "num_key_value_groups", 1)  # query heads per KV head, as the kernel repeats them
     if len(heads.full) != key.shape[1] * group or len(heads.window) != window_keys.shape[1] * group:
@@ -204,17 +352,14 @@ def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         out, weights = kernel(module, query[:, heads.full_pick], key, value, attention_mask, **kwargs)
         parts["full"] = (heads.full, out, weights, None)
     if len(heads.window):
-        mask = window_mask(attention_mask, queries, slots, call.sink, call.window, query.dtype)
-        out, weights = kernel(module, query[:, heads.window_pick], window_keys, window_values, mask, **kwargs)
+        if queries is not None and query.shape[2] > max(call.window, MIN_CHUNK) and not recording_attentions():
+            out, weights = windowed_chunks(kernel, module, query[:, heads.window_pick], window_keys, window_values,
+                                           attention_mask, queries, slots, call.sink, call.window, **kwargs), None
+        else:
+            mask = window_mask(attention_mask, queries, slots, call.sink, call.window, query.dtype)
+            out, weights = kernel(module, query[:, heads.window_pick], window_keys, window_values, mask, **kwargs)
         parts["window"] = (heads.window, out, weights, slots)
-    if heads.order is not None:  # two blocks (or one): the outputs concatenate
-        outs = [parts[half][1] for half in heads.order if half in parts]
-        output = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # (B, Q, H, Dv)
-    else:
-        first = parts["full"][1]
-        output = first.new_empty(*first.shape[:2], query.shape[1], first.shape[-1])  # (B, Q, H, Dv)
-        for index, out, _, _ in parts.values():
-            output.index_copy_(2, index, out)
+    output = joined(heads, parts, query.shape[1])  # (B, Q, H, Dv)
     return output, assembled_weights(list(parts.values()), query, call.layer.length)
 
 

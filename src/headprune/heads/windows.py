@@ -6,9 +6,12 @@ DuoAttention's streaming heads), or nothing (`removed`).
 existing machinery removes (`HeadMask` gates, `heads.surgery`), `window` units are restricted here.
 
 Where the restriction sits: a forward pre-hook on each attention module (keyword arguments)
-replaces its `attention_mask` by a per-head mask of the query heads the kernel computes, the
-same mask widened from (B, 1, Q, K) to (B, H, Q, K) with a windowed group's heads also barred
-from keys outside its sinks and window. Both eager attention (an additive mask) and sdpa (an
+routes its kernel call through `heads.windowed_attention`, which runs the full units' heads
+under the model's mask and the windowed units' heads chunk by chunk over only the keys their
+window lets them see (`BandCall`). A module class not yet seen to look its kernel up (or seen
+not to) also gets, in its `attention_mask`, a per-head mask of the query heads the kernel
+computes: the same mask widened from (B, 1, Q, K) to (B, H, Q, K) with a windowed group's heads
+also barred from keys outside its sinks and window. Both eager attention (an additive mask) and sdpa (an
 additive or boolean mask, GQA packed or repeated) take a per-head mask as they take the shared
 one, so the kernel, its softmax and the family's own score transforms (soft-capping, scaling)
 stay the family's. A layer with no windowed unit is left alone (no hook; a hooked layer whose
@@ -48,7 +51,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
 from headprune.heads.latent import is_latent
 from headprune.heads.surgery import prune_heads
-from headprune.heads.windowed_attention import HeadSplit, SplitCall, arm, disarm
+from headprune.heads.windowed_attention import (ROUTES, BandCall, HeadSplit, SplitCall, arm, disarm, heads_flags,
+                                               per_head_mask)
 
 FULL, WINDOW, REMOVED = "full", "window", "removed"
 MODES = (FULL, WINDOW, REMOVED)
@@ -245,23 +249,16 @@ class KVWindows:
                 cache_layer = install_cache_layer(cache, index, kv_windowed, sink, window)
                 arm(module, SplitCall(cache_layer, heads, sink, window, model.config._attn_implementation))
                 return None
-            windowed = self.slot_windowed(model, layer).to(hidden.device)  # (H,)
             mask = kwargs["attention_mask"]  # None, or (B, 1, Q, K) additive float or boolean
-            n_q = hidden.shape[1]
-            n_k = mask.shape[-1] if mask is not None else n_q
-            queries = torch.arange(n_q, device=hidden.device)
-            keys = torch.arange(n_k, device=hidden.device)
-            allowed = window_allowed(queries, keys, sink, window)  # (Q, K)
-            allowed = allowed[None] | ~windowed[:, None, None]  # (H, Q, K): full heads unrestricted here
-            if mask is None:  # sdpa's causal shortcut: causality is ours to add
-                allowed = allowed & (keys[None, :] <= queries[:, None])[None]
-                new = torch.zeros(allowed.shape, dtype=hidden.dtype, device=hidden.device)
-                new = new.masked_fill(~allowed, torch.finfo(hidden.dtype).min)[None]  # (1, H, Q, K)
-            elif mask.dtype == torch.bool:
-                new = mask & allowed[None]  # (B, H, Q, K)
-            else:
-                new = mask.masked_fill(~allowed[None], torch.finfo(mask.dtype).min)  # (B, H, Q, K)
-            return args, {**kwargs, "attention_mask": new}
+            routes = ROUTES.get(type(module))
+            per_head = None if routes else per_head_mask(mask, heads_flags(heads, len(heads.full) + len(heads.window),
+                                                                           hidden.device),
+                                                         hidden.shape[1], sink, window, hidden.dtype)
+            if routes is False or "config" not in module.__dict__:  # its own kernel: the per-head mask alone
+                return args, {**kwargs, "attention_mask": per_head}
+            kv = HeadSplit.of(torch.tensor(kv_windowed, device=hidden.device))
+            arm(module, BandCall(heads, kv, sink, window, model.config._attn_implementation, mask, per_head))
+            return (args, kwargs) if per_head is None else (args, {**kwargs, "attention_mask": per_head})
 
         return hook
 
