@@ -110,3 +110,30 @@ def test_a_non_finite_loss_stops_the_fit_naming_the_step(tmp_path):
     loader = [{"x": torch.ones(2, 1), "input_ids": torch.ones(2, 1, dtype=torch.long)}]
     with pytest.raises(FloatingPointError, match=r"the training loss is nan at step 1 of 3"):
         fit_steps(model, loader, lambda m, b: m(b["x"]).sum() * float("nan"), 3, lr=0.1)
+
+
+def test_the_trainers_teardown_leaves_the_model_where_it_trained(monkeypatch):
+    """Lightning's teardown moves the LightningModule to the CPU after a fit; the trained model is
+    the run's and must stay on its device (on a GPU the evaluation after a recovery read it under
+    a mask on the GPU). Seen on CPU as: no tensor of the model is moved during the teardown."""
+    from lightning.pytorch.strategies.strategy import Strategy
+
+    moved, tearing = [], [False]
+    original_teardown, original_apply = Strategy.teardown, nn.Linear._apply
+
+    def teardown(self):
+        tearing[0] = True
+        try:
+            original_teardown(self)
+        finally:
+            tearing[0] = False
+
+    def apply(self, fn, *args, **kwargs):
+        if tearing[0]:
+            moved.append(type(self).__name__)
+        return original_apply(self, fn, *args, **kwargs)
+
+    monkeypatch.setattr(Strategy, "teardown", teardown)
+    monkeypatch.setattr(nn.Linear, "_apply", apply)
+    report, _ = _quadratic(3)
+    assert report["steps"] == 3 and moved == []

@@ -8,12 +8,13 @@
 #   python experiments/llm_kv_modes/collect.py --runs ../llmruns/llm_kv_modes_h200 --device h200
 set -uo pipefail
 OUT=${OUT:-../llmruns/llm_kv_modes_h200}
-LIMIT=${1:-300}
+LIMIT=${1:-300}  # seconds for every arm together (a later arm gets what is left)
+DEADLINE=$((SECONDS + LIMIT))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 HERE=experiments/llm_kv_modes
 mkdir -p "$OUT" $HERE/results_h200
 arm() {  # arm <name> <dense: true|false>: one run, its log beside the run dirs
-    OUT=$OUT timeout "$LIMIT" bash $HERE/run.sh one "$1" "$2" > "$OUT/$1.log" 2>&1
+    OUT=$OUT timeout $((DEADLINE - SECONDS)) bash $HERE/run.sh one "$1" "$2" > "$OUT/$1.log" 2>&1
     echo "$1: rc $?" | tee -a "$OUT/arms.txt"
 }
 # measured_retrieval first (it also evaluates the dense model on this GPU), then its layout with KL steps

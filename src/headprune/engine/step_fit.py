@@ -152,6 +152,14 @@ class StepModule(L.LightningModule):
         self._clock: float | None = None
         self._pending_rng: torch.Tensor | None = None
 
+    def on_train_end(self) -> None:
+        """Let the model go before the trainer's teardown, which moves the LightningModule to the
+        CPU (`Strategy.teardown`): the model belongs to the run, whose mask, evaluation and next
+        rounds stay on the device it trained on (on a GPU, a model moved back to the CPU under a
+        mask on the GPU failed the evaluation after a recovery). The callbacks' on_train_end (a
+        last checkpoint) ran before this hook."""
+        self._modules.pop("model", None)
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         if self._clock is None:
             self._clock = time.perf_counter()
