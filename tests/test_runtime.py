@@ -85,8 +85,29 @@ def test_an_untrained_run_records_and_uses_its_runtime(tmp_path, data_dir):
 
 
 @pytest.mark.slow
-def test_a_trained_run_records_its_trainers_runtime(tmp_path, data_dir):
+def test_a_trained_run_records_its_trainers_runtime(tmp_path, data_dir, monkeypatch):
+    """...and after the fit, whose teardown moves the module to the CPU, puts it back on the
+    runtime's device before the export and its evaluation (on a GPU they ran on the CPU). Seen
+    on CPU as: a `to(runtime.device)` after the fit's teardown."""
+    from lightning.pytorch.strategies.strategy import Strategy
+
+    from headprune.lightning.module import HeadPruneModule
+
+    events, original_teardown, original_to = [], Strategy.teardown, HeadPruneModule.to
+
+    def teardown(self):
+        events.append("teardown")
+        return original_teardown(self)
+
+    def to(self, *args, **kwargs):
+        events.append(("to", args, tuple(kwargs.items())))
+        return original_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(Strategy, "teardown", teardown)
+    monkeypatch.setattr(HeadPruneModule, "to", to)
     res = run(compose_train(tmp_path, data_dir, *UNTRAINED, "schedule.epochs_per_round=1", "recovery=finetune",
                             "trainer.accelerator=cpu", "trainer.num_sanity_val_steps=0"))
     assert res["runtime"]["device"] == "cpu" and res["runtime"]["world_size"] == 1
     assert res["runtime"]["precision"] == "32-true"
+    after = events[events.index("teardown") + 1:]
+    assert ("to", (torch.device("cpu"),), ()) in after

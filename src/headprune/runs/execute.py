@@ -128,6 +128,9 @@ def _execute(spec: RunSpec, setup: Setup) -> dict:
                           check_consistency=pruning.check_consistency)
         else:
             trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+            # Lightning's teardown moved the module to the CPU (Strategy.teardown): the export's
+            # evaluation and the budget's measurements run where the model trained
+            module.to(runtime.device)
             if "val" not in results.data["final"]:  # resumed at its last epoch (killed during the export)
                 log.info("the checkpoint is at the run's last epoch: finishing the run")
                 pruning.finish(module, datamodule, trainer)
