@@ -2,9 +2,8 @@
 # The llm_kv_modes arms on one CUDA GPU (issue 40; for a lent GPU, not yet run to the end on one): `trainer.accelerator:
 # auto` puts each run on the GPU, in float32 as on CPU (precision 32-true), every arm's config unchanged (results.json
 # `runtime` records the device). The arms run side by side (the GPU and the cores shared: choice and wall seconds are
-# not comparable to the CPU rows) under one deadline; measured_retrieval_kl starts on measured_retrieval's layout once
-# that run is copied into results/; then decode.py --device cuda on the dense model and the exports, alone on the
-# machine (decode_h200.json). Check the machine first: experiments/device_check/smoke.py.
+# not comparable to the CPU rows) under one deadline; then decode.py --device cuda on the dense model and the
+# exports, alone on the machine (decode_h200.json). Check the machine first: experiments/device_check/smoke.py.
 #   OUT=../llmruns/llm_kv_modes_gpu bash experiments/llm_kv_modes/gpu.sh [seconds for every arm together]
 #   python experiments/llm_kv_modes/collect.py --runs ../llmruns/llm_kv_modes_gpu
 set -uo pipefail
@@ -18,15 +17,13 @@ arm() {  # arm <name> <dense: true|false>: one run, its log beside the run dirs
     OUT=$OUT timeout $((DEADLINE - SECONDS)) bash $HERE/run.sh one "$1" "$2" > "$OUT/$1.log" 2>&1
     echo "$1: rc $?" | tee -a "$OUT/arms.txt"
 }
-# measured_retrieval first (it also evaluates the dense model on this GPU), then its layout with KL steps
-(arm measured_retrieval true
- cp "$OUT/measured_retrieval/results.json" $HERE/results/measured_retrieval.json && arm measured_retrieval_kl false) &
+arm measured_retrieval true &  # it also evaluates the dense model on this GPU
 for a in measured measured_kl measured_self retrieval_uniform_self retrieval_33_kl retrieval_85_kl retrieval_2048_kl; do
     arm "$a" false &
 done
 wait
 exports=()
-for a in measured_retrieval measured_retrieval_kl measured_kl retrieval_85_kl retrieval_33_kl; do
+for a in measured_retrieval measured_kl retrieval_85_kl retrieval_33_kl; do
     [ -f "$OUT/$a/export/headprune_kv_modes.json" ] && exports+=("$OUT/$a/export")
 done
 [ ${#exports[@]} -gt 0 ] && timeout 150 python $HERE/decode.py "${exports[@]}" --contexts 4096 8192 --repeats 5 \
