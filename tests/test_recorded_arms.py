@@ -43,6 +43,8 @@ KV_MODES = {
     "retrieval_uniform_self": ["kv_modes=retrieval", "kv_modes.unit_value=uniform", "data.calibration=self"],
     "measured_self": ["kv_modes=measured", "data.calibration=self"],
     "measured_kl": ["kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/measured.json", *KL_STEPS],
+    "retrieval_uniform_kl_self": ["kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/retrieval_uniform.json",
+                                  *KL_STEPS, "data.calibration=self", "data.self_calibration.train_samples=12"],
     "retrieval_33_kl": ["kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/retrieval_33.json",
                         *KL_STEPS, "budget.target=0.67"],
     "retrieval_85_kl": ["kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/retrieval_85.json",

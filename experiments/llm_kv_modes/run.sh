@@ -19,6 +19,8 @@
 #                                                      retrieval_uniform_kl's 12 KL steps
 #   retrieval_33_kl, retrieval_85_kl, retrieval_2048_kl  retrieval_33's / _85's / _2048's layouts (kv_modes=given), then
 #                                                      the same KL steps (24 of 2048 tokens at 2048)
+#   retrieval_uniform_kl_self                          retrieval_uniform's layout (kv_modes=given), then the 12 KL steps on
+#                                                      blocks the dense model sampled itself (data.calibration=self)
 #   retrieval_uniform_self, measured_self              their choice on a self-generated calibration block (data.calibration=self)
 #   removal                                            kv_modes=none: the budget's own knapsack removes KV groups
 #   removal_refit                                      kv_modes=none, attention_drop + refit (2 calibration blocks)
