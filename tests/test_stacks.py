@@ -85,6 +85,13 @@ def logits(model, batch):
         return model(**batch).logits
 
 
+def assert_same_sums(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal to 1e-5 of the outputs' scale (their largest magnitude, at least 1): the same sums in
+    another order differ by a few float32 ulps of the values' size (mT5's logits reach 45 under
+    transformers 5.25's initialisation, 1.1e-5 apart)."""
+    torch.testing.assert_close(got, want, atol=1e-5 * max(1.0, want.abs().max().item()), rtol=0)
+
+
 def masked_and_pruned(family: str, attn: str, spec=SPEC):
     model = BUILD[family](attn)
     masked = copy.deepcopy(model)
@@ -144,7 +151,7 @@ def test_stacks_with_different_head_counts_are_refused():
 def test_removal_equals_masking(family, attn):
     masked, model = masked_and_pruned(family, attn)
     batch = batch_for(family)
-    torch.testing.assert_close(logits(model, batch), logits(masked, batch), atol=1e-5, rtol=0)
+    assert_same_sums(logits(model, batch), logits(masked, batch))
     dense = BUILD[family](attn)
     assert (logits(dense, batch) - logits(model, batch)).abs().max() > 1e-2  # the heads did matter
     attns = get_adapter(model).blocks(model)
@@ -186,7 +193,7 @@ def test_t5_position_bias_columns_go_with_the_stack_heads():
     mask.prune({"encoder": {2: [0]}})
     assert mask.heads_per_layer() == [0, 2, 2, 0, 3, 2, 0, 2, 3]
     batch = batch_for("t5")
-    torch.testing.assert_close(logits(model, batch), logits(reference, batch), atol=1e-5, rtol=0)
+    assert_same_sums(logits(model, batch), logits(reference, batch))
 
 
 def test_umt5_position_bias_columns_go_with_each_layers_heads():
@@ -216,7 +223,7 @@ def test_umt5_position_bias_columns_go_with_each_layers_heads():
     mask.prune(SPEC)
     mask.prune({"encoder": {1: [0]}})
     batch = batch_for("umt5")
-    torch.testing.assert_close(logits(model, batch), logits(reference, batch), atol=1e-5, rtol=0)
+    assert_same_sums(logits(model, batch), logits(reference, batch))
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -235,8 +242,8 @@ def test_generate_with_the_kv_cache_equals_masking(family, attn):
     assert torch.equal(got.sequences, want.sequences) and torch.equal(got.sequences, uncached.sequences)
     assert len(set(got.sequences[:, 1:].flatten().tolist())) > 2  # not one token repeated
     for a, b, c in zip(got.scores, want.scores, uncached.scores):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)  # logits ~20: float32 rounding of another order
+        assert_same_sums(a, b)
+        assert_same_sums(a, c)
 
 
 @pytest.mark.parametrize("family", sorted(BUILD))
@@ -250,7 +257,7 @@ def test_save_and_load_pruned(family, tmp_path):
     batch = batch_for(family)
     for attn in ("eager", "sdpa"):
         loaded = load_pruned(tmp_path / "m", attn_implementation=attn).eval()
-        torch.testing.assert_close(logits(loaded, batch), logits(model, batch), atol=1e-5, rtol=0)
+        assert_same_sums(logits(loaded, batch), logits(model, batch))
     written["sites"] = SITES[3:] + SITES[:3]  # rows of other sites: refused before the weights load
     (tmp_path / "m" / "headprune_layout.json").write_text(json.dumps(written))
     with pytest.raises(ValueError, match="its sites .* are not this model's"):
@@ -399,7 +406,6 @@ def test_a_model_holding_one_of_the_stacks_has_its_sites():
     prune_heads(model, spec)
     ids = batch_for("t5")["input_ids"]
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).last_hidden_state, masked(input_ids=ids).last_hidden_state,
-                                   atol=1e-5, rtol=0)
+        assert_same_sums(model(input_ids=ids).last_hidden_state, masked(input_ids=ids).last_hidden_state)
     with pytest.raises(ValueError, match=r"stack 'decoder'; this model's stacks are \['encoder'\]"):
         prune_heads(model, {"decoder": {0: [1]}})
