@@ -124,8 +124,9 @@ def conditions(r: dict) -> str:
     if not wall:
         return (f"- {r['arm']}: no wall.json (the run's process was ended by the out-of-memory killer during the "
                 "export's evaluation; that stage ran in evaluate_export.py, README.md), 1 torch thread")
+    resumed = f"; the last process only, {wall['resumed']}" if wall.get("resumed") else ""
     return (f"- {r['arm']}: wall {wall['wall_seconds']} s, {wall['threads']} torch thread(s), load average at the "
-            f"end {wall['load_average_end']}")
+            f"end {wall['load_average_end']}{resumed}")
 
 
 def dense_row(runs: dict[str, dict], dense: dict, seq: int = 4096) -> dict:
