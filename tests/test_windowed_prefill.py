@@ -34,6 +34,16 @@ def windowed(attn: str, modes, **overrides):
     return model
 
 
+def assert_layer_1_by_hand(model, modes) -> None:
+    """One forward without a cache: layer 1's attention context equals the loops' (`by_hand`)."""
+    seen, handles = capture(model, 1)
+    with torch.no_grad():
+        model(ids(), use_cache=False)
+    for h in handles:
+        h.remove()
+    assert torch.allclose(seen["context"], by_hand(model, seen, modes[1], SINK, WINDOW), atol=1e-5)
+
+
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_chunked_windowed_heads_equal_attention_by_hand(attn):
     """Layer 1 of 12 tokens (4 chunks of 3): group 0 windowed, group 1 full, as the loops compute
@@ -41,12 +51,7 @@ def test_chunked_windowed_heads_equal_attention_by_hand(attn):
     modes = (("full", "full"), ("window", "full"))
     model = windowed(attn, modes)
     for _ in range(2):
-        seen, handles = capture(model, 1)
-        with torch.no_grad():
-            model(ids(), use_cache=False)
-        for h in handles:
-            h.remove()
-        assert torch.allclose(seen["context"], by_hand(model, seen, modes[1], SINK, WINDOW), atol=1e-5)
+        assert_layer_1_by_hand(model, modes)
     assert ROUTES[modeling_llama.LlamaAttention] is True
 
 
@@ -137,11 +142,6 @@ def test_a_family_that_does_not_look_its_kernel_up_keeps_the_per_head_mask(monke
     model = windowed("sdpa", modes)
     monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS", Fixed())
     for _ in range(2):
-        seen, handles = capture(model, 1)
-        with torch.no_grad():
-            model(ids(), use_cache=False)
-        for h in handles:
-            h.remove()
-        assert torch.allclose(seen["context"], by_hand(model, seen, modes[1], SINK, WINDOW), atol=1e-5)
+        assert_layer_1_by_hand(model, modes)
         assert ROUTES[modeling_llama.LlamaAttention] is False
     assert model.model.layers[1].self_attn.config is model.config
