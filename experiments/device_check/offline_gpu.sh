@@ -6,8 +6,11 @@
 #   the data in .gpu/data (tinyshakespeare/input.txt, sst2/validation.tsv);
 #   `headprune-train` and `python` as shims in /tmp/bin.
 # Results: $OUT/runs.tgz (every run's json, yaml, log and txt files under 4 MB; no weights), decode_h200.json.
-#   bash experiments/device_check/offline_gpu.sh [seconds for every arm together, default 240]
+# Also experiments/device_check/smoke.py beside the arms ($OUT/smoke.log).
+#   bash experiments/device_check/offline_gpu.sh [seconds for the whole script, default 520: the arms get what the
+#   setup leaves less 160 (decode 120, the archive)]
 set -x
+TOTAL=${1:-520}
 R=$PWD
 [ -d /tmp/site/hydra ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 2
@@ -21,8 +24,10 @@ export PATH=/tmp/bin:$PATH PYTHONPATH=/tmp/site:$R/src:$R HEADPRUNE_DATA_DIR=$R/
     WANDB_MODE=disabled PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers, hydra; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name(0))"
 python3 -c "from headprune.models.gguf import converted, gguf_source; print(converted(gguf_source('smollm2')))" || exit 4
+python3 experiments/device_check/smoke.py > "$OUT"/smoke.log 2>&1 &
 RUNS=/tmp/runs
-OUT=$RUNS bash experiments/llm_kv_modes/gpu.sh "${1:-240}"
+OUT=$RUNS DECODE_SECONDS=120 bash experiments/llm_kv_modes/gpu.sh $((TOTAL - SECONDS - 160))
+wait
 cp experiments/llm_kv_modes/decode_h200.json "$OUT"/ 2>/dev/null
 cd $RUNS && find . \( -name '*.json' -o -name '*.log' -o -name '*.txt' -o -name '*.yaml' \) -size -4M | tar czf "$OUT"/runs.tgz -T -
 ls -la "$OUT"

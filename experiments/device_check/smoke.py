@@ -1,7 +1,8 @@
 """CUDA smoke of the KV-mode pipeline on the tiny Llama of tests/helpers.py: one headprune-train process
 per case with trainer.accelerator=gpu (SMOKE_ACCEL=cpu: the same on CPU). Cases: the measured choice with a
 synthetic retrieval block and the LLM evaluation (perplexity, passkey, greedy answers); KL steps with
-activation checkpointing and a checkpoint; self-generated calibration; bf16-true. Prints one line per case
+activation checkpointing and a checkpoint; self-generated calibration; bf16-true; removal with one fine-tuning epoch (a
+Trainer fit, whose teardown moves the module to the CPU) then the export's LLM evaluation. Prints one line per case
 (exit status, seconds, the device and dtype results.json records, val), the output of a failed case, then
 SMOKE OK or SMOKE FAILED (exit status 1).
 
@@ -31,6 +32,8 @@ CASES = {
                 "model.gradient_checkpointing=true"],
     "self_cal": ["kv_modes=retrieval", "data.calibration=self", "data.block_size=64", "budget.seq=64"],
     "bf16": ["kv_modes=attention_mass", "trainer.precision=bf16-true"],
+    "trained": ["kv_modes=none", "schedule.epochs_per_round=1", "recovery=finetune",
+                "data.max_train_samples=4", "data.batch_size=2", "trainer.num_sanity_val_steps=0", *EVAL],
 }
 
 

@@ -4,6 +4,9 @@
 # `runtime` records the device). The arms run side by side (the GPU and the cores shared: choice and wall seconds are
 # not comparable to the CPU rows) under one deadline; then decode.py --device cuda on the dense model and the
 # exports, alone on the machine (decode_h200.json). Check the machine first: experiments/device_check/smoke.py.
+# The arms: measured_retrieval (with the dense model), then ARMS (default: the arms too slow for 2 CPU cores, and
+# retrieval_85 for an export at 85% removed); decode on the exports at 2/3 (measured_retrieval, measured_self,
+# retrieval_uniform_kl_self) and 85% (retrieval_85) that exist, for DECODE_SECONDS at most (default 150).
 #   OUT=../llmruns/llm_kv_modes_gpu bash experiments/llm_kv_modes/gpu.sh [seconds for every arm together]
 #   python experiments/llm_kv_modes/collect.py --runs ../llmruns/llm_kv_modes_gpu
 set -uo pipefail
@@ -18,14 +21,14 @@ arm() {  # arm <name> <dense: true|false>: one run, its log beside the run dirs
     echo "$1: rc $?" | tee -a "$OUT/arms.txt"
 }
 arm measured_retrieval true &  # it also evaluates the dense model on this GPU
-for a in measured measured_kl measured_self retrieval_uniform_self retrieval_33_kl retrieval_85_kl retrieval_2048_kl; do
+for a in ${ARMS:-measured_self retrieval_uniform_kl_self retrieval_2048_kl retrieval_85}; do
     arm "$a" false &
 done
 wait
 exports=()
-for a in measured_retrieval measured_kl retrieval_85_kl retrieval_33_kl; do
+for a in measured_retrieval measured_self retrieval_uniform_kl_self retrieval_85; do
     [ -f "$OUT/$a/export/headprune_kv_modes.json" ] && exports+=("$OUT/$a/export")
 done
-[ ${#exports[@]} -gt 0 ] && timeout 150 python $HERE/decode.py "${exports[@]}" --contexts 4096 8192 --repeats 5 \
+[ ${#exports[@]} -gt 0 ] && timeout ${DECODE_SECONDS:-150} python $HERE/decode.py "${exports[@]}" --contexts 4096 8192 --repeats 5 \
     --device cuda --out decode_h200.json > "$OUT/decode.log" 2>&1
 echo "decode: rc $?" | tee -a "$OUT/arms.txt"
