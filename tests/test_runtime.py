@@ -111,3 +111,16 @@ def test_a_trained_run_records_its_trainers_runtime(tmp_path, data_dir, monkeypa
     assert res["runtime"]["precision"] == "32-true"
     after = events[events.index("teardown") + 1:]
     assert ("to", (torch.device("cpu"),), ()) in after
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; on a lent one experiments/device_check/"
+                    "smoke.py's `trained` case runs the same (smoke_h200_9b74e30.log: it failed there before the fix)")
+def test_a_trained_cost_budget_run_on_a_gpu_decides_on_the_cpu(tmp_path, data_dir):
+    """Pruning inside a fit on a GPU under a cost budget: the gates are on cuda, the scores on the
+    CPU; `HeadMask.alive()` is a CPU tensor, so the budget's allocation indexes one device (it
+    stopped with `indices should be either on cpu or on the same device`)."""
+    res = run(compose_train(tmp_path, data_dir, *UNTRAINED, "schedule.epochs_per_round=1", "recovery=finetune",
+                            "budget=kv", "budget.target=0.5", "budget.seq=32", "trainer.accelerator=gpu",
+                            "trainer.num_sanity_val_steps=0"))
+    assert res["runtime"]["device"].startswith("cuda")
+    assert res["final"]["cost_share"] <= 0.5 + 1e-9

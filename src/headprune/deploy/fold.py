@@ -27,7 +27,7 @@ def fold(model: nn.Module, mask: HeadMask) -> dict:
     info: dict = {}
     if mask.stochastic is not None:
         gates = mask.stochastic.deterministic() * gates
-        closed = int(((gates == 0) & mask.alive()).sum())
+        closed = int(((gates == 0).cpu() & mask.alive()).sum())
         if closed:
             log.info("fold: %d heads whose learned gate is closed are removed as well", closed)
         info["l0_gates_folded"] = {"closed_heads": closed, "heads_per_layer": [int(n) for n in (gates > 0).sum(1)]}

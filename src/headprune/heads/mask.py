@@ -129,8 +129,10 @@ class HeadMask(nn.Module):
 
     # -- convenience -----------------------------------------------------------------------
     def alive(self) -> torch.Tensor:
-        """Bool (layers, heads): heads not yet pruned."""
-        return self.mask > 0
+        """Bool (layers, heads) on the CPU: heads not yet pruned. On the CPU wherever the gates live:
+        every decision (policies, budgets, layouts) is made there, beside the scores, which are CPU
+        tensors (`scoring.reduce.finish_scores`); the gates follow the model to its device."""
+        return (self.mask > 0).cpu()
 
     def prune(self, heads) -> None:
         """Zero the gates of `heads`, an iterable of (layer, head) in original numbering; for a model
