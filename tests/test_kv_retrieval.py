@@ -11,7 +11,7 @@ from headprune.apps.train import run
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.selection.kv_modes import (KVModes, attention_mass, repeated_random_tokens, retrieval_batches,
-                                          retrieval_period, retrieval_scores)
+                                          retrieval_period, retrieval_scores, with_retrieval)
 from tests.helpers import compose_train, kv_modes_cli, llama, tiny_llama_folder
 
 SINK, WINDOW = 2, 6
@@ -170,7 +170,8 @@ def test_retrieval_blocks_repeat_beyond_the_window_and_score_only_the_repeat():
 
 def test_measured_reads_the_retrieval_blocks_beside_the_calibration(tmp_path, llama_dir, data_dir, monkeypatch):
     """kv_modes=measured kv_modes.retrieval_blocks=1: the rises are measured on the calibration
-    blocks and one retrieval block (labels over its repeat only), which changes them; the report says so."""
+    blocks, then apart on one retrieval block (labels over its repeat only); the report keeps both
+    and the mix the knapsack read, which differs from the calibration's alone."""
     from headprune.selection import kv_modes as module
 
     seen = []
@@ -184,13 +185,26 @@ def test_measured_reads_the_retrieval_blocks_beside_the_calibration(tmp_path, ll
     plain = run(compose_train(tmp_path / "plain", data_dir, *_cli(llama_dir, "kv_modes=measured", seq=64)))
     both = run(compose_train(tmp_path / "both", data_dir, *_cli(llama_dir, "kv_modes=measured",
                                                                 "kv_modes.retrieval_blocks=1", seq=64)))
-    assert [len(b) for b in seen] == [1, 2]
+    assert [len(b) for b in seen] == [1, 1, 1]
     assert torch.equal(seen[1][0]["input_ids"], seen[0][0]["input_ids"]) and "labels" not in seen[1][0]
-    extra = seen[1][1]
+    extra = seen[2][0]
     assert torch.equal(extra["labels"][0, :16], torch.full((16,), -100)) and extra["input_ids"].shape == (1, 64)
     report = both["rounds"][0]["budget"]["kv_modes"]
     assert report["retrieval_blocks"] == 1 and report["retrieval_period"] == 16
+    assert report["calibration"]["targets"] == 63 and report["retrieval"]["targets"] == 48
+    assert report["calibration"]["window_rise"] == plain["rounds"][0]["budget"]["kv_modes"]["window_rise"]
+    assert report["window_rise"] == with_retrieval(report["calibration"]["window_rise"],
+                                                   report["retrieval"]["window_rise"], 63, 48)
     assert report["window_rise"] != plain["rounds"][0]["budget"]["kv_modes"]["window_rise"]
+
+
+def test_a_retrieval_rise_below_zero_counts_as_zero():
+    """The mix weighs each set by its scored targets; a retrieval block's negative rise (removing
+    the unit copies random tokens better) adds nothing, so it cannot make the unit cheaper to lose
+    than the calibration text says."""
+    calibration, retrieval = [[0.2, 0.1], [0.0, 0.4]], [[-1.0, 0.5], [0.3, -0.2]]
+    mixed = with_retrieval(calibration, retrieval, 3.0, 1.0)
+    assert [v for layer in mixed for v in layer] == pytest.approx([0.15, 0.2, 0.075, 0.3])
 
 
 @pytest.mark.parametrize("overrides,pattern", [
