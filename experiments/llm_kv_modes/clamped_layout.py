@@ -36,7 +36,9 @@ def rises(path: Path) -> dict:
     return {"report": report, "target": data["budget"]["target"], "seq": data["budget"]["seq"]}
 
 
-def main() -> None:
+def derive(model_folder: str | Path) -> dict:
+    """The layout and what it came from (what main writes), SmolLM2's shapes read from
+    `model_folder` (a converted checkpoint's config)."""
     together, alone = rises(HERE / "results" / "measured_retrieval.json"), rises(HERE / "results" / "measured.json")
     rt, ra = together["report"], alone["report"]
     if (rt["sink"], rt["window"], rt["seq"], together["target"]) != (ra["sink"], ra["window"], ra["seq"], alone["target"]):
@@ -52,7 +54,7 @@ def main() -> None:
     mixed_removed = with_retrieval(ra["removed_rise"], removed, nc, nr)
     mixed_window = with_retrieval(ra["window_rise"], window, nc, nr)
     windowed = [[r - w for r, w in zip(rs, ws)] for rs, ws in zip(mixed_removed, mixed_window)]
-    config = transformers.AutoConfig.from_pretrained(converted(gguf_source("smollm2")))
+    config = transformers.AutoConfig.from_pretrained(model_folder)
     with torch.device("meta"):  # the shapes only: the KV mode table needs no weights
         model = transformers.AutoModelForCausalLM.from_config(config)
     costs = KVBudget(target=together["target"], seq=seq).mode_table(model, rt["sink"], rt["window"])
@@ -66,6 +68,11 @@ def main() -> None:
                          "negative_removal_rises": sum(v < 0 for layer in removed for v in layer)},
            "modes_count": {m: flat.count(m) for m in ("full", "window", "removed")},
            "predicted_share": report["predicted_share"], "retained_value": report["retained_value"]}
+    return out
+
+
+def main() -> None:
+    out = derive(converted(gguf_source("smollm2")))
     OUT.write_text(json.dumps(out, indent=1) + "\n")
     print(OUT, out["modes_count"], f"share {out['predicted_share']:.4f}",
           f"retrieval base loss {out['retrieval']['base_loss']:.4f}",
