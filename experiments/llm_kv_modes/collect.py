@@ -8,7 +8,8 @@ writes results.md: the dense model, then one row per arm (units full / windowed 
 bytes kept at 4096 as a share of dense (results.json final.cost_share), perplexity at seq 4096 on
 held-out Tiny Shakespeare and SST-2's sentences against the dense model, the SST-2 change over the
 Tiny Shakespeare change, passkey accuracy at 4096 tokens overall and by depth, the seconds the
-choice took), and the issue's targets, hit or miss; built with headprune.report (`render`).
+choice took), and the issue's targets, hit or miss; the decode tables (decode.json, decode_h200.json); the
+arms run again on a GPU (results_h200/<arm>.json) beside their CPU runs; built with headprune.report (`render`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from headprune.report import DASH, Column, gather, load_results, markdown, numbe
 
 HERE = Path(__file__).resolve().parent
 ARMS = ["removal", "removal_refit", "attention_mass", "attention_mass_last", "measured", "measured_self",
-        "measured_retrieval", "measured_kl", "retrieval", "retrieval_uniform", "retrieval_uniform_self",
+        "measured_retrieval", "measured_retrieval_clamped", "measured_kl", "retrieval", "retrieval_uniform", "retrieval_uniform_self",
         "retrieval_uniform_kl", "retrieval_uniform_kl_self", "attention_mass_85", "attention_mass_85_last", "retrieval_85", "retrieval_85_kl",
         "attention_mass_33_last", "retrieval_33", "retrieval_33_kl"]
 ARMS_2048 = ["retrieval_2048", "retrieval_2048_kl", "retrieval_33_2048"]  # a 2048-token context; dense: retrieval_2048's evaluation.dense
@@ -72,8 +73,16 @@ def rows(runs: dict[str, dict], dense: dict, seq: int = 4096) -> list[dict]:
                     "ratio": sst_change / ts_change if ts_change > 0 else None, "passkey": pruned["passkey"],
                     "seconds": choice_seconds(data), "target": data["budget"]["target"], "wall": data.get("wall", {}),
                     "kl_steps": data["rounds"][0].get("distill", {}).get("steps"),
-                    "calibration": data.get("calibration", {}).get("source", "corpus")})
+                    "calibration": data.get("calibration", {}).get("source", "corpus"),
+                    "device": device(data.get("runtime"))})
     return out
+
+
+def device(runtime: dict | None) -> str:
+    """Where the run computed: the GPU's name, or CPU (runs before results.json recorded `runtime`: CPU)."""
+    if runtime and str(runtime.get("device", "")).startswith("cuda"):
+        return str(runtime.get("device_name") or runtime["device"])
+    return "CPU"
 
 
 def with_change(value: str, base: str):
@@ -91,6 +100,7 @@ ARM_COLUMNS = [
     Column("choice s", lambda r: number(r["seconds"], ".0f"), True),
     Column("KL steps", lambda r: str(r["kl_steps"]) if r.get("kl_steps") else DASH, True),
     text("calibration", lambda r: r.get("calibration") or DASH),
+    text("device", lambda r: r.get("device") or DASH),
 ]
 
 
@@ -125,14 +135,15 @@ def conditions(r: dict) -> str:
         return (f"- {r['arm']}: no wall.json (the run's process was ended by the out-of-memory killer during the "
                 "export's evaluation; that stage ran in evaluate_export.py, README.md), 1 torch thread")
     resumed = f"; the last process only, {wall['resumed']}" if wall.get("resumed") else ""
-    return (f"- {r['arm']}: wall {wall['wall_seconds']} s, {wall['threads']} torch thread(s), load average at the "
-            f"end {wall['load_average_end']}{resumed}")
+    return (f"- {r['arm']}: {r['device']}, wall {wall['wall_seconds']} s, {wall['threads']} torch thread(s), load average "
+            f"at the end {wall['load_average_end']}{resumed}")
 
 
-def dense_row(runs: dict[str, dict], dense: dict, seq: int = 4096) -> dict:
+def dense_row(runs: dict[str, dict], dense: dict, seq: int = 4096, runtime: dict | None = None) -> dict:
+    """The dense model's row (`runtime`: the results.json block of the run that evaluated it)."""
     return {"arm": "dense", "modes": (units_per_layer(runs) * len(dense_layers(runs)), 0, 0), "share": 1.0,
             "ts": ppl(dense, "tinyshakespeare", seq), "ts_change": 0.0, "sst": ppl(dense, "sst2", seq), "sst_change": 0.0,
-            "ratio": None, "passkey": dense["passkey"], "seconds": None, "kl_steps": None}
+            "ratio": None, "passkey": dense["passkey"], "seconds": None, "kl_steps": None, "device": device(runtime)}
 
 
 def targets_heading(seq: int) -> str:
@@ -156,7 +167,8 @@ DECODE_COLUMNS = [
 
 def render(directory: Path = HERE) -> dict[str, str]:
     runs = load_results(directory / "results", ARMS)
-    dense = read_json(directory / "results" / "dense.json")["evaluation"]["dense"]
+    dense_run = read_json(directory / "results" / "dense.json")
+    dense = dense_run["evaluation"]["dense"]
     table = rows(runs, dense)
     dense_key = dense["passkey"]["accuracy"]
     lines = ["# Per-unit KV modes at a 4096-token context (SmolLM2-135M-Instruct, no training unless KL steps say)", "",
@@ -172,7 +184,7 @@ def render(directory: Path = HERE) -> dict[str, str]:
              "training); `measured_kl` and the other `_kl` arms train the layout of the arm they name (kv_modes=given,",
              "read from its raw file here), so their choice s is only the layout's check. Calibration: the block the",
              "choice measured on (corpus: Tiny Shakespeare's training part; self: sampled from the dense model).", "",
-             *markdown(ARM_COLUMNS, [dense_row(runs, dense), *table]),
+             *markdown(ARM_COLUMNS, [dense_row(runs, dense, runtime=dense_run.get("runtime")), *table]),
              "", targets_heading(4096), "",
              *markdown(target_columns(dense_key), table)]
     runs_2048 = load_results(directory / "results", ARMS_2048)
@@ -184,7 +196,8 @@ def render(directory: Path = HERE) -> dict[str, str]:
                   "The same protocol at 2048 tokens (calibration, validation, perplexity windows and passkey prompts of",
                   "2048 tokens; a windowed unit keeps 512 of 2048 tokens); dense: the dense evaluation of the",
                   "retrieval_2048 run.", "",
-                  *markdown(ARM_COLUMNS, [dense_row(runs_2048, dense_2048, 2048), *table_2048]),
+                  *markdown(ARM_COLUMNS, [dense_row(runs_2048, dense_2048, 2048, runs_2048["retrieval_2048"].get("runtime")),
+                                           *table_2048]),
                   "", targets_heading(2048), "",
                   *markdown(target_columns(dense_2048["passkey"]["accuracy"]), table_2048)]
     decode_file = directory / "decode.json"
@@ -195,8 +208,42 @@ def render(directory: Path = HERE) -> dict[str, str]:
                   "bound: Amdahl with the dense decode's attention share and the export's attention FLOPs (windowed",
                   "units over sink + window keys); cache held: bytes after the prefill against dense's.", "",
                   *markdown(DECODE_COLUMNS, read_json(decode_file))]
-    lines += ["", "## Conditions", "", *map(conditions, table + table_2048)]
+    decode_h200 = directory / "decode_h200.json"
+    if decode_h200.is_file():
+        lines += ["", "## Decode speed in PyTorch on an NVIDIA H200", "",
+                  "From `decode_h200.json` (`decode.py <exports> --contexts 4096 8192 --repeats 5 --device cuda`, the",
+                  "exports of the arms run on the GPU, README.md): the same protocol, float32, timed with CUDA events.", "",
+                  *markdown(DECODE_COLUMNS, read_json(decode_h200))]
+    lines += same_arm_on_both(directory)
+    lines += ["", "## Conditions", "",
+              "Device: CPU rows ran on this project's 2-core machine, one arm per torch thread or two; H200 rows ran",
+              "on a lent GPU, the arms side by side (`gpu.sh`), so their wall and choice seconds are not comparable.", "",
+              *map(conditions, table + table_2048)]
     return {"results.md": "\n".join(lines) + "\n"}
+
+
+def same_arm_on_both(directory: Path) -> list[str]:
+    """The section comparing each arm in results_h200/ (run again on the GPU, same config) with its
+    CPU run in results/: the same layout or not, and the export's perplexities and passkey on each."""
+    rows_out = []
+    for file in sorted((directory / "results_h200").glob("*.json")):
+        gpu, cpu = read_json(file), read_json(directory / "results" / file.name)
+        same = gpu["final"].get("kv_layout") == cpu["final"].get("kv_layout")
+        for name, data in (("CPU", cpu), (device(gpu.get("runtime")), gpu)):
+            pruned = data["evaluation"]["pruned"]
+            rows_out.append({"arm": file.stem, "device": name, "same": "yes" if same else "no",
+                             "ts": ppl(pruned, "tinyshakespeare"), "sst": ppl(pruned, "sst2"),
+                             "passkey": pruned["passkey"]["accuracy"]})
+    if not rows_out:
+        return []
+    columns = [text("arm"), text("device"), text("same layout", "same"),
+               Column("Tiny Shakespeare ppl", lambda r: number(r["ts"], ".6f"), True),
+               Column("SST-2 ppl", lambda r: number(r["sst"], ".6f"), True),
+               Column("passkey", lambda r: number(r["passkey"]), True)]
+    return ["", "## The same arm on the CPU and on the H200", "",
+            "`results_h200/<arm>.json`: the arm run again on the GPU (`gpu.sh`, same config, float32) beside its",
+            "CPU run in `results/`: whether the choice picked the same layout, and the export's evaluation on each.", "",
+            *markdown(columns, rows_out)]
 
 
 def dense_layers(runs: dict[str, dict]) -> list:
