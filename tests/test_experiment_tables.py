@@ -89,11 +89,12 @@ def test_llm_iterative_rows_compare_each_arm_with_the_dense_model_of_the_same_ru
 
 
 def test_llm_kv_modes_clamped_layout_is_what_the_committed_rises_give(smollm2_folder):
-    """results/measured_retrieval_clamped_layout.json (the layout the measured_retrieval_clamped arm
-    evaluated) is what clamped_layout.py derives from the committed rises of measured_retrieval and
+    """results/measured_retrieval_clamped{,_last}_layout.json (the layouts the measured_retrieval_clamped
+    arms evaluated, kv_modes.removal any and last) are what clamped_layout.py derives from the committed rises of measured_retrieval and
     measured, with the library's retrieval mix and knapsack: 35 retrieval removal rises below 0."""
     script = experiment_script("llm_kv_modes/clamped_layout")
-    committed = json.loads((EXP / "llm_kv_modes/results/measured_retrieval_clamped_layout.json").read_text())
-    assert json.loads(json.dumps(script.derive(smollm2_folder))) == committed
-    assert committed["retrieval"]["negative_removal_rises"] == 35
-    assert committed["modes_count"] == {"full": 23, "window": 60, "removed": 7}
+    for removal, counts in (("any", {"full": 23, "window": 60, "removed": 7}),
+                            ("last", {"full": 22, "window": 68, "removed": 0})):
+        committed = json.loads(script.OUT[removal].read_text())
+        assert json.loads(json.dumps(script.derive(smollm2_folder, removal))) == committed
+        assert committed["retrieval"]["negative_removal_rises"] == 35 and committed["modes_count"] == counts

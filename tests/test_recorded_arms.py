@@ -37,6 +37,8 @@ KV_MODES = {
     "measured_retrieval": ["kv_modes=measured", "kv_modes.retrieval_blocks=1"],
     "measured_retrieval_clamped": ["kv_modes=given",
                                    "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_layout.json"],
+    "measured_retrieval_clamped_last": [
+        "kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_last_layout.json"],
     "retrieval_uniform_kl": ["kv_modes=retrieval", "kv_modes.unit_value=uniform", "recovery=distill", "recovery.steps=12",
                              "recovery.alpha=1.0", "recovery.temperature=1.0", "recovery.checkpoint_every=2",
                              "model.gradient_checkpointing=true", "data.max_train_samples=12", "data.batch_size=1"],

@@ -2,7 +2,7 @@
 `selection.kv_modes.with_retrieval`), computed from committed raw files instead of measured again (that
 measurement takes minutes on a GPU, hours on 2 cores):
 
-    python experiments/llm_kv_modes/clamped_layout.py   # writes results/measured_retrieval_clamped_layout.json
+    python experiments/llm_kv_modes/clamped_layout.py   # writes results/measured_retrieval_clamped{,_last}_layout.json
 
 results/measured_retrieval.json (H200, code before a6f4654) holds the rises on the calibration block and the
 retrieval block together, as one token-weighted mean; results/measured.json (CPU) holds them on the same
@@ -10,7 +10,9 @@ calibration block alone (the same data config: the first 4096-token block of Tin
 So the retrieval block's own rises are ((Nc + Nr) x together - Nc x calibration) / Nr, with Nc = 4095 scored
 targets of the calibration block and Nr = 4096 - period (1024) = 3072 of the retrieval block (its first copy
 unscored). From them `with_retrieval` and the knapsack (`allocate_modes` over SmolLM2-135M's KV mode table at
-budget.seq 4096, target 0.34) give the layout; the arm measured_retrieval_clamped evaluates it (kv_modes=given).
+budget.seq 4096, target 0.34; every option a layer has, as layer_policy=global with min_heads_per_layer 0 allows)
+give the layout; the arm measured_retrieval_clamped evaluates it (kv_modes=given). With kv_modes.removal=last (no
+unit removed while every unit windowed fits) the same values give measured_retrieval_clamped_last's layout.
 GPU and CPU rises agree to about 1e-5 (README.md, retrieval_85 run on both), far below the differences that
 decide the knapsack here.
 """
@@ -24,10 +26,11 @@ import transformers
 
 from headprune.models.gguf import converted, gguf_source
 from headprune.selection.budgets import KVBudget, allocate_modes
-from headprune.selection.kv_modes import with_retrieval
+from headprune.selection.kv_modes import mode_choices, with_retrieval
 
 HERE = Path(__file__).resolve().parent
-OUT = HERE / "results" / "measured_retrieval_clamped_layout.json"
+OUT = {"any": HERE / "results" / "measured_retrieval_clamped_layout.json",
+       "last": HERE / "results" / "measured_retrieval_clamped_last_layout.json"}
 
 
 def rises(path: Path) -> dict:
@@ -36,9 +39,9 @@ def rises(path: Path) -> dict:
     return {"report": report, "target": data["budget"]["target"], "seq": data["budget"]["seq"]}
 
 
-def derive(model_folder: str | Path) -> dict:
-    """The layout and what it came from (what main writes), SmolLM2's shapes read from
-    `model_folder` (a converted checkpoint's config)."""
+def derive(model_folder: str | Path, removal: str = "any") -> dict:
+    """The layout under `kv_modes.removal=removal` and what it came from (what main writes),
+    SmolLM2's shapes read from `model_folder` (a converted checkpoint's config)."""
     together, alone = rises(HERE / "results" / "measured_retrieval.json"), rises(HERE / "results" / "measured.json")
     rt, ra = together["report"], alone["report"]
     if (rt["sink"], rt["window"], rt["seq"], together["target"]) != (ra["sink"], ra["window"], ra["seq"], alone["target"]):
@@ -58,9 +61,15 @@ def derive(model_folder: str | Path) -> dict:
     with torch.device("meta"):  # the shapes only: the KV mode table needs no weights
         model = transformers.AutoModelForCausalLM.from_config(config)
     costs = KVBudget(target=together["target"], seq=seq).mode_table(model, rt["sink"], rt["window"])
-    layout, report = allocate_modes(mixed_removed, windowed, costs, together["target"], rt["sink"], rt["window"])
+    units = [list(range(g * config.num_attention_heads // config.num_key_value_heads,
+                        (g + 1) * config.num_attention_heads // config.num_key_value_heads))
+             for g in range(config.num_key_value_heads)]  # a KV group's query heads
+    caps = [config.num_attention_heads] * config.num_hidden_layers  # a layer may lose every unit
+    choices, _ = mode_choices(costs, units, caps, together["target"], removal)
+    layout, report = allocate_modes(mixed_removed, windowed, costs, together["target"], rt["sink"], rt["window"],
+                                    choices=choices)
     flat = [m for layer in layout.modes for m in layer]
-    out = {"final": {"kv_layout": layout.to_json()},
+    out = {"final": {"kv_layout": layout.to_json()}, "removal": removal,
            "derived_from": ["results/measured_retrieval.json", "results/measured.json"],
            "scored_targets": {"calibration": nc, "retrieval": nr},
            "retrieval": {"base_loss": ((nc + nr) * rt["base_loss"] - nc * ra["base_loss"]) / nr,
@@ -72,11 +81,13 @@ def derive(model_folder: str | Path) -> dict:
 
 
 def main() -> None:
-    out = derive(converted(gguf_source("smollm2")))
-    OUT.write_text(json.dumps(out, indent=1) + "\n")
-    print(OUT, out["modes_count"], f"share {out['predicted_share']:.4f}",
-          f"retrieval base loss {out['retrieval']['base_loss']:.4f}",
-          f"negative retrieval removal rises {out['retrieval']['negative_removal_rises']}")
+    folder = converted(gguf_source("smollm2"))
+    for removal, path in OUT.items():
+        out = derive(folder, removal)
+        path.write_text(json.dumps(out, indent=1) + "\n")
+        print(path, out["modes_count"], f"share {out['predicted_share']:.4f}",
+              f"retrieval base loss {out['retrieval']['base_loss']:.4f}",
+              f"negative retrieval removal rises {out['retrieval']['negative_removal_rises']}")
 
 
 if __name__ == "__main__":

@@ -268,13 +268,7 @@ class KVModes:
                 lost = [[max(m, r) for m, r in zip(ms, rs)] for ms, rs in zip(mass, retrieval)]
                 measured.update(retrieval=retrieval, retrieval_period=period)
             windowed = [[f * (1.0 - m) for f, m in zip(fs, ms)] for fs, ms in zip(full, lost)]
-        group = len(units[0])
-        caps = layer_policy.caps(mask.alive())
-        choices = [sorted(k for k in costs.cost[l] if len(units) - sum(k) <= caps[l] // group)
-                   for l in range(len(costs.cost))]
-        windows_fit = all_windowed_fits(costs, len(units), share)
-        if self.removal == "last" and windows_fit:
-            choices = [[k for k in ks if sum(k) == len(units)] for ks in choices]
+        choices, windows_fit = mode_choices(costs, units, layer_policy.caps(mask.alive()), share, self.removal)
         layout, report = allocate_modes(full, windowed, costs, share, self.sink, self.window, choices=choices)
         report["all_windowed_fits"] = windows_fit
         report["kv_modes"] = {**self.record(), "tokens": sum(int(b["input_ids"].numel()) for b in batches),
@@ -359,6 +353,20 @@ def calibration_batches(loader, device, samples: int | None, max_batches: int | 
     if not batches:
         raise ValueError("kv_modes got no calibration block to measure on (the scoring slice is empty)")
     return batches
+
+
+def mode_choices(costs: LayerCosts, units: list[list[int]], caps: list[int], share: float,
+                 removal: str) -> tuple[list[list[tuple[int, int]]], bool]:
+    """(the options (units full, units windowed) each layer may take, whether every unit windowed
+    fits `share`): a layer removes at most its policy cap's worth of units (`caps[l]` heads, a unit
+    being len(units[0]) of them); `removal="last"`, when every unit windowed fits, no unit removed."""
+    group = len(units[0])
+    choices = [sorted(k for k in costs.cost[l] if len(units) - sum(k) <= caps[l] // group)
+               for l in range(len(costs.cost))]
+    windows_fit = all_windowed_fits(costs, len(units), share)
+    if removal == "last" and windows_fit:
+        choices = [[k for k in ks if sum(k) == len(units)] for ks in choices]
+    return choices, windows_fit
 
 
 def all_windowed_fits(costs: LayerCosts, n_units: int, share: float) -> bool:
