@@ -21,7 +21,7 @@ RENDERED = {
     "layer_sensitivity": {"curves.md", "results.md", "profile.md"},
     "metric_curves": {f"{policy}/{name}" for policy in ("global", "uniform") for name in ("curves.md", "results.md")},
     "quickstart": {"rounds.md", "physical_timing.md"},
-    "llm_kv_modes": {"results.md"},
+    "llm_kv_modes": {"results.md", "answers.md"},
     "llm_uneven": {"results.md", "targets.md", "summary.md", "answers.md", "llm_uneven.csv"},
     "scale/model_device": {"results.md"},
 }

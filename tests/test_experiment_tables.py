@@ -98,3 +98,22 @@ def test_llm_kv_modes_clamped_layout_is_what_the_committed_rises_give(smollm2_fo
         committed = json.loads(script.OUT[removal].read_text())
         assert json.loads(json.dumps(script.derive(smollm2_folder, removal))) == committed
         assert committed["retrieval"]["negative_removal_rises"] == 35 and committed["modes_count"] == counts
+
+
+def test_llm_kv_modes_arms_without_removed_units_or_training_answer_as_dense():
+    """What answers.md says: the chat prompts and answers fit inside sink + window, so an arm that
+    removes no unit and trains nothing answers exactly as the dense model (a windowed cache that
+    dropped a token it should keep, or a mask that hid one, would change an answer)."""
+    results = EXP / "llm_kv_modes/results"
+    dense = json.loads((results / "dense.json").read_text())["evaluation"]["dense"]["generation"]
+    checked = []
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        layout, pruned = data["final"].get("kv_layout"), data.get("evaluation", {}).get("pruned")
+        if pruned is None or layout is None or data["rounds"][0].get("distill"):
+            continue
+        if any(mode == "removed" for layer in layout["modes"] for mode in layer):
+            continue
+        assert pruned["generation"] == dense, path.name
+        checked.append(path.stem)
+    assert len(checked) >= 10, checked
