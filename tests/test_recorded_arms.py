@@ -37,6 +37,9 @@ KV_MODES = {
     "measured_retrieval": ["kv_modes=measured", "kv_modes.retrieval_blocks=1"],
     "measured_retrieval_clamped": ["kv_modes=given",
                                    "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_layout.json"],
+    "measured_retrieval_clamped_kl": [
+        "kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_layout.json",
+        *KL_STEPS],
     "measured_retrieval_clamped_last": [
         "kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_last_layout.json"],
     "retrieval_uniform_kl": ["kv_modes=retrieval", "kv_modes.unit_value=uniform", "recovery=distill", "recovery.steps=12",

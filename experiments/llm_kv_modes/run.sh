@@ -18,6 +18,7 @@
 #   measured_retrieval_clamped                         the layout measured_retrieval's rises give with each retrieval
 #                                                      rise clamped at 0 (clamped_layout.py; kv_modes=given)
 #   measured_retrieval_clamped_last                    the same values with kv_modes.removal=last (no unit removed)
+#   measured_retrieval_clamped_kl                      measured_retrieval_clamped's layout, then measured_kl's 12 KL steps
 #   measured_kl                                        measured's layout (kv_modes=given, from results/measured.json), then
 #                                                      retrieval_uniform_kl's 12 KL steps
 #   retrieval_33_kl, retrieval_85_kl, retrieval_2048_kl  retrieval_33's / _85's / _2048's layouts (kv_modes=given), then
