@@ -198,6 +198,18 @@ def test_measured_reads_the_retrieval_blocks_beside_the_calibration(tmp_path, ll
     assert report["window_rise"] != plain["rounds"][0]["budget"]["kv_modes"]["window_rise"]
 
 
+def test_the_measured_retrieval_preset_mixes_one_retrieval_block_and_removes_last(tmp_path, llama_dir, data_dir):
+    """kv_modes=measured_retrieval: kv_modes=measured with one retrieval block (both sets of rises in
+    the report, the mix clamped) and removal=last: no unit removed while every unit windowed fits."""
+    res = run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "kv_modes=measured_retrieval")))
+    report = res["rounds"][0]["budget"]["kv_modes"]
+    assert (report["choice"], report["retrieval_blocks"], report["removal"]) == ("measured", 1, "last")
+    assert report["removed_rise"] == with_retrieval(report["calibration"]["removed_rise"],
+                                                    report["retrieval"]["removed_rise"], 63, 48)
+    modes = [m for layer in res["final"]["kv_layout"]["modes"] for m in layer]
+    assert "removed" not in modes and "window" in modes
+
+
 def test_a_retrieval_rise_below_zero_counts_as_zero():
     """The mix weighs each set by its scored targets; a retrieval block's negative rise (removing
     the unit copies random tokens better) adds nothing, so it cannot make the unit cheaper to lose

@@ -37,6 +37,7 @@ KV_MODES = {
     "measured_retrieval": ["kv_modes=measured", "kv_modes.retrieval_blocks=1"],
     "measured_retrieval_clamped": ["kv_modes=given",
                                    "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_layout.json"],
+    "measured_retrieval_last": ["kv_modes=measured", "kv_modes.retrieval_blocks=1", "kv_modes.removal=last"],
     "measured_retrieval_clamped_kl": [
         "kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_layout.json",
         *KL_STEPS],

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The llm_kv_modes arms on one CUDA GPU (issue 40; for a lent GPU, not yet run to the end on one): `trainer.accelerator:
+# The llm_kv_modes arms on one CUDA GPU (issue 40; for a lent GPU; ran on an H200 on 2026-12-04): `trainer.accelerator:
 # auto` puts each run on the GPU, in float32 as on CPU (precision 32-true), every arm's config unchanged (results.json
 # `runtime` records the device). The arms run side by side (the GPU and the cores shared: choice and wall seconds are
 # not comparable to the CPU rows) under one deadline; then decode.py --device cuda on the dense model and the
 # exports, alone on the machine (decode_h200.json). Check the machine first: experiments/device_check/smoke.py.
-# The arms: measured_retrieval (with the dense model), then ARMS (default: the arms too slow for 2 CPU cores, and
-# retrieval_85 for an export at 85% removed); decode on the exports at 2/3 (measured_retrieval, measured_self,
-# retrieval_uniform_kl_self) and 85% (retrieval_85) that exist, for DECODE_SECONDS at most (default 150).
+# The arms: measured_retrieval_last (with the dense model), then ARMS (default: retrieval_uniform_kl_self); decode on
+# those exports that exist, for DECODE_SECONDS at most (default 150). (2026-12-04's lease ran measured_retrieval, measured_self, retrieval_uniform_kl_self,
+# retrieval_2048_kl and retrieval_85 at 9b74e30: ARMS and the first arm named those.)
 #   OUT=../llmruns/llm_kv_modes_gpu bash experiments/llm_kv_modes/gpu.sh [seconds for every arm together]
 #   python experiments/llm_kv_modes/collect.py --runs ../llmruns/llm_kv_modes_gpu
 set -uo pipefail
@@ -20,13 +20,13 @@ arm() {  # arm <name> <dense: true|false>: one run, its log beside the run dirs
     OUT=$OUT timeout $((DEADLINE - SECONDS)) bash $HERE/run.sh one "$1" "$2" > "$OUT/$1.log" 2>&1
     echo "$1: rc $?" | tee -a "$OUT/arms.txt"
 }
-arm measured_retrieval true &  # it also evaluates the dense model on this GPU
-for a in ${ARMS:-measured_self retrieval_uniform_kl_self retrieval_2048_kl retrieval_85}; do
+arm measured_retrieval_last true &  # it also evaluates the dense model on this GPU
+for a in ${ARMS:-retrieval_uniform_kl_self}; do
     arm "$a" false &
 done
 wait
 exports=()
-for a in measured_retrieval measured_self retrieval_uniform_kl_self retrieval_85; do
+for a in measured_retrieval_last retrieval_uniform_kl_self; do
     [ -f "$OUT/$a/export/headprune_kv_modes.json" ] && exports+=("$OUT/$a/export")
 done
 [ ${#exports[@]} -gt 0 ] && timeout ${DECODE_SECONDS:-150} python $HERE/decode.py "${exports[@]}" --contexts 4096 8192 --repeats 5 \
