@@ -350,7 +350,8 @@ def test_save_and_load_pruned_keep_the_modes(tmp_path):
 
 def test_exports_that_cannot_window_refuse_by_name(tmp_path):
     """llama.cpp's GGUF and vLLM's DeciLM attend every kept KV head to the whole context, and
-    torch.export does not trace the window masks (ONNX): a model with windowed units is refused,
+    torch.export stops at the windowed kernel's data-dependent head split (ONNX; the decode graph
+    keeps one cache per layer): a model with windowed units is refused,
     with every unit full it is not refused for windows."""
     from headprune.deploy.gguf_export import gguf_refusal
     from headprune.deploy.onnx import export_onnx

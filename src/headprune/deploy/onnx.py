@@ -64,7 +64,9 @@ def example_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 
 def export_onnx(model: nn.Module, path: str | Path, batch: int = 2, seq: int = 16) -> Path:
     """Write `model` as ONNX to `path` (dynamic batch and sequence axes); returns the path. The
     graph runs the forward of the task the saved model's head does (`task_for`, read once here)."""
-    windowed = windows_refusal(model, "this ONNX export (torch.export does not trace the per-head window masks)")
+    windowed = windows_refusal(model, "this ONNX export (torch.export stops at the windowed attention's split of a "
+                                       "layer's heads into full and windowed ones, computed from a tensor in each "
+                                       "forward)")
     if windowed:
         raise ValueError(windowed)
     latent = onnx_refusal(model, "forward")
