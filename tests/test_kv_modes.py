@@ -349,12 +349,10 @@ def test_save_and_load_pruned_keep_the_modes(tmp_path):
 
 
 def test_exports_that_cannot_window_refuse_by_name(tmp_path):
-    """llama.cpp's GGUF and vLLM's DeciLM attend every kept KV head to the whole context, and
-    torch.export stops at the windowed kernel's data-dependent head split (ONNX; the decode graph
-    keeps one cache per layer): a model with windowed units is refused,
-    with every unit full it is not refused for windows."""
+    """llama.cpp's GGUF and vLLM's DeciLM attend every kept KV head to the whole context, and the
+    ONNX decode graph keeps one cache per layer: a model with windowed units is refused, with every
+    unit full it is not refused for windows (the ONNX forward graph exports them: test below)."""
     from headprune.deploy.gguf_export import gguf_refusal
-    from headprune.deploy.onnx import export_onnx
     from headprune.deploy.onnx_decode import export_onnx_decode
     from headprune.deploy.vllm_deci import deci_refusal
 
@@ -362,14 +360,34 @@ def test_exports_that_cannot_window_refuse_by_name(tmp_path):
     windows = KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=4)).attach(model)
     assert "windowed KV units" in gguf_refusal(model) and "llama.cpp" in gguf_refusal(model)
     assert "windowed KV units" in deci_refusal(model) and "DeciLM" in deci_refusal(model)
-    with pytest.raises(ValueError, match="windowed KV units .* which this ONNX export"):
-        export_onnx(model, tmp_path / "model.onnx")
     with pytest.raises(ValueError, match="windowed KV units .* which this decode graph"):
         export_onnx_decode(model, tmp_path / "decode.onnx")
     assert not list(tmp_path.iterdir())
     windows.detach()
     KVWindows(KVLayout.uniform(model, "full", sink=1, window=4)).attach(model)
     assert gguf_refusal(model) is None and "windowed" not in deci_refusal(model)  # (DeciLM: the tiny FFN width)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_the_onnx_forward_graph_computes_the_windows(tmp_path, attn):
+    """export_onnx of a model with windowed units: ONNX Runtime's logits equal the windowed PyTorch
+    model's (its banded kernel) at another batch and a longer sequence than the export's, left
+    padding included, and differ from the model without windows (the windows are in the graph).
+    Seen failing without `per_head_masks` (torch.export stops in the banded chunks)."""
+    from headprune.deploy.onnx import check_onnx, export_onnx, judge, onnx_session
+
+    model = llama(attn=attn).eval()
+    windows = KVWindows(KVLayout((("full", "window"), ("window", "full")), sink=2, window=3)).attach(model)
+    path = export_onnx(model, tmp_path / "model.onnx", batch=2, seq=16)
+    figures = check_onnx(model, path, batch=3, seq=40)
+    assert judge(figures) == [] and figures["max_abs_diff"] < 1e-4, figures
+    ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(3))  # (B, T), T > sink + window
+    mask = torch.ones_like(ids)
+    got = torch.from_numpy(onnx_session(path).run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})[0])
+    windows.detach()
+    with torch.no_grad():
+        dense = model(input_ids=ids, attention_mask=mask).logits
+    assert (got - dense).abs().max() > 1e-2  # positions past sink + window see fewer keys
 
 
 def test_allocate_modes_gives_a_layout_within_the_share():

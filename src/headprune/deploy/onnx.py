@@ -8,6 +8,8 @@ config has segment embeddings), with dynamic batch and sequence axes; the output
 per layer and layers with no heads left export like any other model: after `prune_heads` they
 are plain smaller matrices. This graph has no KV cache (`use_cache=False`: each call reruns the
 whole sequence); a causal LM's decode graph with past key/values is deploy/onnx_decode.py's.
+Per-unit KV windows (`heads.windows`) attached to a causal LM are in this graph too, as per-head
+masks (`export_onnx`); the decode graph refuses them.
 
 `check_onnx` measures how ONNX Runtime's logits agree with PyTorch's (`agreement`: max abs
 diff, that relative to max |logit|, argmax agreement) and `judge` applies the bounds (module
@@ -25,7 +27,7 @@ from torch import nn
 
 from headprune.heads.stacks import stacked
 from headprune.heads.latent import onnx_refusal
-from headprune.heads.windows import windows_refusal
+from headprune.heads.windowed_attention import per_head_masks
 from headprune.tasks import CAUSAL_LM, Task, task_for
 
 
@@ -63,12 +65,11 @@ def example_inputs(model: nn.Module, batch: int = 2, seq: int = 16, seed: int = 
 
 def export_onnx(model: nn.Module, path: str | Path, batch: int = 2, seq: int = 16) -> Path:
     """Write `model` as ONNX to `path` (dynamic batch and sequence axes); returns the path. The
-    graph runs the forward of the task the saved model's head does (`task_for`, read once here)."""
-    windowed = windows_refusal(model, "this ONNX export (torch.export stops at the windowed attention's split of a "
-                                       "layer's heads into full and windowed ones, computed from a tensor in each "
-                                       "forward)")
-    if windowed:
-        raise ValueError(windowed)
+    graph runs the forward of the task the saved model's head does (`task_for`, read once here).
+    KV windows attached (`heads.windows`): the graph computes them, each windowed layer under one
+    per-head mask (`per_head_masks`: the banded chunks loop over the sequence, which torch.export
+    cannot trace with a dynamic length); the decode graph with a cache refuses them
+    (`deploy.onnx_decode`)."""
     latent = onnx_refusal(model, "forward")
     if latent:
         raise ValueError(latent)
@@ -83,7 +84,7 @@ def export_onnx(model: nn.Module, path: str | Path, batch: int = 2, seq: int = 1
     example = example_inputs(model, batch, seq)
     wrapper = _Logits(model.eval(), task_for(model)).eval()
     dynamic = {name: {0: "batch", 1: "seq"} for name in names}
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad(), per_head_masks():
         warnings.simplefilter("ignore")
         torch.onnx.export(wrapper, tuple(example[n] for n in names), str(path), dynamo=True, input_names=list(names),
                           output_names=["logits"], dynamic_shapes=dynamic, verbose=False)

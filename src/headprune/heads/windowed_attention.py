@@ -38,6 +38,7 @@ read at the held slots, so a padded row keeps what the masked full-sequence forw
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ VIEW_ATTR = "headprune_kernel_config"  # the module's KernelConfig, kept between
 SHARED_TENSOR_KWARGS = ("position_ids", "cache_position")  # tensors a kernel may get that are not per head
 MIN_CHUNK = 128  # queries per chunk of windowed heads, at least (the window, when larger)
 ROUTES: dict[type, bool] = {}  # attention module class -> whether its forward looked its kernel up (BandCall)
+MASK_ONLY = [False]  # per_head_masks(): every windowed layer under one per-head mask (no BandCall)
 
 
 def pick(indices: torch.Tensor) -> slice | torch.Tensor:
@@ -58,6 +60,13 @@ def pick(indices: torch.Tensor) -> slice | torch.Tensor:
     if len(indices) and int(indices[-1]) - int(indices[0]) + 1 == len(indices):
         return slice(int(indices[0]), int(indices[-1]) + 1)
     return indices
+
+
+def pick_listed(indices: list[int], device) -> slice | torch.Tensor:
+    """`pick` of indices given as Python ints (no step reads a tensor's values), on `device`."""
+    if indices and indices[-1] - indices[0] + 1 == len(indices):
+        return slice(indices[0], indices[-1] + 1)
+    return torch.tensor(indices, dtype=torch.long, device=device)
 
 
 @dataclass(frozen=True)
@@ -74,14 +83,17 @@ class HeadSplit:
     order: tuple[str, str] | None
 
     @classmethod
-    def of(cls, windowed: torch.Tensor) -> "HeadSplit":
-        """From (H,) bool: which heads belong to windowed units."""
-        full, window = (~windowed).nonzero().flatten(), windowed.nonzero().flatten()
-        picks = pick(full), pick(window)
+    def of(cls, windowed: list[bool], device) -> "HeadSplit":
+        """From per head, whether it belongs to a windowed unit (Python bools, so that no step
+        depends on a tensor's values: torch.export traces it)."""
+        full = [h for h, w in enumerate(windowed) if not w]
+        window = [h for h, w in enumerate(windowed) if w]
+        picks = pick_listed(full, device), pick_listed(window, device)
         order = None
-        if all(isinstance(p, slice) or not len(i) for p, i in zip(picks, (full, window))):  # two adjacent blocks
-            order = ("window", "full") if len(full) and len(window) and window[0] < full[0] else ("full", "window")
-        return cls(full, window, *picks, order)
+        if all(isinstance(p, slice) or not i for p, i in zip(picks, (full, window))):  # two adjacent blocks
+            order = ("window", "full") if full and window and window[0] < full[0] else ("full", "window")
+        return cls(torch.tensor(full, dtype=torch.long, device=device),
+                   torch.tensor(window, dtype=torch.long, device=device), *picks, order)
 
 
 @dataclass
@@ -242,6 +254,18 @@ def per_head_mask(mask: torch.Tensor | None, windowed: torch.Tensor, n_q: int, s
     if mask.dtype == torch.bool:
         return mask & allowed[None]  # (B, H, Q, K)
     return mask.masked_fill(~allowed[None], torch.finfo(mask.dtype).min)  # (B, H, Q, K)
+
+
+@contextmanager
+def per_head_masks():
+    """Within it, windowed layers attend under one per-head mask over all their heads (the model's
+    own kernel, `per_head_mask`) instead of the banded chunks (`BandCall`), whose loop over the
+    sequence torch.export cannot trace with a dynamic length: for exporting the forward graph."""
+    MASK_ONLY[0] = True
+    try:
+        yield
+    finally:
+        MASK_ONLY[0] = False
 
 
 def recording_attentions() -> bool:

@@ -51,8 +51,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
 from headprune.heads.latent import is_latent
 from headprune.heads.surgery import prune_heads
-from headprune.heads.windowed_attention import (ROUTES, BandCall, HeadSplit, SplitCall, arm, disarm, heads_flags,
-                                               per_head_mask)
+from headprune.heads.windowed_attention import (MASK_ONLY, ROUTES, BandCall, HeadSplit, SplitCall, arm, disarm,
+                                               heads_flags, per_head_mask)
 
 FULL, WINDOW, REMOVED = "full", "window", "removed"
 MODES = (FULL, WINDOW, REMOVED)
@@ -198,14 +198,13 @@ class KVWindows:
             delattr(model, KV_LAYOUT_ATTR)
         self._model = None
 
-    def slot_windowed(self, model: nn.Module, layer: int) -> torch.Tensor:
-        """Bool (H,): which of the query heads the kernel computes belong to windowed units. A
+    def slot_windowed(self, model: nn.Module, layer: int) -> list[bool]:
+        """Per query head the kernel computes (H of them): whether it belongs to a windowed unit. A
         partly kept group gets as many slots as the fullest kept group (`ArchAdapter.query_slots`)."""
         adapter = get_adapter(model)
         groups = adapter.kv_groups(model.config, layer_heads(model, layer))  # kept groups, in kernel order
         per_group = adapter.query_slots(model.config, layer_heads(model, layer))[1] // max(len(groups), 1)
-        return torch.tensor([self.layout.modes[layer][g] == WINDOW for g in groups for _ in range(per_group)],
-                            dtype=torch.bool)
+        return [self.layout.modes[layer][g] == WINDOW for g in groups for _ in range(per_group)]
 
     def kv_windowed(self, model: nn.Module, layer: int) -> list[bool]:
         """Per KV head the layer computes (kept groups, in order): whether its unit is windowed."""
@@ -219,8 +218,8 @@ class KVWindows:
         kept = tuple(layer_heads(model, layer))
         known = self._splits.get(layer)
         if known is None or known[0] != kept or known[1] != device:
-            windowed = self.slot_windowed(model, layer).to(device)  # (H,)
-            known = (kept, device, HeadSplit.of(windowed), self.kv_windowed(model, layer))
+            heads = HeadSplit.of(self.slot_windowed(model, layer), device)
+            known = (kept, device, heads, self.kv_windowed(model, layer))
             self._splits[layer] = known
         return known[2], known[3]
 
@@ -250,13 +249,13 @@ class KVWindows:
                 arm(module, SplitCall(cache_layer, heads, sink, window, model.config._attn_implementation))
                 return None
             mask = kwargs["attention_mask"]  # None, or (B, 1, Q, K) additive float or boolean
-            routes = ROUTES.get(type(module))
+            routes = False if MASK_ONLY[0] else ROUTES.get(type(module))
             per_head = None if routes else per_head_mask(mask, heads_flags(heads, len(heads.full) + len(heads.window),
                                                                            hidden.device),
                                                          hidden.shape[1], sink, window, hidden.dtype)
             if routes is False or "config" not in module.__dict__:  # its own kernel: the per-head mask alone
                 return args, {**kwargs, "attention_mask": per_head}
-            kv = HeadSplit.of(torch.tensor(kv_windowed, device=hidden.device))
+            kv = HeadSplit.of(kv_windowed, hidden.device)
             arm(module, BandCall(heads, kv, sink, window, model.config._attn_implementation, mask, per_head))
             return (args, kwargs) if per_head is None else (args, {**kwargs, "attention_mask": per_head})
 
@@ -291,7 +290,7 @@ class WindowedCacheLayer(DynamicLayer):
             raise ValueError(f"the cache layer was made for {len(self.windowed)} KV heads, the attention gave "
                              f"{key_states.shape[1]}")
         self.device = key_states.device
-        self.heads = HeadSplit.of(torch.tensor(self.windowed, device=self.device))
+        self.heads = HeadSplit.of(self.windowed, self.device)
         self.full_heads, self.window_heads = self.heads.full, self.heads.window
         b, _, _, d = key_states.shape
         self.keys = key_states.new_zeros(b, len(self.full_heads), 0, d)  # (B, F, 0, D)
