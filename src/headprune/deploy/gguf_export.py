@@ -100,7 +100,8 @@ def gguf_refusal(model: nn.Module) -> str | None:
     """Why `model` cannot become a GGUF llama.cpp runs as this model (None: it can)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
-    windowed = windows_refusal(model, "llama.cpp's llama/deci/qwen3 architectures")
+    windowed = windows_refusal(model, "llama.cpp's llama/deci/qwen3 architectures (its sliding windows, as in "
+                                      "gemma2/gemma3, restrict whole layers and keep no sink tokens)")
     if windowed:
         return windowed
     if getattr(config, "is_encoder_decoder", False) or model_type not in FAMILIES:
