@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from headprune.heads.surgery import kv_group_heads
 from headprune.models.gguf import converted, gguf_source
 from headprune.selection.budgets import KVBudget, allocate_modes
 from headprune.selection.kv_modes import mode_choices, with_retrieval
@@ -61,9 +62,7 @@ def derive(model_folder: str | Path, removal: str = "any") -> dict:
     with torch.device("meta"):  # the shapes only: the KV mode table needs no weights
         model = transformers.AutoModelForCausalLM.from_config(config)
     costs = KVBudget(target=together["target"], seq=seq).mode_table(model, rt["sink"], rt["window"])
-    units = [list(range(g * config.num_attention_heads // config.num_key_value_heads,
-                        (g + 1) * config.num_attention_heads // config.num_key_value_heads))
-             for g in range(config.num_key_value_heads)]  # a KV group's query heads
+    units = kv_group_heads(model)  # a KV group's query heads
     caps = [config.num_attention_heads] * config.num_hidden_layers  # a layer may lose every unit
     choices, _ = mode_choices(costs, units, caps, together["target"], removal)
     layout, report = allocate_modes(mixed_removed, windowed, costs, together["target"], rt["sink"], rt["window"],
