@@ -390,6 +390,20 @@ def test_the_onnx_forward_graph_computes_the_windows(tmp_path, attn):
     assert (got - dense).abs().max() > 1e-2  # positions past sink + window see fewer keys
 
 
+def test_per_head_masks_holds_for_its_model_only_and_nests():
+    """per_head_masks(model) marks that model alone, an inner use does not end an outer one, and
+    nothing is left on the model after (a process-wide flag failed the first two)."""
+    from headprune.heads.windowed_attention import mask_only, per_head_masks
+
+    a, b = llama(), llama()
+    with per_head_masks(a):
+        assert mask_only(a) and not mask_only(b)
+        with per_head_masks(a):
+            pass
+        assert mask_only(a)
+    assert not mask_only(a) and "headprune_mask_only" not in a.__dict__
+
+
 def test_allocate_modes_gives_a_layout_within_the_share():
     """Two layers of two groups, windows 1/4 of a full unit at seq 64: within 0.6 of the dense
     bytes the layout keeps the group that loses most when windowed full and windows the rest;

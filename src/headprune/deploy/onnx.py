@@ -84,7 +84,7 @@ def export_onnx(model: nn.Module, path: str | Path, batch: int = 2, seq: int = 1
     example = example_inputs(model, batch, seq)
     wrapper = _Logits(model.eval(), task_for(model)).eval()
     dynamic = {name: {0: "batch", 1: "seq"} for name in names}
-    with warnings.catch_warnings(), torch.no_grad(), per_head_masks():
+    with warnings.catch_warnings(), torch.no_grad(), per_head_masks(model):
         warnings.simplefilter("ignore")
         torch.onnx.export(wrapper, tuple(example[n] for n in names), str(path), dynamo=True, input_names=list(names),
                           output_names=["logits"], dynamic_shapes=dynamic, verbose=False)

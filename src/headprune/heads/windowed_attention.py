@@ -51,7 +51,7 @@ VIEW_ATTR = "headprune_kernel_config"  # the module's KernelConfig, kept between
 SHARED_TENSOR_KWARGS = ("position_ids", "cache_position")  # tensors a kernel may get that are not per head
 MIN_CHUNK = 128  # queries per chunk of windowed heads, at least (the window, when larger)
 ROUTES: dict[type, bool] = {}  # attention module class -> whether its forward looked its kernel up (BandCall)
-MASK_ONLY = [False]  # per_head_masks(): every windowed layer under one per-head mask (no BandCall)
+MASK_ONLY_ATTR = "headprune_mask_only"  # on a model inside per_head_masks(model): how many such contexts are open
 
 
 def pick(indices: torch.Tensor) -> slice | torch.Tensor:
@@ -257,15 +257,25 @@ def per_head_mask(mask: torch.Tensor | None, windowed: torch.Tensor, n_q: int, s
 
 
 @contextmanager
-def per_head_masks():
-    """Within it, windowed layers attend under one per-head mask over all their heads (the model's
-    own kernel, `per_head_mask`) instead of the banded chunks (`BandCall`), whose loop over the
-    sequence torch.export cannot trace with a dynamic length: for exporting the forward graph."""
-    MASK_ONLY[0] = True
+def per_head_masks(model: nn.Module):
+    """Within it, `model`'s windowed layers attend under one per-head mask over all their heads (the
+    model's own kernel, `per_head_mask`) instead of the banded chunks (`BandCall`), whose loop over
+    the sequence torch.export cannot trace with a dynamic length: for exporting the forward graph.
+    A count on the model (`MASK_ONLY_ATTR`), so other models and nested uses are unaffected."""
+    setattr(model, MASK_ONLY_ATTR, mask_only(model) + 1)
     try:
         yield
     finally:
-        MASK_ONLY[0] = False
+        depth = mask_only(model) - 1
+        if depth:
+            setattr(model, MASK_ONLY_ATTR, depth)
+        else:
+            delattr(model, MASK_ONLY_ATTR)
+
+
+def mask_only(model: nn.Module) -> int:
+    """How many `per_head_masks(model)` contexts are open (0: the banded chunks where they route)."""
+    return model.__dict__.get(MASK_ONLY_ATTR, 0)
 
 
 def recording_attentions() -> bool:

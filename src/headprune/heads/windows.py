@@ -51,8 +51,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
 from headprune.heads.latent import is_latent
 from headprune.heads.surgery import prune_heads
-from headprune.heads.windowed_attention import (MASK_ONLY, ROUTES, BandCall, HeadSplit, SplitCall, arm, disarm,
-                                               heads_flags, per_head_mask)
+from headprune.heads.windowed_attention import (ROUTES, BandCall, HeadSplit, SplitCall, arm, disarm,
+                                               heads_flags, mask_only, per_head_mask)
 
 FULL, WINDOW, REMOVED = "full", "window", "removed"
 MODES = (FULL, WINDOW, REMOVED)
@@ -249,7 +249,7 @@ class KVWindows:
                 arm(module, SplitCall(cache_layer, heads, sink, window, model.config._attn_implementation))
                 return None
             mask = kwargs["attention_mask"]  # None, or (B, 1, Q, K) additive float or boolean
-            routes = False if MASK_ONLY[0] else ROUTES.get(type(module))
+            routes = False if mask_only(model) else ROUTES.get(type(module))
             per_head = None if routes else per_head_mask(mask, heads_flags(heads, len(heads.full) + len(heads.window),
                                                                            hidden.device),
                                                          hidden.shape[1], sink, window, hidden.dtype)
