@@ -348,21 +348,17 @@ def test_save_and_load_pruned_keep_the_modes(tmp_path):
     assert loaded.headprune_kv_layout == layout
 
 
-def test_exports_that_cannot_window_refuse_by_name(tmp_path):
-    """llama.cpp's GGUF and vLLM's DeciLM attend every kept KV head to the whole context, and the
-    ONNX decode graph keeps one cache per layer: a model with windowed units is refused, with every
-    unit full it is not refused for windows (the ONNX forward graph exports them: test below)."""
+def test_exports_that_cannot_window_refuse_by_name():
+    """llama.cpp's GGUF and vLLM's DeciLM attend every kept KV head to the whole context: a model
+    with windowed units is refused, with every unit full it is not refused for windows (both ONNX
+    graphs export them: tests below)."""
     from headprune.deploy.gguf_export import gguf_refusal
-    from headprune.deploy.onnx_decode import export_onnx_decode
     from headprune.deploy.vllm_deci import deci_refusal
 
     model = llama(attn="sdpa")
     windows = KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=4)).attach(model)
     assert "windowed KV units" in gguf_refusal(model) and "llama.cpp" in gguf_refusal(model)
     assert "windowed KV units" in deci_refusal(model) and "DeciLM" in deci_refusal(model)
-    with pytest.raises(ValueError, match="windowed KV units .* which this decode graph"):
-        export_onnx_decode(model, tmp_path / "decode.onnx")
-    assert not list(tmp_path.iterdir())
     windows.detach()
     KVWindows(KVLayout.uniform(model, "full", sink=1, window=4)).attach(model)
     assert gguf_refusal(model) is None and "windowed" not in deci_refusal(model)  # (DeciLM: the tiny FFN width)
@@ -388,6 +384,40 @@ def test_the_onnx_forward_graph_computes_the_windows(tmp_path, attn):
     with torch.no_grad():
         dense = model(input_ids=ids, attention_mask=mask).logits
     assert (got - dense).abs().max() > 1e-2  # positions past sink + window see fewer keys
+
+
+@pytest.mark.slow  # two ONNX decode exports, ~15 s each
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_the_onnx_decode_graph_keeps_windowed_units_in_fixed_rings(tmp_path, attn):
+    """export_onnx_decode of a model with a removed, two windowed and one full unit: the windowed
+    units' past is a ring of sink + window entries (a static axis) beside the full units' growing
+    past; a prefill past the ring's size and 7 greedy steps in ONNX Runtime give PyTorch's
+    generation tokens and logits (its WindowedCacheLayer), and the prefill's logits differ from the
+    model's without windows (the windows are in the graph)."""
+    from headprune.deploy.onnx import onnx_session
+    from headprune.deploy.onnx_decode import (_feed, check_onnx_decode, empty_past, export_onnx_decode, judge_decode,
+                                              positions)
+
+    model = llama(attn=attn).eval()
+    windows = apply_kv_layout(model, KVLayout((("removed", "window"), ("window", "full")), sink=1, window=4))
+    path = export_onnx_decode(model, tmp_path / "decode.onnx")
+    report = check_onnx_decode(model, path, steps=7)
+    assert judge_decode(report) == [], report
+    assert report["kv_heads"] == [0, 1] and report["window_kv_heads"] == [1, 1] and report["prompt"] == 8
+    assert report["ring_bytes"] == 2 * 2 * 5 * 8 * 4  # keys + values, 2 windowed KV heads x 5 entries x 8 float32
+    session = onnx_session(path)
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    assert shapes["past_key_values.0.window_key"] == ["batch", 1, 5, 8] and shapes["past_window_slots"] == [5]
+    assert shapes["past_key_values.1.key"] == ["batch", 1, "past_len", 8]
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(5))  # (B, T), T > sink + window
+    mask = torch.ones_like(ids)
+    got = torch.from_numpy(session.run(None, _feed(session, ids, mask, positions(mask, 12), empty_past(model, 1)))[0])
+    windows.detach()
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+    assert (got - plain).abs().max() > 1e-2
+    tampered = {**report, "window_kv_heads": [2, 2]}
+    assert any("windowed KV heads per layer differ" in line for line in judge_decode(tampered))
 
 
 def test_per_head_masks_holds_for_its_model_only_and_nests():

@@ -9,7 +9,7 @@ per layer and layers with no heads left export like any other model: after `prun
 are plain smaller matrices. This graph has no KV cache (`use_cache=False`: each call reruns the
 whole sequence); a causal LM's decode graph with past key/values is deploy/onnx_decode.py's.
 Per-unit KV windows (`heads.windows`) attached to a causal LM are in this graph too, as per-head
-masks (`export_onnx`); the decode graph refuses them.
+masks (`export_onnx`); in the decode graph they keep fixed-size rings (deploy/onnx_ring.py).
 
 `check_onnx` measures how ONNX Runtime's logits agree with PyTorch's (`agreement`: max abs
 diff, that relative to max |logit|, argmax agreement) and `judge` applies the bounds (module
@@ -68,8 +68,8 @@ def export_onnx(model: nn.Module, path: str | Path, batch: int = 2, seq: int = 1
     graph runs the forward of the task the saved model's head does (`task_for`, read once here).
     KV windows attached (`heads.windows`): the graph computes them, each windowed layer under one
     per-head mask (`per_head_masks`: the banded chunks loop over the sequence, which torch.export
-    cannot trace with a dynamic length); the decode graph with a cache refuses them
-    (`deploy.onnx_decode`)."""
+    cannot trace with a dynamic length); the decode graph with a cache keeps their
+    units' keys in fixed-size rings (`deploy.onnx_decode`)."""
     latent = onnx_refusal(model, "forward")
     if latent:
         raise ValueError(latent)

@@ -51,6 +51,7 @@ VIEW_ATTR = "headprune_kernel_config"  # the module's KernelConfig, kept between
 SHARED_TENSOR_KWARGS = ("position_ids", "cache_position")  # tensors a kernel may get that are not per head
 MIN_CHUNK = 128  # queries per chunk of windowed heads, at least (the window, when larger)
 ROUTES: dict[type, bool] = {}  # attention module class -> whether its forward looked its kernel up (BandCall)
+EMPTY_SLOT = 2 ** 62  # the slot of an unused entry of a fixed-size window buffer (deploy/onnx_ring.py): no query sees it
 MASK_ONLY_ATTR = "headprune_mask_only"  # on a model inside per_head_masks(model): how many such contexts are open
 
 
@@ -222,7 +223,8 @@ def window_mask(mask: torch.Tensor | None, queries: torch.Tensor | None, slots: 
     """The windowed heads' mask over their held slots: (B or 1, 1, Q, n), boolean where the
     model's mask is boolean, else additive; the model's mask (B, 1, Q, T) read at `slots`.
     `queries` None: one query that may see every held slot (the cache layer's steady state),
-    so only the model's mask applies (None if it has none)."""
+    so only the model's mask applies (None if it has none). A slot `EMPTY_SLOT` (an unused entry
+    of a fixed-size buffer) is after every query, so no query sees it."""
     if queries is None:
         return None if mask is None else mask.index_select(-1, slots)
     q, k = queries[:, None], slots[None, :]  # (Q, 1), (1, n)
@@ -230,7 +232,7 @@ def window_mask(mask: torch.Tensor | None, queries: torch.Tensor | None, slots: 
     if mask is None:  # sdpa's causal shortcut: the window mask carries causality
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min)[None, None]
-    held = mask.index_select(-1, slots)  # (B, 1, Q, n)
+    held = mask.index_select(-1, torch.where(slots < EMPTY_SLOT, slots, 0))  # (B, 1, Q, n); unused: barred below
     if held.dtype == torch.bool:
         return held & allowed
     return held.masked_fill(~allowed, torch.finfo(held.dtype).min)
@@ -386,7 +388,8 @@ def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         out, weights = kernel(module, query[:, heads.full_pick], key, value, attention_mask, **kwargs)
         parts["full"] = (heads.full, out, weights, None)
     if len(heads.window):
-        if queries is not None and query.shape[2] > max(call.window, MIN_CHUNK) and not recording_attentions():
+        if (call.layer.chunked and queries is not None and query.shape[2] > max(call.window, MIN_CHUNK)
+                and not recording_attentions()):
             out, weights = windowed_chunks(kernel, module, query[:, heads.window_pick], window_keys, window_values,
                                            attention_mask, queries, slots, call.sink, call.window, **kwargs), None
         else:

@@ -277,6 +277,8 @@ class WindowedCacheLayer(DynamicLayer):
     see; a ring after the sinks), so the held keys are exactly those the query sees and nothing
     is copied but the new token."""
 
+    chunked = True  # a long prefill's windowed heads attend chunk by chunk (heads.windowed_attention)
+
     def __init__(self, windowed: list[bool], sink: int, window: int):
         super().__init__()
         self.windowed, self.sink, self.window = list(windowed), sink, window
