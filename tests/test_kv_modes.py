@@ -392,8 +392,9 @@ def test_the_onnx_decode_graph_keeps_windowed_units_in_fixed_rings(tmp_path, att
     """export_onnx_decode of a model with a removed, two windowed and one full unit: the windowed
     units' past is a ring of sink + window entries (a static axis) beside the full units' growing
     past; a prefill past the ring's size and 7 greedy steps in ONNX Runtime give PyTorch's
-    generation tokens and logits (its WindowedCacheLayer), and the prefill's logits differ from the
-    model's without windows (the windows are in the graph)."""
+    generation tokens and logits (its WindowedCacheLayer); the same prompt fed in chunks of 4 after
+    a past gives the one-call prefill's logits, which differ from the model's without windows (the
+    windows are in the graph)."""
     from headprune.deploy.onnx import onnx_session
     from headprune.deploy.onnx_decode import (_feed, check_onnx_decode, empty_past, export_onnx_decode, judge_decode,
                                               positions)
@@ -412,6 +413,11 @@ def test_the_onnx_decode_graph_keeps_windowed_units_in_fixed_rings(tmp_path, att
     ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(5))  # (B, T), T > sink + window
     mask = torch.ones_like(ids)
     got = torch.from_numpy(session.run(None, _feed(session, ids, mask, positions(mask, 12), empty_past(model, 1)))[0])
+    past = empty_past(model, 1)
+    for end in (4, 8, 12):  # the same tokens in chunks of 4 after a past (several new tokens, rings full)
+        chunk = session.run(None, _feed(session, ids[:, end - 4:end], mask[:, :end], positions(mask[:, :end], 4), past))
+        past = chunk[1:]
+        torch.testing.assert_close(torch.from_numpy(chunk[0]), got[:, end - 4:end], atol=1e-5, rtol=0)
     windows.detach()
     with torch.no_grad():
         plain = model(input_ids=ids, attention_mask=mask).logits
