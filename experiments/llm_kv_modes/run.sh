@@ -21,6 +21,7 @@
 #   measured_retrieval_clamped_kl                      measured_retrieval_clamped's layout, then measured_kl's 12 KL steps
 #   measured_retrieval_last                            kv_modes=measured_retrieval measured end to end (its clamped rises,
 #                                                      removal=last): what measured_retrieval_clamped_last derived
+#   measured_retrieval_8192                            the same preset at an 8192-token context (for a GPU: gpu.sh)
 #   measured_kl                                        measured's layout (kv_modes=given, from results/measured.json), then
 #                                                      retrieval_uniform_kl's 12 KL steps
 #   retrieval_33_kl, retrieval_85_kl, retrieval_2048_kl  retrieval_33's / _85's / _2048's layouts (kv_modes=given), then
