@@ -25,6 +25,7 @@ ARMS = ["removal", "removal_refit", "attention_mass", "attention_mass_last", "me
         "retrieval_uniform_kl", "retrieval_uniform_kl_self", "attention_mass_85", "attention_mass_85_last", "retrieval_85", "retrieval_85_kl",
         "attention_mass_33_last", "retrieval_33", "retrieval_33_kl"]
 ARMS_2048 = ["retrieval_2048", "retrieval_2048_kl", "retrieval_33_2048"]  # a 2048-token context; dense: retrieval_2048's evaluation.dense
+ARMS_8192 = ["measured_retrieval_8192"]  # SmolLM2's 8192-token context; dense: its own evaluation.dense
 # the issue's targets without training, by the share of the KV bytes kept: (ppl rise %, passkey share of dense's)
 TARGETS = {0.67: (1.0, None), 0.34: (3.0, 0.9), 0.15: (8.0, 0.8)}  # None: the issue sets none
 
@@ -153,6 +154,16 @@ def targets_heading(seq: int) -> str:
             "(0.67): <= +1%; every arm: the SST-2 change within 1.5x of the in-domain change")
 
 
+ONNX_DECODE_COLUMNS = [
+    text("model"), Column("context", lambda r: str(r["context"]), True),
+    Column("ms / token", lambda r: number(r["per_token_ms"], ".1f"), True),
+    Column("speed-up", lambda r: number(r["speedup"]), True),
+    Column("past bytes", lambda r: f"{r['held_bytes']:,}", True),
+    Column("past / dense", lambda r: number(r["held_share"], ".4f"), True),
+    Column("threads", lambda r: str(r["threads"]), True),
+    Column("load (1 min)", lambda r: number(r["load_average_end"][0], ".1f"), True),
+]
+
 DECODE_COLUMNS = [
     text("model"), Column("context", lambda r: str(r["context"]), True),
     Column("ms / token", lambda r: number(r["per_token_ms"], ".1f"), True),
@@ -188,19 +199,12 @@ def render(directory: Path = HERE) -> dict[str, str]:
              *markdown(ARM_COLUMNS, [dense_row(runs, dense, runtime=dense_run.get("runtime")), *table]),
              "", targets_heading(4096), "",
              *markdown(target_columns(dense_key), table)]
-    runs_2048 = load_results(directory / "results", ARMS_2048)
-    table_2048 = []
-    if runs_2048:
-        dense_2048 = runs_2048["retrieval_2048"]["evaluation"]["dense"]
-        table_2048 = rows(runs_2048, dense_2048, 2048)
-        lines += ["", "## At a 2048-token context", "",
-                  "The same protocol at 2048 tokens (calibration, validation, perplexity windows and passkey prompts of",
-                  "2048 tokens; a windowed unit keeps 512 of 2048 tokens); dense: the dense evaluation of the",
-                  "retrieval_2048 run.", "",
-                  *markdown(ARM_COLUMNS, [dense_row(runs_2048, dense_2048, 2048, runs_2048["retrieval_2048"].get("runtime")),
-                                           *table_2048]),
-                  "", targets_heading(2048), "",
-                  *markdown(target_columns(dense_2048["passkey"]["accuracy"]), table_2048)]
+    other_runs, other_rows = {}, []
+    for seq, arms, kept in ((2048, ARMS_2048, "512 of 2048 tokens"), (8192, ARMS_8192, "512 of 8192 tokens")):
+        section, runs_seq, table_seq = context_section(directory, seq, arms, kept)
+        lines += section
+        other_runs.update(runs_seq)
+        other_rows += table_seq
     decode_file = directory / "decode.json"
     if decode_file.is_file():
         lines += ["", "## Decode speed in PyTorch", "",
@@ -215,12 +219,42 @@ def render(directory: Path = HERE) -> dict[str, str]:
                   "From `decode_h200.json` (`decode.py <exports> --contexts 4096 8192 --repeats 5 --device cuda`, the",
                   "exports of the arms run on the GPU, README.md): the same protocol, float32, timed with CUDA events.", "",
                   *markdown(DECODE_COLUMNS, read_json(decode_h200))]
+    onnx_decode = directory / "onnx_decode.json"
+    if onnx_decode.is_file():
+        lines += ["", "## Decode speed in ONNX Runtime", "",
+                  "From `onnx_decode.json` (`python experiments/llm_kv_modes/onnx_decode_speed.py <exports> --graphs <dir>`):",
+                  "the decode graphs (`headprune-export --onnx-decode`; windowed units' keys in rings of sink + window",
+                  "entries), a prompt of context - new tokens prefilled 512 a call, then median ms per greedy token",
+                  "(batch 1), interleaved with the dense model's graph; past: the bytes of the graph's past after the",
+                  "prefill against dense's.", "",
+                  *markdown(ONNX_DECODE_COLUMNS, read_json(onnx_decode))]
     lines += same_arm_on_both(directory)
     lines += ["", "## Conditions", "",
               "Device: CPU rows ran on this project's 2-core machine, one arm per torch thread or two; H200 rows ran",
               "on a lent GPU, the arms side by side (`gpu.sh`), so their wall and choice seconds are not comparable.", "",
-              *map(conditions, table + table_2048)]
-    return {"results.md": "\n".join(lines) + "\n", "answers.md": answers(dense, {**runs, **runs_2048})}
+              *map(conditions, table + other_rows)]
+    return {"results.md": "\n".join(lines) + "\n", "answers.md": answers(dense, {**runs, **other_runs})}
+
+
+def context_section(directory: Path, seq: int, arms: list[str], kept: str) -> tuple[list[str], dict, list[dict]]:
+    """(the lines, the runs, the rows) of the arms run at another context than 4096; the dense row is
+    the first arm's dense evaluation (empty when no arm of it has finished)."""
+    runs = load_results(directory / "results", arms)
+    if not runs:
+        return [], {}, []
+    if arms[0] not in runs:
+        raise ValueError(f"results/{next(iter(runs))}.json is at {seq} tokens, but results/{arms[0]}.json, whose "
+                         f"evaluation.dense is that context's dense row, is missing")
+    dense = runs[arms[0]]["evaluation"]["dense"]
+    table = rows(runs, dense, seq)
+    lines = ["", f"## At a {seq}-token context", "",
+             f"The same protocol at {seq} tokens (calibration, validation, perplexity windows and passkey prompts of",
+             f"{seq} tokens; a windowed unit keeps {kept}); dense: the dense evaluation of the",
+             f"{arms[0]} run.", "",
+             *markdown(ARM_COLUMNS, [dense_row(runs, dense, seq, runs[arms[0]].get("runtime")), *table]),
+             "", targets_heading(seq), "",
+             *markdown(target_columns(dense["passkey"]["accuracy"]), table)]
+    return lines, runs, table
 
 
 def answers(dense: dict, runs: dict[str, dict]) -> str:
@@ -276,7 +310,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs is not None:
         finished = gather(args.runs, HERE / "results", lambda data: "pruned" in data.get("evaluation", {}),
-                          ARMS + ARMS_2048)
+                          ARMS + ARMS_2048 + ARMS_8192)
         print("copied:", finished)
     files = render(HERE)
     write(HERE, files)
