@@ -77,3 +77,14 @@ def test_yaml_comments_are_read_per_key():
         "  inner: 1  # beside\nplain: 2\n")
     assert header == "What it is.\n\n```bash\nheadprune-train x=1\n```"
     assert comments == {"outer": "the block", "outer.inner": "inner one beside"}
+
+
+def test_a_top_level_key_says_its_comment_once_and_a_block_says_its_own_first(rendered):
+    """train.yaml's scalar keys (overwrite, check_consistency) are their own block: their comment is
+    written once; a block's comment (pruning:) leads its first key's description."""
+    section = rendered[rendered.index("## Outside the groups"):rendered.index("### `evaluation`")]
+    row = next(line for line in section.splitlines() if line.startswith("| `overwrite` |"))
+    said = "Allow a new run to replace the results.json already in its run dir."
+    assert row.count(said) == 1
+    physical = next(line for line in section.splitlines() if line.startswith("| `pruning.physical` |"))
+    assert physical.count("(pruning.physical_effective: false)") == 1  # pruning:'s own comment, once

@@ -321,7 +321,7 @@ def render() -> str:
     for key, value in flatten(top).items():
         block = key.split(".")[0]
         text = comments.get(key, "")
-        if block in comments and block not in said:  # a block's comment, on its first key
+        if block != key and block in comments and block not in said:  # a block's comment, on its first key
             text = f"{comments[block]} {text}".strip()
             said.add(block)
         rows.append(f"| `{key}` | {value_type(value)} | {code(value)} | {cell(text)} |")
