@@ -89,15 +89,20 @@ def test_llm_iterative_rows_compare_each_arm_with_the_dense_model_of_the_same_ru
 
 
 def test_llm_kv_modes_clamped_layout_is_what_the_committed_rises_give(smollm2_folder):
-    """results/measured_retrieval_clamped{,_last}_layout.json (the layouts the measured_retrieval_clamped
-    arms evaluated, kv_modes.removal any and last) are what clamped_layout.py derives from the committed rises of measured_retrieval and
-    measured, with the library's retrieval mix and knapsack: 35 retrieval removal rises below 0."""
+    """results/measured_retrieval_clamped{,_last,_85}_layout.json (the layouts the measured_retrieval_clamped
+    arms evaluated: kv_modes.removal any and last at 2/3 removed, any at 85%) are what clamped_layout.py derives
+    from the committed rises of measured_retrieval and measured, with the library's retrieval mix and knapsack:
+    35 retrieval removal rises below 0."""
     script = experiment_script("llm_kv_modes/clamped_layout")
-    for removal, counts in (("any", {"full": 23, "window": 60, "removed": 7}),
-                            ("last", {"full": 22, "window": 68, "removed": 0})):
-        committed = json.loads(script.OUT[removal].read_text())
-        assert json.loads(json.dumps(script.derive(smollm2_folder, removal))) == committed
-        assert committed["retrieval"]["negative_removal_rises"] == 35 and committed["modes_count"] == counts
+    counts = {"measured_retrieval_clamped": {"full": 23, "window": 60, "removed": 7},
+              "measured_retrieval_clamped_last": {"full": 22, "window": 68, "removed": 0},
+              "measured_retrieval_clamped_85": {"full": 8, "window": 44, "removed": 38}}
+    assert set(script.OUT) == set(counts)
+    for arm, (removal, target) in script.OUT.items():
+        committed = json.loads(script.layout_path(arm).read_text())
+        assert json.loads(json.dumps(script.derive(smollm2_folder, removal, target))) == committed
+        assert committed["retrieval"]["negative_removal_rises"] == 35 and committed["modes_count"] == counts[arm]
+        assert committed["target"] == (0.34 if target is None else target)
 
 
 def test_llm_kv_modes_arms_without_removed_units_or_training_answer_as_dense():
