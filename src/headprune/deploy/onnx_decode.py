@@ -41,7 +41,7 @@ from transformers.cache_utils import DynamicCache
 
 from headprune.heads.headless import HeadlessCacheLayer
 from headprune.heads.latent import onnx_refusal
-from headprune.deploy.onnx_ring import RingCacheLayer, empty_ring
+from headprune.deploy.onnx_ring import RingCacheLayer
 from headprune.heads.windowed_attention import EMPTY_SLOT
 from headprune.heads.windows import KV_LAYOUT_ATTR, WINDOW, KVWindows, WindowedCacheLayer
 from headprune.tasks import CAUSAL_LM, task_of

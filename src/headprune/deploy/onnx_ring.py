@@ -20,13 +20,6 @@ from headprune.heads.windowed_attention import EMPTY_SLOT, HeadSplit
 from headprune.heads.windows import WindowedCacheLayer
 
 
-def empty_ring(batch: int, heads: int, sink: int, window: int, head_dim: int, like: torch.Tensor):
-    """(keys, values) of an unused ring, (B, W, sink + window, D) zeros, and its slots (S,), all unused."""
-    keys = like.new_zeros(batch, heads, sink + window, head_dim)
-    slots = torch.full((sink + window,), EMPTY_SLOT, dtype=torch.long, device=like.device)
-    return keys, keys.clone(), slots
-
-
 class RingCacheLayer(WindowedCacheLayer):
     """One layer's cache in the decode graph (module docstring): `keys` / `values` (B, F, P, D)
     every past token of the full KV heads (F may be 0: they still count the past), `window_keys`
