@@ -105,6 +105,20 @@ def test_llm_kv_modes_clamped_layout_is_what_the_committed_rises_give(smollm2_fo
         assert committed["target"] == (0.34 if target is None else target)
 
 
+def test_llm_kv_modes_preset_measured_what_clamped_layout_derived():
+    """The README's claim: kv_modes=measured_retrieval measured end to end (measured_retrieval_last) chose
+    exactly the layout clamped_layout.py derived from older runs' rises (measured_retrieval_clamped_last),
+    its rises within 1e-4 of the derived ones."""
+    results = EXP / "llm_kv_modes/results"
+    run = json.loads((results / "measured_retrieval_last.json").read_text())
+    derived = json.loads((results / "measured_retrieval_clamped_last_layout.json").read_text())
+    assert run["final"]["kv_layout"]["modes"] == derived["final"]["kv_layout"]["modes"]
+    measured = run["rounds"][0]["budget"]["kv_modes"]["retrieval"]
+    for kind in ("removed_rise", "window_rise"):
+        pairs = [(a, b) for xs, ys in zip(measured[kind], derived["retrieval"][kind]) for a, b in zip(xs, ys)]
+        assert len(pairs) == 90 and max(abs(a - b) for a, b in pairs) < 1e-4, kind
+
+
 def test_llm_kv_modes_arms_without_removed_units_or_training_answer_as_dense():
     """What answers.md says: the chat prompts and answers fit inside sink + window, so an arm that
     removes no unit and trains nothing answers exactly as the dense model (a windowed cache that

@@ -148,8 +148,9 @@ def test_the_experiment_preset_composes():
     from tests.helpers import compose_train as compose
 
     cfg = compose("/tmp/unused", "/tmp/unused", "experiment=llm_kv_modes")
-    assert cfg.model.pretrained == "smollm2" and cfg.kv_modes.choice == "attention_mass"
-    assert cfg.kv_modes.removal == "last"  # measured better on SmolLM2 (experiments/llm_kv_modes)
+    assert cfg.model.pretrained == "smollm2" and cfg.kv_modes.choice == "measured"
+    # kv_modes=measured_retrieval: the arm that hit every 2/3 target on SmolLM2 (experiments/llm_kv_modes)
+    assert cfg.kv_modes.retrieval_blocks == 1 and cfg.kv_modes.removal == "last"
     assert (cfg.budget.target, cfg.budget.seq, cfg.data.block_size) == (0.34, 4096, 4096)
     assert cfg.recovery._target_.endswith("NoRecovery") and cfg.evaluation.passkey_lengths == [4096]
     KVModes(**{k: v for k, v in cfg.kv_modes.items() if k != "_target_"})
