@@ -47,6 +47,9 @@ KV_MODES = {
     "measured_retrieval_clamped_85": [
         "kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_85_layout.json",
         "budget.target=0.15"],
+    "measured_retrieval_clamped_85_last": [
+        "kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_85_last_layout.json",
+        "budget.target=0.15"],
     "measured_retrieval_clamped_last": [
         "kv_modes=given", "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_last_layout.json"],
     "retrieval_uniform_kl": ["kv_modes=retrieval", "kv_modes.unit_value=uniform", "recovery=distill", "recovery.steps=12",

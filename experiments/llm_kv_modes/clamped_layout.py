@@ -2,7 +2,7 @@
 `selection.kv_modes.with_retrieval`), computed from committed raw files instead of measured again (that
 measurement takes minutes on a GPU, hours on 2 cores):
 
-    python experiments/llm_kv_modes/clamped_layout.py   # writes results/measured_retrieval_clamped{,_last,_85}_layout.json
+    python experiments/llm_kv_modes/clamped_layout.py   # writes results/measured_retrieval_clamped{,_last,_85,_85_last}_layout.json
 
 results/measured_retrieval.json (H200, code before a6f4654) holds the rises on the calibration block and the
 retrieval block together, as one token-weighted mean; results/measured.json (CPU) holds them on the same
@@ -13,7 +13,8 @@ unscored). From them `with_retrieval` and the knapsack (`allocate_modes` over Sm
 budget.seq 4096, target 0.34; every option a layer has, as layer_policy=global with min_heads_per_layer 0 allows)
 give the layout; the arm measured_retrieval_clamped evaluates it (kv_modes=given). With kv_modes.removal=last (no
 unit removed while every unit windowed fits) the same values give measured_retrieval_clamped_last's layout, and
-at budget.target 0.15 (85% of the bytes removed, removal any) measured_retrieval_clamped_85's.
+at budget.target 0.15 (85% of the bytes removed) measured_retrieval_clamped_85's (removal any) and
+measured_retrieval_clamped_85_last's.
 GPU and CPU rises agree to about 1e-5 (README.md, retrieval_85 run on both), far below the differences that
 decide the knapsack here.
 """
@@ -33,7 +34,7 @@ from headprune.selection.kv_modes import mode_choices, with_retrieval
 HERE = Path(__file__).resolve().parent
 # arm: (kv_modes.removal, budget.target or None for the measured runs' own 0.34), its layout file
 OUT = {"measured_retrieval_clamped": ("any", None), "measured_retrieval_clamped_last": ("last", None),
-       "measured_retrieval_clamped_85": ("any", 0.15)}
+       "measured_retrieval_clamped_85": ("any", 0.15), "measured_retrieval_clamped_85_last": ("last", 0.15)}
 
 
 def layout_path(arm: str) -> Path:

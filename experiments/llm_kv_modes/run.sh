@@ -19,6 +19,7 @@
 #                                                      rise clamped at 0 (clamped_layout.py; kv_modes=given)
 #   measured_retrieval_clamped_last                    the same values with kv_modes.removal=last (no unit removed)
 #   measured_retrieval_clamped_85                      the same values at 85% removed, removal any (clamped_layout.py)
+#   measured_retrieval_clamped_85_last                 the same values at 85% removed, removal=last
 #   measured_retrieval_clamped_kl                      measured_retrieval_clamped's layout, then measured_kl's 12 KL steps
 #   measured_retrieval_last                            kv_modes=measured_retrieval measured end to end (its clamped rises,
 #                                                      removal=last): what measured_retrieval_clamped_last derived
