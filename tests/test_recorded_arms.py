@@ -31,6 +31,7 @@ KV_MODES = {
     "removal_refit": ["kv_modes=none", "layer_policy=attention_drop", "recovery=refit", "data.score_samples=4"],
     "retrieval": ["kv_modes=retrieval", "kv_modes.unit_value=metric"],
     "retrieval_85": ["kv_modes=retrieval", "budget.target=0.15"],
+    "retrieval_85_w192": ["kv_modes=retrieval", "budget.target=0.15", "kv_modes.window=192"],
     "retrieval_uniform": ["kv_modes=retrieval", "kv_modes.unit_value=uniform"],
     "retrieval_33": ["kv_modes=retrieval", "budget.target=0.67"],
     # new since the arms became configs: the command line each config equals

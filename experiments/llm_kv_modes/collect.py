@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 ARMS = ["removal", "removal_refit", "attention_mass", "attention_mass_last", "measured", "measured_self",
         "measured_retrieval", "measured_retrieval_clamped",
         "measured_retrieval_clamped_last", "measured_retrieval_last", "measured_retrieval_clamped_kl", "measured_kl", "retrieval", "retrieval_uniform", "retrieval_uniform_self",
-        "retrieval_uniform_kl", "retrieval_uniform_kl_self", "attention_mass_85", "attention_mass_85_last", "retrieval_85", "retrieval_85_kl", "measured_retrieval_clamped_85",
+        "retrieval_uniform_kl", "retrieval_uniform_kl_self", "attention_mass_85", "attention_mass_85_last", "retrieval_85", "retrieval_85_kl", "retrieval_85_w192", "measured_retrieval_clamped_85",
         "measured_retrieval_clamped_85_last",
         "attention_mass_33_last", "retrieval_33", "retrieval_33_kl"]
 ARMS_2048 = ["retrieval_2048", "retrieval_2048_kl", "retrieval_33_2048"]  # a 2048-token context; dense: retrieval_2048's evaluation.dense
@@ -189,7 +189,7 @@ def render(directory: Path = HERE) -> dict[str, str]:
              "runs' results.json; `bash experiments/llm_kv_modes/run.sh one <arm> false`; README.md says how each ran).",
              "Perplexity at seq 4096 over the first 8,192 held-out tokens (2 windows, BOS first) of Tiny Shakespeare",
              "and of SST-2's validation sentences (dense: change +0.0%); passkey: 5 depths x 2 keys at 4096 tokens,",
-             "teacher-forced. Modes: KV groups full / windowed (64 sink + 448 recent tokens) / removed; KV share:",
+             "teacher-forced. Modes: KV groups full / windowed (64 sink + 448 recent tokens; `_w192`: 64 + 192) / removed; KV share:",
              "results.json `final.cost_share` (bytes at batch 1 x seq 4096 as a share of dense). Choice s: seconds",
              "the mode choice took (measurement and knapsack). `_last`: kv_modes.removal=last (no unit removed while",
              "every unit windowed fits the budget; the retrieval arms too). KL steps: optimizer steps of the KL to the",

@@ -9,6 +9,7 @@
 #   attention_mass_last, _85_last, _33_last            the same with removal=last, at 2/3, 85% and 1/3
 #   retrieval, retrieval_85, retrieval_33              kv_modes=retrieval: a window loses the larger of the
 #                                                      attention mass and the retrieval score, at 2/3, 85%, 1/3
+#   retrieval_85_w192                                  retrieval_85 with a 64 + 192 window (1/16 of a full unit), more units full
 #   retrieval_2048, retrieval_33_2048                  the same at a 2048-token context, 2/3 and 1/3 removed
 #   retrieval_uniform                                  retrieval with kv_modes.unit_value=uniform (every unit full
 #                                                      worth 1, not its Fisher score), 2/3 removed
