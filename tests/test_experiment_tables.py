@@ -90,9 +90,9 @@ def test_llm_iterative_rows_compare_each_arm_with_the_dense_model_of_the_same_ru
 
 def test_llm_kv_modes_clamped_layout_is_what_the_committed_rises_give(smollm2_folder):
     """results/measured_retrieval_clamped{,_last,_85,_85_last}_layout.json (the layouts the
-    measured_retrieval_clamped arms evaluated: kv_modes.removal any and last at 2/3 and at 85% removed) are what clamped_layout.py derives
-    from the committed rises of measured_retrieval and measured, with the library's retrieval mix and knapsack:
-    35 retrieval removal rises below 0."""
+    measured_retrieval_clamped arms evaluated: kv_modes.removal any and last at 2/3 and at 85% removed)
+    are what clamped_layout.py derives from the committed rises of measured_retrieval and measured,
+    with the library's retrieval mix and knapsack: 35 retrieval removal rises below 0."""
     script = experiment_script("llm_kv_modes/clamped_layout")
     counts = {"measured_retrieval_clamped": {"full": 23, "window": 60, "removed": 7},
               "measured_retrieval_clamped_last": {"full": 22, "window": 68, "removed": 0},
