@@ -20,11 +20,11 @@ from headprune.report import DASH, Column, gather, load_results, markdown, numbe
 
 HERE = Path(__file__).resolve().parent
 ARMS = ["removal", "removal_refit", "attention_mass", "attention_mass_last", "measured", "measured_self",
-        "measured_retrieval", "measured_retrieval_clamped",
-        "measured_retrieval_clamped_last", "measured_retrieval_last", "measured_retrieval_clamped_kl", "measured_kl", "retrieval", "retrieval_uniform", "retrieval_uniform_self",
-        "retrieval_uniform_kl", "retrieval_uniform_kl_self", "attention_mass_85", "attention_mass_85_last", "retrieval_85", "retrieval_85_kl", "retrieval_85_w192", "measured_retrieval_clamped_85",
-        "measured_retrieval_clamped_85_last",
-        "attention_mass_33_last", "retrieval_33", "retrieval_33_kl"]
+        "measured_retrieval", "measured_retrieval_clamped", "measured_retrieval_clamped_last", "measured_retrieval_last",
+        "measured_retrieval_clamped_kl", "measured_kl", "retrieval", "retrieval_uniform", "retrieval_uniform_self",
+        "retrieval_uniform_kl", "retrieval_uniform_kl_self", "attention_mass_85", "attention_mass_85_last",
+        "retrieval_85", "retrieval_85_kl", "retrieval_85_w192", "measured_retrieval_clamped_85",
+        "measured_retrieval_clamped_85_last", "attention_mass_33_last", "retrieval_33", "retrieval_33_kl"]
 ARMS_2048 = ["retrieval_2048", "retrieval_2048_kl", "retrieval_33_2048"]  # a 2048-token context; dense: retrieval_2048's evaluation.dense
 ARMS_8192 = ["measured_retrieval_8192"]  # SmolLM2's 8192-token context; dense: its own evaluation.dense
 # the issue's targets without training, by the share of the KV bytes kept: (ppl rise %, passkey share of dense's)
