@@ -29,12 +29,18 @@ class RunResults:
         null and its place listed under `nonfinite`, so the file stays strict JSON."""
         if self.path is None or not self.writer:
             return
-        places: list[str] = []
-        data = _finite(self.data, "", places)
-        if places:
-            data["nonfinite"] = sorted(set(self.data.get("nonfinite", [])) | set(places))
-            log.warning("results.json: non-finite values written as null at %s", ", ".join(places[:5]))
-        write_json_atomic(self.path, data)
+        write_json_atomic(self.path, strict(self.data, self.path.name))
+
+
+def strict(data: dict, name: str = "results.json") -> dict:
+    """`data` as strict JSON: every number that is not finite written as null and its place listed
+    under `nonfinite` (with a warning naming the file)."""
+    places: list[str] = []
+    out = _finite(data, "", places)
+    if places:
+        out["nonfinite"] = sorted(set(data.get("nonfinite", [])) | set(places))
+        log.warning("%s: non-finite values written as null at %s", name, ", ".join(places[:5]))
+    return out
 
 
 def _finite(value, where: str, places: list[str]):
