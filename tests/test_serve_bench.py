@@ -157,14 +157,19 @@ def test_serve_rows_on_tiny_models():
 def test_settings_are_checked_before_any_work():
     base = dict(enabled=False, pruned_dirs=[], contexts=[16], batches=[1], new_tokens=3, memory_gib=1.0,
                 max_batch=8, graphs="none")
-    bench = OmegaConf.create({"device": "cpu", "dense_model": None, "pruned_dir": None, "llm": {"pruned_dirs": []}})
-    check(OmegaConf.create(base), bench)
+
+    def checked(**changes):
+        settings = {**base, **changes}
+        bench = OmegaConf.create({"device": "cpu", "dense_model": None, "pruned_dir": None,
+                                  "llm": {"pruned_dirs": []}, "serve": settings})
+        check(bench.serve, bench)
+
+    checked()
     with pytest.raises(ValueError, match="graphs: 'graph' is not allowed; allowed: none, cuda_graph, compile"):
-        check(OmegaConf.create({**base, "graphs": "graph"}), bench)
+        checked(graphs="graph")
     with pytest.raises(ValueError, match="memory_gib=0"):
-        check(OmegaConf.create({**base, "memory_gib": 0}), bench)
+        checked(memory_gib=0)
     with pytest.raises(ValueError, match="needs pruned exports"):
-        check(OmegaConf.create({**base, "enabled": True}), bench)
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
-            check(OmegaConf.create({**base, "enabled": True, "graphs": "cuda_graph"}), bench)
+        checked(enabled=True)
+    with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
+        checked(enabled=True, graphs="cuda_graph")
