@@ -66,6 +66,17 @@ def test_static_and_ring_decode_equal_the_dynamic_cache(make, tokens):
     assert cache_bytes(cache) == sum(model_bytes(model, tokens + 10, batch=2, static=True))
 
 
+def test_a_cache_shorter_than_the_window_holds_no_more_than_its_tokens():
+    """max_len 8 < sink + window = 20: the ring holds 8 entries, the price says so, decode is exact."""
+    model = llama(attn="sdpa")
+    apply_kv_layout(model, KVLayout((("window", "full"), ("window", "window")), sink=4, window=16))
+    prompt = torch.randint(3, 60, (2, 3), generator=torch.Generator().manual_seed(2))
+    got, cache = static_logits(model, prompt, 5, 8)
+    torch.testing.assert_close(got, dynamic_logits(model, prompt, 5), atol=1e-5, rtol=1e-5)
+    assert cache.layers[0].window_keys.shape[-2] == 8
+    assert cache_bytes(cache) == sum(model_bytes(model, 8, batch=2, static=True))
+
+
 def test_ring_decode_allocates_nothing_per_step():
     """After the prefill, the Stepper's greedy steps write in place: every buffer keeps its
     address and the byte count stays; the tokens are the dynamic cache's greedy tokens."""

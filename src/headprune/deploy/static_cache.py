@@ -5,8 +5,8 @@ Why: a server holds a fixed budget of cache memory and decodes with one shape pe
 graphs, torch.compile), so it preallocates. transformers' StaticCache does that for full and
 natively sliding layers (`StaticLayer`, `StaticSlidingWindowLayer`); a layer with windowed KV
 units (heads.windows) gets `StaticWindowedLayer`: its full units' keys in a (B, F, max_len, D)
-buffer like a StaticLayer's, its windowed units' in a ring of sink + window entries (B, W, S, D)
-with each entry's slot (S,), written where the slot's residue puts it (a sink at its own slot,
+buffer like a StaticLayer's, its windowed units' in a ring of S = sink + window entries (B, W, S,
+D; max_len entries when that is fewer) with each entry's slot (S,), written where the slot's residue puts it (a sink at its own slot,
 a later token at sink + (slot - sink) % window, over the one token the new query may no longer
 see), so the ring always holds exactly what the next query sees, and a decode step allocates no
 cache memory. The positions live in device tensors (`position`), so a captured step replays.
@@ -52,7 +52,8 @@ class StaticWindowedLayer(WindowedCacheLayer):
         self.device = key_states.device
         self.heads = HeadSplit.of(self.windowed, self.device)
         self.full_heads, self.window_heads = self.heads.full, self.heads.window
-        b, d, dv, ring = key_states.shape[0], key_states.shape[-1], value_states.shape[-1], self.sink + self.window
+        b, d, dv = key_states.shape[0], key_states.shape[-1], value_states.shape[-1]
+        ring = min(self.sink + self.window, self.max_cache_len)  # a shorter cache never wraps: slot = entry
         self.keys = key_states.new_zeros(b, len(self.full_heads), self.max_cache_len, d)  # (B, F, L, D)
         self.values = value_states.new_zeros(b, len(self.full_heads), self.max_cache_len, dv)
         self.window_keys = key_states.new_zeros(b, len(self.window_heads), ring, d)  # (B, W, S, D)
