@@ -6,10 +6,10 @@ graphs, torch.compile), so it preallocates. transformers' StaticCache does that 
 natively sliding layers (`StaticLayer`, `StaticSlidingWindowLayer`); a layer with windowed KV
 units (heads.windows) gets `StaticWindowedLayer`: its full units' keys in a (B, F, max_len, D)
 buffer like a StaticLayer's, its windowed units' in a ring of S = sink + window entries (B, W, S,
-D; max_len entries when that is fewer) with each entry's slot (S,), written where the slot's residue puts it (a sink at its own slot,
-a later token at sink + (slot - sink) % window, over the one token the new query may no longer
-see), so the ring always holds exactly what the next query sees, and a decode step allocates no
-cache memory. The positions live in device tensors (`position`), so a captured step replays.
+D; max_len entries when that is fewer) with each entry's slot (S,), written where the slot's
+residue puts it (a sink at its own slot, a later token at sink + (slot - sink) % window, over the
+one token the new query may no longer see), so the ring always holds exactly what the next query
+sees, and a decode step allocates no cache memory. The positions live in device tensors (`position`), so a captured step replays.
 The idea is deploy/onnx_ring.py's, where the ring is a graph input instead.
 
 The split attention call (heads.windowed_attention) reads the ring under a mask built from the
