@@ -138,6 +138,9 @@ def static_cache(model: nn.Module, max_len: int) -> Cache:
     layout = getattr(model, KV_LAYOUT_ATTR, None)
     windows = KVWindows(layout) if layout is not None else None
     natives = native_windows(model.config)
+    if len(natives) != model.config.get_text_config(decoder=True).num_hidden_layers:
+        raise ValueError(f"model_type={model.config.model_type!r} has layers without per-token keys (linear attention): "
+                         "a static cache for them is not built here (not done); allowed: attention-only decoders")
     layers = []
     for l in range(model_shape(model)[0]):
         windowed = windows.kv_windowed(model, l) if windows is not None else []
