@@ -184,3 +184,26 @@ def test_settings_are_checked_before_any_work():
         checked(enabled=True)
     with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
         checked(enabled=True, graphs="cuda_graph")
+
+
+@pytest.mark.slow  # the app over two saved models: over ~2 s
+def test_the_serve_section_runs_a_windowed_export_through_the_app(tmp_path):
+    """headprune-bench with bench.serve on a saved windowed export (its windows attached by
+    load_pruned) against the dense folder it records: rows per context x batch, the counted
+    cache equal to its price, and the summary's capacity ratio above 1."""
+    from headprune.apps.bench import run
+    from headprune.deploy.hf import save_pruned
+    from tests.helpers import compose_bench
+
+    dense = llama(attn="sdpa")
+    dense.save_pretrained(tmp_path / "dense")
+    save_pruned(windowed(), tmp_path / "win" / "export", origin=str(tmp_path / "dense"))
+    off = [f"bench.{n}.enabled=false" for n in ("encoder", "train_step", "onnxruntime", "decoder")]
+    results = run(compose_bench(tmp_path / "out", *off, "bench.serve.enabled=true",
+                                f"bench.serve.pruned_dirs=[{tmp_path / 'win' / 'export'}]",
+                                "bench.serve.memory_gib=0.000107", "bench.serve.max_batch=16"))
+    rows = results["serve"]
+    assert {r["model"] for r in rows} == {"dense", "win"} and {r["context"] for r in rows} == {16}
+    assert all(r["cache_bytes"] == r["predicted_cache_bytes"] for r in rows if r["fits"])
+    block = results["summary"]["serve"]["win/context16"]
+    assert block["capacity_ratio"] > 1 and block["graphs"] == ["none"]
