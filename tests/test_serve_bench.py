@@ -207,3 +207,25 @@ def test_the_serve_section_runs_a_windowed_export_through_the_app(tmp_path):
     assert all(r["cache_bytes"] == r["predicted_cache_bytes"] for r in rows if r["fits"])
     block = results["summary"]["serve"]["win/context16"]
     assert block["capacity_ratio"] > 1 and block["graphs"] == ["none"]
+
+
+def test_summary_reads_capacity_and_throughput_against_dense():
+    """Per export and context: capacity against dense's, tokens/s at dense's capacity batch and the
+    batch-1 step against dense's, each target reported hit or miss."""
+    from headprune.bench.serve import summary, summary_lines
+
+    def row(model, batch, cap, tps, fits=True):
+        return {"model": model, "context": 8192, "batch": batch, "capacity": cap, "dense_capacity": 2,
+                "capacity_ratio": cap / 2, "ttft_ms": 10.0 if model == "dense" else 8.0, "fits": fits,
+                "tokens_per_s": tps, "per_step_ms": batch * 1000 / tps if tps else None,
+                "graphs": "none" if fits else None}
+
+    rows = [row("dense", 1, 2, 100.0), row("dense", 2, 2, 150.0), row("dense", 6, 2, None, fits=False),
+            row("kv", 1, 6, 90.0), row("kv", 2, 6, 320.0), row("kv", 6, 6, 600.0)]
+    block = summary(rows, {})["kv/context8192"]
+    assert block["capacity_ratio"] == 3 and block["tokens_per_s_ratio_at_dense_capacity"] == 320 / 150
+    assert block["tokens_per_s_ratio_at_capacity"] == 600 / 150 and block["batch1_step_ratio"] == 0.9
+    assert block["ttft_ratio"] == 10 / 8 and block["graphs"] == ["none"]
+    line, = summary_lines({"kv/context8192": block})
+    assert "3.00x; target >= 2.5x: hit" in line and "2.13x dense (target >= 2x: hit)" in line
+    assert "batch-1 step 0.90x dense (target no worse: miss)" in line
