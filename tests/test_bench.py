@@ -13,7 +13,8 @@ from hydra.errors import ConfigCompositionException
 from transformers.pytorch_utils import Conv1D
 
 from headprune import HeadMask, prune_heads, save_pruned
-from headprune.bench.decoder import build_decoder, decode, kv_cache_bytes, prefill
+from headprune.bench.decoder import build_decoder, decode, prefill
+from headprune.costs.kv_bytes import cache_bytes
 from headprune.costs.replay import record_attention_calls, replay
 from headprune.costs.flops import attention_flops, ffn_flops, model_attention_flops
 from headprune.bench import render
@@ -222,7 +223,7 @@ def test_a_registered_section_is_configured_run_and_rendered(toy, tmp_path):
         compose_bench(tmp_path, "bench.toy.row=3")
     results = run(compose_bench(tmp_path, *off, "bench.toy.enabled=true", "bench.toy.rows=3"))
     saved = json.loads((tmp_path / "bench.json").read_text())
-    assert list(saved) == ["meta", "encoder", "train_step", "onnxruntime", "decoder", "llm", "llamacpp", "scale", "toy",
+    assert list(saved) == ["meta", "encoder", "train_step", "onnxruntime", "decoder", "llm", "serve", "llamacpp", "scale", "toy",
                            "summary"]
     assert saved["toy"] == results["toy"] == [{"variant": f"v{i}", "seed": 0} for i in range(3)]
     assert saved["summary"] == {"toy": {"n": 3}} and saved["meta"]["config"]["toy"] == {"enabled": True, "rows": 3}
@@ -232,7 +233,7 @@ def test_a_registered_section_is_configured_run_and_rendered(toy, tmp_path):
 
 
 def test_sections_register_once_in_report_order():
-    assert list(SECTIONS) == ["encoder", "train_step", "onnxruntime", "decoder", "llm", "llamacpp", "scale"]
+    assert list(SECTIONS) == ["encoder", "train_step", "onnxruntime", "decoder", "llm", "serve", "llamacpp", "scale"]
     with pytest.raises(ValueError, match="'encoder' is registered twice"):
         register(replace(SECTIONS["encoder"], table=lambda rows: []))
 
@@ -346,7 +347,7 @@ def test_kv_cache_bytes_after_prefill_and_decode():
     with torch.no_grad():
         cache = decode(model, *prefill(model, torch.randint(0, 64, (3, 5))), steps=2)
     # layers x (K, V) x batch x KV heads x (5 + 2) tokens x head_dim x 4 bytes
-    assert kv_cache_bytes(cache) == 2 * 2 * 3 * 2 * 7 * 8 * 4
+    assert cache_bytes(cache) == 2 * 2 * 3 * 2 * 7 * 8 * 4
 
 
 # -- timing -----------------------------------------------------------------------------------

@@ -292,7 +292,7 @@ def test_the_windowed_cache_holds_what_the_cost_table_counts():
     a windowed head sink + window = 3."""
     from transformers.cache_utils import DynamicCache
 
-    from headprune.heads.windows import held_bytes
+    from headprune.costs.kv_bytes import cache_bytes, cache_layer_bytes
     from headprune.selection.budgets import KVBudget
 
     model = llama(attn="sdpa")
@@ -303,9 +303,9 @@ def test_the_windowed_cache_holds_what_the_cost_table_counts():
         model(ids(batch=2, tokens=12), cache=cache, use_cache=True)
     table = KVBudget(batch=2, seq=12).mode_table(model, sink=1, window=2)
     options = [(layout.count(l, "full"), layout.count(l, "window")) for l in range(2)]
-    assert held_bytes(cache) == table.total(options) < table.dense
+    assert cache_bytes(cache) == table.total(options) < table.dense
     per_token = 2 * 2 * 8 * 4  # batch x K and V x head_dim x float32, one head
-    assert cache.layers[0].held_bytes() == per_token * (12 + 3)
+    assert cache_layer_bytes(cache.layers[0]) == per_token * (12 + 3)
 
 
 def test_the_windowed_cache_refuses_cropping_and_filled_caches():

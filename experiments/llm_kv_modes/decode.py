@@ -8,7 +8,7 @@ model (the dense origin, then each export loaded as a user loads it: `load_prune
 attached) prefills it once, untimed, into generate()'s kind of cache; then, interleaved
 (`costs.timing.interleaved`: every model once per round, the order rotated), `new_tokens` greedy
 steps from a fresh copy of that cache (the copy untimed). Per model: median ms per token,
-speed-up over dense, the bytes the cache holds after the prefill (`heads.windows.held_bytes`) and
+speed-up over dense, the bytes the cache holds after the prefill (`costs.kv_bytes.cache_bytes`) and
 its share of dense's, and the bound: Amdahl with the dense decode's attention share (a hooked
 pass, `bench.decoder.attention_share`) and the export's attention FLOPs over the same steps, a
 windowed unit's heads attending to at most sink + window keys (`costs.flops.attention_flops`).
@@ -29,10 +29,11 @@ import torch
 from headprune.bench.decoder import attention_share, decode, prefill
 from headprune.bench.origin import load_dense, origin_of
 from headprune.costs.flops import attention_flops
+from headprune.costs.kv_bytes import cache_bytes
 from headprune.costs.timing import Case, Clock, interleaved
 from headprune.deploy.hf import load_pruned
 from headprune.heads.adapters import get_adapter
-from headprune.heads.windows import KV_LAYOUT_ATTR, held_bytes
+from headprune.heads.windows import KV_LAYOUT_ATTR
 
 HERE = Path(__file__).resolve().parent
 
@@ -72,7 +73,7 @@ def measure(exports: list[Path], context: int, new_tokens: int, repeats: int,
                            generator=torch.Generator().manual_seed(0)).to(device)  # (1, T)
     with torch.no_grad():
         starts = [prefill(m, prompt) for m in every]  # (cache, next token) per model
-    held = [held_bytes(cache) for cache, _ in starts]
+    held = [cache_bytes(cache) for cache, _ in starts]
     clock = Clock(device)
     cases = {name: Case(run=lambda state, m=m: decode(m, *state, new_tokens),
                         setup=lambda s=s: (copy.deepcopy(s[0]), s[1]))

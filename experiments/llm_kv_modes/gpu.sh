@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The llm_kv_modes arms on one CUDA GPU (issue 40; for a lent GPU; ran on an H200 on 2026-12-04): `trainer.accelerator:
+# First the serving sweep (serve_gpu.sh: throughput, capacity and time to first token with static caches; issue 54),
+# then the llm_kv_modes arms on one CUDA GPU (issue 40; for a lent GPU; ran on an H200 on 2026-12-04): `trainer.accelerator:
 # auto` puts each run on the GPU, in float32 as on CPU (precision 32-true), every arm's config unchanged (results.json
 # `runtime` records the device). The arms run side by side (the GPU and the cores shared: choice and wall seconds are
 # not comparable to the CPU rows) under one deadline; then decode.py --device cuda on the dense model and the
@@ -17,6 +18,9 @@ DEADLINE=$((SECONDS + LIMIT))
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 HERE=experiments/llm_kv_modes
 mkdir -p "$OUT"
+# First the serving sweep (needs no checkpoint: serve_gpu.sh), SERVE_SECONDS of the machine (0: skipped)
+[ "${SERVE_SECONDS:-420}" -gt 0 ] && OUT=$OUT bash $HERE/serve_gpu.sh
+DEADLINE=$((SECONDS + LIMIT))
 arm() {  # arm <name> <dense: true|false>: one run, its log beside the run dirs
     OUT=$OUT timeout $((DEADLINE - SECONDS)) bash $HERE/run.sh one "$1" "$2" > "$OUT/$1.log" 2>&1
     echo "$1: rc $?" | tee -a "$OUT/arms.txt"

@@ -6,8 +6,8 @@ loads the export as a user does (`load_pruned`: its windows attached from headpr
 prefills `seq` held-out-free random token ids (batch 1) into generate()'s kind of cache (an empty
 DynamicCache, whose windowed layers become `WindowedCacheLayer`s), and writes kv_bytes.json beside
 this script (one entry per export folder name's parent): the bytes the cache holds
-(`heads.windows.held_bytes`), the KV mode table's price of the layout at batch 1 x seq, and the
-dense model's bytes at the same context (2 x layers x KV heads x head_dim x seq x 4 bytes).
+(`costs.kv_bytes.cache_bytes`), the layout's price at batch 1 x seq (`costs.kv_bytes.model_bytes`,
+in the model's dtype), and the dense model's price at the same context (every unit full).
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicCache
 
+from headprune.costs.kv_bytes import cache_bytes, model_bytes
 from headprune.deploy.hf import load_pruned
-from headprune.heads.windows import KV_LAYOUT_ATTR, held_bytes
+from headprune.heads.windows import FULL, KV_LAYOUT_ATTR
 
 HERE = Path(__file__).resolve().parent
 
@@ -29,18 +30,14 @@ def measure(export: Path, seq: int) -> dict:
     model = load_pruned(export).eval()
     layout = getattr(model, KV_LAYOUT_ATTR)
     config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    n_units = len(layout.modes[0])
-    per_token = 2 * head_dim * 4  # K and V, float32
-    predicted = sum(per_token * (layer.count("full") * seq + layer.count("window") * min(layout.kept, seq))
-                    for layer in layout.modes)
-    dense = per_token * seq * n_units * len(layout.modes)
+    predicted = sum(model_bytes(model, seq))
+    dense = sum(model_bytes(model, seq, modes=[[FULL] * len(layer) for layer in layout.modes]))
     ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
     cache = DynamicCache(config=config)
     start = time.perf_counter()
     with torch.inference_mode():
         model(input_ids=ids, cache=cache, use_cache=True)
-    held = held_bytes(cache)
+    held = cache_bytes(cache)
     return {"export": str(export), "seq": seq, "held_bytes": held, "predicted_bytes": predicted,
             "dense_bytes": dense, "held_share": held / dense, "prefill_seconds": round(time.perf_counter() - start, 1),
             "threads": torch.get_num_threads()}

@@ -6,6 +6,7 @@ train_step.py section: forward + backward + AdamW step, pruned vs masked
 runtime.py    section: ONNX Runtime forward of exported dense and pruned models
 decoder.py    section: prefill, per-token decode with the KV cache, cache bytes
 llm.py        section: the same on a pretrained causal LM vs its pruned exports, with Amdahl bounds
+serve.py      section: serving with static caches: tokens/s over a batch sweep, sequences that fit a memory budget, time to first token
 llamacpp.py   section: decode of the same exports as GGUF files in llama.cpp, with the same columns
 scale.py      section: peak memory and seconds of each LLM pipeline stage per model size, one child process each
 origin.py     the dense model a pruned export came from (recorded in the export, or bench.dense_model)
@@ -16,4 +17,4 @@ config.py     the typed `bench:` settings (common fields + one block per section
 Timing, FLOP counts and attention replay live in headprune.costs.
 """
 # Importing a section registers it; this order is the order of bench.json, bench.md and the run.
-from headprune.bench import encoder, train_step, runtime, decoder, llm, llamacpp, scale  # noqa: F401  # isort: skip
+from headprune.bench import encoder, train_step, runtime, decoder, llm, serve, llamacpp, scale  # noqa: F401  # isort: skip

@@ -6,9 +6,10 @@ on the values. For each variant, in one interleaved run:
   last position only, as `generate` does);
 - decode: after an untimed prefill, `new_tokens` greedy steps of one token each with the
   cache; per-token latency is that time / new_tokens.
-KV-cache bytes are read from the cache's per-layer key and value tensors after prefill +
-decode. The attention share of a decode step comes from a separate pass with timing hooks on
-every layer's attention module (projections, cache update, kernel, output projection).
+KV-cache bytes are counted from the cache's tensors after prefill + decode
+(`costs.kv_bytes.cache_bytes`, windowed heads' held tokens included). The attention share of a
+decode step comes from a separate pass with timing hooks on every layer's attention module
+(projections, cache update, kernel, output projection).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from headprune.bench import render
 from headprune.bench.sections import Section, SectionInputs, check_variants, kinds, one_of, register
 from headprune.bench.variants import Variant, build_variants
 from headprune.costs.flops import model_attention_flops, ratio
+from headprune.costs.kv_bytes import cache_bytes
 from headprune.costs.timing import Case, Clock, ModuleTimer, interleaved
 from headprune.heads.adapters import get_adapter
 from headprune.tasks import max_positions
@@ -53,17 +55,6 @@ def build_decoder(spec: dict, attn_implementation: str = "sdpa", seed: int = 0) 
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).eval()
-
-
-def kv_cache_bytes(cache) -> int:
-    """Bytes held by the key and value tensors of every layer of a transformers Cache."""
-    cache = getattr(cache, "self_attention_cache", cache)
-    total = 0
-    for layer in cache.layers:
-        for tensor in (layer.keys, layer.values):
-            if tensor is not None:
-                total += tensor.numel() * tensor.element_size()
-    return total
 
 
 def prefill(model: nn.Module, prompt: torch.Tensor):
@@ -100,7 +91,7 @@ def bench_decoder(variants: list[Variant], batch: int, prompt_len: int, new_toke
     stats = interleaved(cases, clock, warmup=warmup, repeats=repeats)
     dims = _dims(variants[0].model)
     flops = [_generation_flops(v, batch, prompt_len, new_tokens, dims) for v in variants]
-    kv = [kv_cache_bytes(_generate_cache(v.model, prompt, new_tokens)) for v in variants]
+    kv = [cache_bytes(_generate_cache(v.model, prompt, new_tokens)) for v in variants]
     rows = []
     for i, v in enumerate(variants):
         pre, step = stats[f"{i}:prefill"], stats[f"{i}:decode"].scaled(new_tokens)

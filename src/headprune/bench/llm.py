@@ -3,7 +3,8 @@
 Why: the `decoder` section times random-init toy decoders at one shape; serving asks what a real
 model's exports (bench.llm.pruned_dirs, else bench.pruned_dir) save against the dense model they
 came from (bench/origin.py) at long prompts and several batches. It reuses the decoder section's
-prefill / decode / attention_share / kv_cache_bytes and the interleaved clock. Per thread count
+prefill / decode / attention_share, `costs.kv_bytes.cache_bytes` and the interleaved clock. Per
+thread count
 and prompt length:
 - one untimed batch-1 prefill per model gives the prompt's cache; the batch-B cache is that cache
   repeated B times along the batch (`batch_repeat_interleave`): the shapes and work of B prompts
@@ -11,7 +12,7 @@ and prompt length:
 - per batch, one interleaved run of every model: the prefill of the (B, prompt_len) prompt (only
   for batches in `prefill_batches`) and `new_tokens` greedy steps from the cache, cropped back to
   the prompt before each round (untimed); per-token = that time / new_tokens;
-- KV bytes: `kv_cache_bytes` of the batch-B cache (prompt_len positions);
+- KV bytes: `cache_bytes` of the batch-B cache (prompt_len positions);
 - bound: `share` = median share of a dense decode step spent inside the attention modules (a
   hooked pass: Q/K/V/O projections, RoPE, cache update, attention over the cache); `kept` = the
   pruned model's attention FLOPs over the same decode steps / the dense model's (costs.flops);
@@ -31,11 +32,12 @@ import torch
 from omegaconf import MISSING
 
 from headprune.bench import render
-from headprune.bench.decoder import attention_share, decode, kv_cache_bytes, prefill
+from headprune.bench.decoder import attention_share, decode, prefill
 from headprune.bench.origin import check_export, export_name, load_dense, origin_of
 from headprune.bench.sections import Section, SectionInputs, register
 from headprune.bench.variants import Variant, exported_variants
 from headprune.costs.flops import model_attention_flops
+from headprune.costs.kv_bytes import cache_bytes
 from headprune.costs.timing import Case, interleaved
 from headprune.deploy.hf import load_pruned
 from headprune.heads.adapters import get_adapter
@@ -132,7 +134,7 @@ def _at_prompt(inputs: SectionInputs, variants: list[Variant], prompt_len: int, 
             cache = copy.deepcopy(cache)
             cache.batch_repeat_interleave(batch)
             states.append((cache, token.expand(batch, 1)))
-        kv = [kv_cache_bytes(cache) for cache, _ in states]
+        kv = [cache_bytes(cache) for cache, _ in states]
 
         def start(i: int):
             cache, token = states[i]

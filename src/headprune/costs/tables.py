@@ -3,13 +3,17 @@ attention a whole KV group), for the cost budgets of `selection.budgets`.
 
 - FLOPs: the layer's attention FLOPs (`costs.flops.attention_flops`: Q/K/V/O products, scores,
   weighted sum) at batch x seq;
-- KV bytes: 2 (K and V) x kept KV heads x head_dim x seq x batch x bytes per value; under
+- KV bytes: 2 (K and V) x kept KV heads x head_dim x held tokens x batch x bytes per value
+  (`costs.kv_bytes`: the one price, which a live cache's count equals); a layer the model itself
+  windows (Gemma 3's sliding layers, Mistral's `sliding_window`) holds its window at any longer
+  seq (512 tokens for Gemma 3), and its units are priced as that; under
   multi-head latent attention (`heads.latent`) a layer's latent (kv_lora_rank + qk_rope_head_dim
   per token) whatever heads it keeps, 0 once it keeps none (its FLOPs: `latent_attention_flops`);
 - per-unit KV modes (`heads.windows`): the same two costs with options (units kept full, units
-  windowed): a windowed unit holds min(sink + window, seq) tokens where a full one holds seq,
-  so it costs (sink + window) / seq of a full one in KV bytes and in score / weighted-sum FLOPs
-  (its projections cost what a full unit's do);
+  windowed): a windowed unit holds min(sink + window, seq) tokens where a full one holds seq
+  (both at most a natively sliding layer's window), so it costs (sink + window) / seq of a full
+  one in KV bytes and in score / weighted-sum FLOPs (its projections cost what a full unit's do;
+  the FLOP tables do not count native windows);
 - latency: the measured time of one attention layer with k units (`costs.latency`); the dense
   forward minus every layer's dense attention is the part no head choice changes (`fixed`).
 """
@@ -20,6 +24,7 @@ from dataclasses import asdict, dataclass
 from torch import nn
 
 from headprune.costs.flops import attention_flops, latent_attention_flops
+from headprune.costs.kv_bytes import held_tokens, native_windows, token_bytes, value_bytes
 from headprune.heads.adapters import get_adapter, model_shape
 from headprune.heads.latent import is_latent
 
@@ -83,14 +88,15 @@ def kv_costs(model: nn.Module, batch: int, seq: int) -> LayerCosts:
     latent, the same for every head count but 0 (removing heads saves nothing until a layer has
     none: `heads.latent.latent_kv_note`)."""
     n_layers, n_units, _, d, _ = _dims(model)
-    width = next(model.parameters()).element_size()
+    width = value_bytes(model)
     adapter = get_adapter(model)
     if is_latent(adapter):
         latent = adapter.latent_width(model.config) * seq * batch * width
         per = {k: latent if k else 0 for k in range(n_units + 1)}
         return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * latent, unit="bytes")
-    per = {k: 2 * k * d * seq * batch * width for k in range(n_units + 1)}
-    return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[n_units], unit="bytes")
+    cost = [{k: token_bytes(k, d, width) * batch * held_tokens("full", seq, native=native, static=True)
+             for k in range(n_units + 1)} for native in native_windows(model.config)]
+    return LayerCosts(cost, sum(layer[n_units] for layer in cost), unit="bytes")
 
 
 def mode_options(n_units: int) -> list[tuple[int, int]]:
@@ -100,13 +106,16 @@ def mode_options(n_units: int) -> list[tuple[int, int]]:
 
 def kv_mode_costs(model: nn.Module, batch: int, seq: int, sink: int, window: int) -> LayerCosts:
     """KV bytes at `seq` tokens per (full, windowed) option: a windowed unit holds min(sink +
-    window, seq) tokens (`kv_costs` is the table without windows)."""
+    window, seq) tokens, any unit of a natively sliding layer at most its window (`kv_costs` is
+    the table without windows)."""
     _refuse_latent_windows(model)
     n_layers, n_units, _, d, _ = _dims(model)
-    width = next(model.parameters()).element_size()
-    held = min(sink + window, seq)
-    per = {(f, w): 2 * d * batch * width * (f * seq + w * held) for f, w in mode_options(n_units)}
-    return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[(n_units, 0)], unit="bytes")
+    per_token = token_bytes(1, d, value_bytes(model)) * batch
+    cost = []
+    for native in native_windows(model.config):
+        full, held = (held_tokens(mode, seq, sink, window, native, static=True) for mode in ("full", "window"))
+        cost.append({(f, w): per_token * (f * full + w * held) for f, w in mode_options(n_units)})
+    return LayerCosts(cost, sum(layer[(n_units, 0)] for layer in cost), unit="bytes")
 
 
 def flops_mode_costs(model: nn.Module, batch: int, seq: int, sink: int, window: int) -> LayerCosts:

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from headprune.atomic import staged_file
+from headprune.costs.kv_bytes import token_bytes
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.windows import windows_refusal
 from headprune.tasks import CAUSAL_LM, task_of
@@ -77,7 +78,7 @@ class GGUFLayout:
     def kv_bytes_per_token(self, cache_bytes: int = KV_CACHE_BYTES) -> list[int]:
         """Per layer, the K plus V bytes one token adds to llama.cpp's cache (flash attention: V
         as wide as K; without it llama.cpp pads every layer's V to the widest)."""
-        return [2 * kv * self.head_dim * cache_bytes for kv in self.kv_heads]
+        return [token_bytes(kv, self.head_dim, cache_bytes) for kv in self.kv_heads]
 
 
 @dataclass(frozen=True)

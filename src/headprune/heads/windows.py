@@ -360,13 +360,6 @@ class WindowedCacheLayer(DynamicLayer):
             return 0, 0
         return tuple(t.shape[-2] if t.shape[1] else 0 for t in (self.keys, self.window_keys))
 
-    def held_bytes(self) -> int:
-        """The bytes this layer's cache holds between steps."""
-        if not self.is_initialized:
-            return 0
-        tensors = (self.keys, self.values, self.window_keys, self.window_values)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
     def get_seq_length(self) -> int:
         return self.length
 
@@ -398,17 +391,6 @@ class WindowedCacheLayer(DynamicLayer):
 
     def offload(self) -> None:
         raise ValueError("a windowed KV cache is not offloaded: it is already what the layout keeps")
-
-
-def held_bytes(cache) -> int:
-    """The bytes a transformers cache's layers hold (a windowed layer: what it keeps)."""
-    total = 0
-    for layer in getattr(getattr(cache, "self_attention_cache", cache), "layers", []):
-        if isinstance(layer, WindowedCacheLayer):
-            total += layer.held_bytes()
-        elif getattr(layer, "is_initialized", False):
-            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
-    return total
 
 
 def install_cache_layer(cache, index: int, windowed: list[bool], sink: int, window: int) -> WindowedCacheLayer:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from headprune.costs.knapsack import best_allocation, best_modes
+from headprune.costs.kv_bytes import held_tokens, native_windows
 from headprune.costs.tables import LayerCosts, flops_costs, flops_mode_costs, kv_costs, kv_mode_costs, latency_costs
 from headprune.heads.adapters import model_shape
 from headprune.heads.windows import REMOVED, KVLayout
@@ -177,7 +178,10 @@ class KVBudget(CostBudget):
 
     def measure(self, dense: nn.Module) -> tuple[LayerCosts, dict]:
         """The table, and for multi-head latent attention (heads.latent) the note that removing heads
-        saves KV bytes only where a layer loses them all (logged, and in results.json `budget.kv_note`)."""
+        saves KV bytes only where a layer loses them all (logged, and in results.json `budget.kv_note`);
+        a model that windows some layers itself (Gemma 3's sliding layers, Mistral's sliding_window)
+        gets them reported (results.json `budget.native_windows`: layer -> tokens held at `seq`),
+        priced as already windowed (costs.kv_bytes)."""
         from headprune.heads.adapters import get_adapter
         from headprune.heads.latent import is_latent, latent_kv_note
 
@@ -185,7 +189,13 @@ class KVBudget(CostBudget):
             note = latent_kv_note(dense.config.model_type)
             logging.getLogger(__name__).warning("budget=kv: %s", note)
             return self.table(dense), {"kv_note": note}
-        return self.table(dense), {}
+        native = {l: held_tokens("full", self.seq, native=w, static=True)
+                  for l, w in enumerate(native_windows(dense.config)) if w is not None}
+        if not native:
+            return self.table(dense), {}
+        logging.getLogger(__name__).info("budget=kv at seq %d: %d layers are windowed by the model itself and priced "
+                                         "as the tokens they hold: %s", self.seq, len(native), native)
+        return self.table(dense), {"native_windows": {str(l): n for l, n in native.items()}}
 
     def mode_table(self, dense: nn.Module, sink: int, window: int) -> LayerCosts:
         """The table with per-unit KV modes: options (units full, units windowed) of each layer, a
