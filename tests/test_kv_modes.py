@@ -269,7 +269,7 @@ def test_generate_with_the_windowed_cache_equals_full_forwards(attn):
         assert torch.equal(model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0), out)
     assert all(isinstance(layer, WindowedCacheLayer) for layer in cache.layers)
     assert cache.layers[0].held_tokens() == (15, 5) and cache.layers[1].held_tokens() == (0, 5)
-    assert cache.layers[0].window_slots.tolist() == [0, 1, 12, 13, 14]
+    assert cache.layers[0].window_slots.tolist() == [[0, 1, 12, 13, 14]] * 2  # per row
     assert cache.get_seq_length() == 15
     assert not torch.allclose(masked[:, 5:], dense[:, 5:], atol=1e-4)
 
