@@ -460,3 +460,31 @@ def test_allocate_modes_gives_a_layout_within_the_share():
         allocate_modes(full, window, table, 0.01, sink=4, window_tokens=12)
     with pytest.raises(ValueError, match="needs a KV mode cost table"):
         allocate_modes(full, window, budget.table(model), 0.6, sink=4, window_tokens=12)
+
+
+@pytest.mark.parametrize("removed", [False, True])
+def test_a_plain_load_of_a_windowed_export_is_refused_naming_load_pruned(removed, tmp_path):
+    """Issue 56.3: transformers' own loaders (AutoConfig, AutoModelForCausalLM, the pipeline's
+    path) refuse a windowed export with a message naming headprune.load_pruned, instead of loading
+    it without its windows (every head attending to every token); load_pruned still gives the
+    windowed model's logits, and a removal-only export keeps loading plainly. Seen failing on
+    1b3b166: from_pretrained loaded the windowed export (logits off by ~0.1)."""
+    from headprune.deploy.hf import load_pruned, save_pruned
+
+    model = llama(attn="sdpa")
+    layout = KVLayout((("window", "full"), ("full", "removed" if removed else "window")), sink=1, window=3)
+    apply_kv_layout(model, layout)
+    save_pruned(model, tmp_path / "windowed")
+    for load in (tf.AutoConfig.from_pretrained, tf.AutoModelForCausalLM.from_pretrained):
+        with pytest.raises(ValueError, match=r"headprune\.load_pruned"):
+            load(tmp_path / "windowed")
+    loaded = load_pruned(tmp_path / "windowed").eval()
+    assert type(loaded) is type(model) and loaded.config.model_type == "llama"
+    with torch.no_grad():
+        assert torch.equal(loaded(ids()).logits, model(ids()).logits)
+    plain = llama(attn="sdpa")
+    apply_kv_layout(plain, KVLayout((("full", "removed"), ("full", "removed")), sink=1, window=3))
+    assert save_pruned(plain, tmp_path / "removal").plain_hf
+    again = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "removal").eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids()).logits, plain(ids()).logits)
