@@ -349,7 +349,8 @@ def test_save_and_load_pruned_keep_the_modes(tmp_path):
 
 
 def test_exports_that_cannot_window_refuse_by_name():
-    """llama.cpp's GGUF and vLLM's DeciLM attend every kept KV head to the whole context: a model
+    """llama.cpp's GGUF (per-head windows: tests/test_llamacpp_windows.py serves whole windowed
+    layers) and vLLM's DeciLM attend every kept KV head to the whole context: a model
     with windowed units is refused, with every unit full it is not refused for windows (both ONNX
     graphs export them: tests below)."""
     from headprune.deploy.gguf_export import gguf_refusal
@@ -357,7 +358,7 @@ def test_exports_that_cannot_window_refuse_by_name():
 
     model = llama(attn="sdpa")
     windows = KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=4)).attach(model)
-    assert "windowed KV units" in gguf_refusal(model) and "llama.cpp" in gguf_refusal(model)
+    assert "both windowed and full KV units" in gguf_refusal(model) and "llama.cpp" in gguf_refusal(model)
     assert "windowed KV units" in deci_refusal(model) and "DeciLM" in deci_refusal(model)
     windows.detach()
     KVWindows(KVLayout.uniform(model, "full", sink=1, window=4)).attach(model)
