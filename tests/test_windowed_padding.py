@@ -117,3 +117,27 @@ def test_a_long_left_padded_prefill_chunks_as_the_prompt_alone(attn):
                        use_cache=True).logits
     for out in (plain, cached):
         torch.testing.assert_close(out[0, 20:], alone, atol=1e-5, rtol=0)
+
+
+def test_reordered_rows_keep_their_own_sinks():
+    """Reordering the cache's rows (what beam search and batch selection do) moves each row's held
+    slots and first real token with its keys: rows of different padding swapped after a prefill
+    decode as the unswapped batch's rows. Seen failing with the slots or first tokens left in place."""
+    model = windowed("sdpa")
+    ids, mask = left_padded(prompts([4, 9], seed=5))
+    runs = []
+    for order in (torch.tensor([0, 1]), torch.tensor([1, 0])):
+        cache, seq_mask = DynamicCache(config=model.config), mask.clone()
+        with torch.no_grad():
+            out = model(ids, attention_mask=mask, position_ids=positions(mask), cache=cache, use_cache=True).logits[:, -1]
+            cache.reorder_cache(order)
+            out, seq_mask, steps = out[order], seq_mask[order], []
+            for _ in range(6):
+                nxt = out.argmax(-1, keepdim=True)  # (B, 1)
+                seq_mask = torch.cat([seq_mask, torch.ones_like(nxt)], 1)
+                out = model(nxt, attention_mask=seq_mask, position_ids=positions(seq_mask)[:, -1:], cache=cache,
+                            use_cache=True).logits[:, -1]
+                steps.append(out)
+        runs.append((order, torch.stack(steps, 1)))
+    (_, straight), (order, swapped) = runs
+    torch.testing.assert_close(swapped, straight[order], atol=1e-5, rtol=0)
