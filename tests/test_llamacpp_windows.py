@@ -95,3 +95,26 @@ def test_layouts_llamacpp_cannot_serve_are_refused_by_name(tok, tmp_path):
     uneven = tiny_llama(tok, {1: [0, 1, 2, 3]})
     KVWindows(KVLayout(LAYER_MODES, sink=0, window=WINDOW)).attach(uneven)
     assert "granite_swa builds every layer with layer 0's head counts" in gguf_refusal(uneven)
+
+
+def test_export_cli_writes_granite_swa_from_a_windowed_save_pruned_folder(tok, tmp_path, capsys):
+    """`headprune-export <folder> --gguf` of a windowed save_pruned folder (whose config.json plain
+    transformers refuses) loads it with load_pruned and writes the sliding-window layers; a folder
+    with sinks exits 2 with the reason, writing nothing."""
+    import gguf
+
+    from headprune import save_pruned
+    from headprune.apps.export import main as export_main
+
+    for sink, name in ((0, "swa"), (2, "sinks")):
+        model = tiny_llama(tok)
+        KVWindows(KVLayout(LAYER_MODES, sink=sink, window=WINDOW)).attach(model)
+        save_pruned(model, tmp_path / name, tokenizer=tok)
+    assert export_main([str(tmp_path / "swa"), "--gguf", str(tmp_path / "swa.gguf"), "--gguf-weights", "f32"]) == 0
+    assert '"sliding_layers": [\n    1,\n    3\n  ]' in capsys.readouterr().out
+    fields = gguf.GGUFReader(str(tmp_path / "swa.gguf")).fields
+    assert fields["general.architecture"].contents() == "granite_swa"
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(tmp_path / "sinks"), "--gguf", str(tmp_path / "sinks.gguf")])
+    assert exit_.value.code == 2 and "sink=2: llama.cpp's sliding windows keep no sink tokens" in capsys.readouterr().err
+    assert not (tmp_path / "sinks.gguf").exists()
