@@ -297,7 +297,10 @@ class WindowedCacheLayer(DynamicLayer):
 
     def see(self, mask: torch.Tensor | None) -> None:
         """Note each row's first real token from this forward's mask (B, 1, Q, T) over every slot
-        (`first_keys`); the earliest seen is kept (a later forward's mask may see fewer keys)."""
+        (`first_keys`); the earliest seen is kept (a later forward's mask may see fewer keys). A
+        one-token step after the first real tokens are known cannot move them: not read again."""
+        if self.first is not None and mask is not None and mask.shape[-2] == 1:
+            return
         first = first_keys(mask)
         if first is not None:
             self.first = first if self.first is None else torch.minimum(self.first, first)
