@@ -269,7 +269,7 @@ def test_generate_with_the_windowed_cache_equals_full_forwards(attn):
         assert torch.equal(model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0), out)
     assert all(isinstance(layer, WindowedCacheLayer) for layer in cache.layers)
     assert cache.layers[0].held_tokens() == (15, 5) and cache.layers[1].held_tokens() == (0, 5)
-    assert cache.layers[0].window_slots.tolist() == [0, 1, 12, 13, 14]
+    assert cache.layers[0].window_slots.tolist() == [[0, 1, 12, 13, 14]] * 2  # per row
     assert cache.get_seq_length() == 15
     assert not torch.allclose(masked[:, 5:], dense[:, 5:], atol=1e-4)
 
@@ -349,7 +349,8 @@ def test_save_and_load_pruned_keep_the_modes(tmp_path):
 
 
 def test_exports_that_cannot_window_refuse_by_name():
-    """llama.cpp's GGUF and vLLM's DeciLM attend every kept KV head to the whole context: a model
+    """llama.cpp's GGUF (per-head windows: tests/test_llamacpp_windows.py serves whole windowed
+    layers) and vLLM's DeciLM attend every kept KV head to the whole context: a model
     with windowed units is refused, with every unit full it is not refused for windows (both ONNX
     graphs export them: tests below)."""
     from headprune.deploy.gguf_export import gguf_refusal
@@ -357,7 +358,7 @@ def test_exports_that_cannot_window_refuse_by_name():
 
     model = llama(attn="sdpa")
     windows = KVWindows(KVLayout((("window", "full"), ("full", "full")), sink=1, window=4)).attach(model)
-    assert "windowed KV units" in gguf_refusal(model) and "llama.cpp" in gguf_refusal(model)
+    assert "both windowed and full KV units" in gguf_refusal(model) and "llama.cpp" in gguf_refusal(model)
     assert "windowed KV units" in deci_refusal(model) and "DeciLM" in deci_refusal(model)
     windows.detach()
     KVWindows(KVLayout.uniform(model, "full", sink=1, window=4)).attach(model)
@@ -391,7 +392,9 @@ def test_the_onnx_forward_graph_computes_the_windows(tmp_path, attn):
 def test_the_onnx_decode_graph_keeps_windowed_units_in_fixed_rings(tmp_path, attn):
     """export_onnx_decode of a model with a removed, two windowed and one full unit: the windowed
     units' past is a ring of sink + window entries (a static axis) beside the full units' growing
-    past; a prefill past the ring's size and 7 greedy steps in ONNX Runtime give PyTorch's
+    past, its slots per row (a left-padded row keeps its own first tokens as sinks: seen failing,
+    decode logits off by 0.5, with the ring counting sinks from slot 0); a prefill past the ring's
+    size and 7 greedy steps in ONNX Runtime give PyTorch's
     generation tokens and logits (its WindowedCacheLayer); the same prompt fed in chunks of 4 after
     a past gives the one-call prefill's logits, which differ from the model's without windows (the
     windows are in the graph)."""
@@ -408,7 +411,7 @@ def test_the_onnx_decode_graph_keeps_windowed_units_in_fixed_rings(tmp_path, att
     assert report["ring_bytes"] == 2 * 2 * 5 * 8 * 4  # keys + values, 2 windowed KV heads x 5 entries x 8 float32
     session = onnx_session(path)
     shapes = {i.name: i.shape for i in session.get_inputs()}
-    assert shapes["past_key_values.0.window_key"] == ["batch", 1, 5, 8] and shapes["past_window_slots"] == [5]
+    assert shapes["past_key_values.0.window_key"] == ["batch", 1, 5, 8] and shapes["past_window_slots"] == ["batch", 5]
     assert shapes["past_key_values.1.key"] == ["batch", 1, "past_len", 8]
     ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(5))  # (B, T), T > sink + window
     mask = torch.ones_like(ids)
@@ -460,3 +463,31 @@ def test_allocate_modes_gives_a_layout_within_the_share():
         allocate_modes(full, window, table, 0.01, sink=4, window_tokens=12)
     with pytest.raises(ValueError, match="needs a KV mode cost table"):
         allocate_modes(full, window, budget.table(model), 0.6, sink=4, window_tokens=12)
+
+
+@pytest.mark.parametrize("removed", [False, True])
+def test_a_plain_load_of_a_windowed_export_is_refused_naming_load_pruned(removed, tmp_path):
+    """Issue 56.3: transformers' own loaders (AutoConfig, AutoModelForCausalLM, the pipeline's
+    path) refuse a windowed export with a message naming headprune.load_pruned, instead of loading
+    it without its windows (every head attending to every token); load_pruned still gives the
+    windowed model's logits, and a removal-only export keeps loading plainly. Seen failing on
+    1b3b166: from_pretrained loaded the windowed export (logits off by ~0.1)."""
+    from headprune.deploy.hf import load_pruned, save_pruned
+
+    model = llama(attn="sdpa")
+    layout = KVLayout((("window", "full"), ("full", "removed" if removed else "window")), sink=1, window=3)
+    apply_kv_layout(model, layout)
+    save_pruned(model, tmp_path / "windowed")
+    for load in (tf.AutoConfig.from_pretrained, tf.AutoModelForCausalLM.from_pretrained):
+        with pytest.raises(ValueError, match=r"headprune\.load_pruned"):
+            load(tmp_path / "windowed")
+    loaded = load_pruned(tmp_path / "windowed").eval()
+    assert type(loaded) is type(model) and loaded.config.model_type == "llama"
+    with torch.no_grad():
+        assert torch.equal(loaded(ids()).logits, model(ids()).logits)
+    plain = llama(attn="sdpa")
+    apply_kv_layout(plain, KVLayout((("full", "removed"), ("full", "removed")), sink=1, window=3))
+    assert save_pruned(plain, tmp_path / "removal").plain_hf
+    again = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "removal").eval()
+    with torch.no_grad():
+        assert torch.equal(again(ids()).logits, plain(ids()).logits)

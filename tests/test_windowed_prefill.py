@@ -90,7 +90,7 @@ def test_chunked_logits_and_gradients_equal_the_per_head_masked_call(attn, kv_he
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_a_left_padded_batch_chunks_as_the_masked_call(attn):
-    """Row 0 left-padded by 4 (its pad slots count among the sinks, as the masked call has it)."""
+    """Row 0 left-padded by 4 (its sinks are its first real tokens, in both paths)."""
     model = windowed(attn, (("window", "full"), ("window", "window")))
     batch = ids(2, 13)
     mask = torch.ones_like(batch)

@@ -9,7 +9,9 @@
 
 --gguf (Llama-family causal LMs) writes a GGUF file llama.cpp serves (deploy/gguf_export.py):
 architecture `llama` when every layer keeps the same heads, `deci` when layers differ (0 heads:
-an attention-free layer); the vocabulary and chat template are copied from the GGUF the dense
+an attention-free layer), `granite_swa` when whole layers are windowed (a layer-granular KV
+layout with sink 0: llama.cpp sliding-window layers; per-head windows and sinks are refused);
+the vocabulary and chat template are copied from the GGUF the dense
 model came from (model=smollm2) or written from the folder's tokenizer. --vllm-deci writes vLLM's
 DeciLMForCausalLM checkpoint (deploy/vllm_deci.py: layers keeping all their KV groups or none) in
 the model's dtype, with the folder's tokenizer. A layout or model a format cannot express exits 2
@@ -343,6 +345,8 @@ def write_gguf(folder: Path, model, path: Path, weights: str) -> None:
                       "gguf_bytes": out.bytes, "export_s": round(time.perf_counter() - start, 1),
                       "vocabulary_from": str(source) if source else "tokenizer", "heads": out.layout.heads,
                       "kv_heads": out.layout.kv_heads, "padded_heads": out.layout.padded_heads,
+                      **({"sliding_window": out.layout.window, "sliding_layers": [l for l, w in enumerate(out.layout.swa)
+                                                                                   if w]} if out.layout.swa else {}),
                       "f16_fallback": out.f16_fallback}, indent=2))
 
 

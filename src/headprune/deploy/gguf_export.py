@@ -1,5 +1,20 @@
 """Pruned Llama-family models as GGUF files that llama.cpp serves: `llama` when every layer keeps the
-same heads, `deci` (Nemotron-51B's architecture) when layers differ.
+same heads, `deci` (Nemotron-51B's architecture) when layers differ, `granite_swa` when whole
+layers are windowed (a layer-granular KV layout with no sink tokens, heads/windows.py).
+
+Why `granite_swa` for windows: llama.cpp's sliding windows restrict whole layers, chosen per
+layer by the GGUF array `<arch>.attention.sliding_window_pattern`, which `granite_swa` reads
+unconditionally (src/models/granite-swa.cpp, `load_arch_hparams`: `get_arr(...SLIDING_WINDOW_
+PATTERN, hparams.is_swa_impl)`, `swa_type = LLAMA_SWA_TYPE_STANDARD`; llama-cpp-python 0.3.36's
+vendored llama.cpp). Its block is Llama's (RMSNorm, rotary in llama.cpp's NORM layout, SiLU-gated
+FFN, optional Q/K/V biases) with Granite's scalars, written neutral here (`logit_scale` 1; residual,
+embedding and attention scales absent: 1, 1, 1/sqrt(head_dim)), and a per-head learned sink
+logit (`attn_sinks`, added to each softmax's denominator as exp(sink)), written as -inf so it adds
+nothing. A key at p0 is hidden from the query at p1 when p1 - p0 >= n_swa
+(src/llama-hparams.h `is_masked_swa`, STANDARD), which is headprune's window of `window` tokens
+with `sink` = 0: llama.cpp keeps no sink tokens, so a layout with sinks is refused, as is one
+whose windowed layer keeps a full unit (per-head windows: no engine serves them) and an uneven
+one (`granite_swa` builds every layer with layer 0's head counts).
 
 Why two architectures: llama.cpp reads per-layer `attention.head_count` / `head_count_kv` arrays
 for every architecture, but only `deci` builds each layer's tensors with that layer's shapes (a
@@ -49,7 +64,7 @@ from torch import nn
 from headprune.atomic import staged_file
 from headprune.costs.kv_bytes import token_bytes
 from headprune.heads.adapters import get_adapter, head_layout
-from headprune.heads.windows import windows_refusal
+from headprune.heads.windows import FULL, KV_LAYOUT_ATTR, WINDOW, KVLayout
 from headprune.tasks import CAUSAL_LM, task_of
 
 log = logging.getLogger(__name__)
@@ -74,6 +89,8 @@ class GGUFLayout:
     ffn: list[int]
     head_dim: int
     padded_heads: int  # zero query heads added so every layer's KV groups hold equal query heads
+    swa: tuple[bool, ...] = ()  # granite_swa: per layer, whether its attention is a sliding window
+    window: int = 0  # granite_swa: the sliding window's tokens (the query's own included)
 
     def kv_bytes_per_token(self, cache_bytes: int = KV_CACHE_BYTES) -> list[int]:
         """Per layer, the K plus V bytes one token adds to llama.cpp's cache (flash attention: V
@@ -101,8 +118,7 @@ def gguf_refusal(model: nn.Module) -> str | None:
     """Why `model` cannot become a GGUF llama.cpp runs as this model (None: it can)."""
     config = model.config
     model_type = getattr(config, "model_type", None)
-    windowed = windows_refusal(model, "llama.cpp's llama/deci/qwen3 architectures (its sliding windows, as in "
-                                      "gemma2/gemma3, restrict whole layers and keep no sink tokens)")
+    windowed = swa_refusal(model)
     if windowed:
         return windowed
     if getattr(config, "is_encoder_decoder", False) or model_type not in FAMILIES:
@@ -127,6 +143,37 @@ def gguf_refusal(model: nn.Module) -> str | None:
     layout = _layout_or_reason(model)
     if isinstance(layout, str):
         return layout
+    return None
+
+
+SWA_FAMILIES = ("llama", "mistral", "qwen2")  # written as granite_swa: Llama's block (qwen3's q/k norms it has not)
+
+
+def windows_of(model: nn.Module) -> KVLayout | None:
+    """The model's KV layout when it has windowed units (heads/windows.py), else None."""
+    layout = getattr(model, KV_LAYOUT_ATTR, None)
+    return layout if layout is not None and any(WINDOW in layer for layer in layout.modes) else None
+
+
+def swa_refusal(model: nn.Module) -> str | None:
+    """Why `model`'s windowed KV units cannot be llama.cpp sliding-window layers (None: it has none,
+    or they can: every kept unit of a windowed layer windowed, no sink tokens, a Llama-block family)."""
+    layout = windows_of(model)
+    if layout is None:
+        return None
+    mixed = [l for l, layer in enumerate(layout.modes) if WINDOW in layer and FULL in layer]
+    if mixed:
+        return (f"layer {mixed[0]} has both windowed and full KV units (per-head windows), which no llama.cpp "
+                "architecture expresses: its sliding windows restrict whole layers (granite_swa's "
+                "sliding_window_pattern); allowed: layer-granular layouts (every kept unit of a windowed layer "
+                "windowed, kv_modes.granularity=layer), or save_pruned / load_pruned, which keep any layout")
+    if layout.sink:
+        return (f"kv_modes.sink={layout.sink}: llama.cpp's sliding windows keep no sink tokens (a key is hidden once "
+                "it is window tokens behind the query); allowed: sink=0, or save_pruned / load_pruned, which keep "
+                "the sinks")
+    if model.config.model_type not in SWA_FAMILIES:
+        return (f"model_type={model.config.model_type!r} with windowed layers: they are written as llama.cpp's "
+                f"granite_swa, a Llama block; allowed model_types: {', '.join(SWA_FAMILIES)}")
     return None
 
 
@@ -158,6 +205,14 @@ def _layout_or_reason(model: nn.Module) -> GGUFLayout | str:
                     f"only llama.cpp's deci architecture holds per-layer shapes, and it has no {config.model_type} "
                     "q_norm / k_norm; allowed: the same whole KV groups kept in every layer")
         return GGUFLayout(config.model_type, heads, kv_heads, ffn, d, padded)
+    windows = windows_of(model)
+    if windows is not None:
+        if not uniform:
+            return (f"windowed layers with layers keeping different heads ({sorted(set(zip(heads, kv_heads)))} query / "
+                    "KV heads) or none: llama.cpp's granite_swa builds every layer with layer 0's head counts; "
+                    "allowed: the same whole KV groups kept in every layer (or no windows: the deci architecture)")
+        swa = tuple(WINDOW in layer for layer in windows.modes)
+        return GGUFLayout("granite_swa", heads, kv_heads, ffn, d, padded, swa, windows.window)
     if not uniform and heads[0] == 0:
         return ("layer 0 keeps no heads: llama.cpp takes the head size from layer 0's head count, so every layer's "
                 "KV cache would be 0 wide; allowed: layouts whose layer 0 keeps at least one KV group")
@@ -210,6 +265,9 @@ def _headprune_keys(writer, model: nn.Module) -> None:
     writer.add_string("headprune.kept_heads", json.dumps(head_layout(model)))
     writer.add_uint32("headprune.num_attention_heads", int(adapter.num_heads(model.config)))
     writer.add_uint32("headprune.num_key_value_heads", int(adapter.num_kv_heads(model.config)))
+    windows = windows_of(model)
+    if windows is not None:  # what the sliding-window layers came from (headprune's reader does not read granite_swa)
+        writer.add_string("headprune.kv_modes", json.dumps(windows.to_json()))
 
 
 def _hparams(writer, model: nn.Module, layout: GGUFLayout, weights: str, name: str | None) -> None:
@@ -234,6 +292,12 @@ def _hparams(writer, model: nn.Module, layout: GGUFLayout, weights: str, name: s
                           "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[weights])
     if weights == "q8_0":
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    if layout.arch == "granite_swa":  # module docstring; Granite's scalars neutral (absent ones are not applied)
+        T = gguf.GGUFValueType
+        writer.add_key_value("granite_swa.attention.sliding_window", int(layout.window), T.UINT32)
+        writer.add_key_value("granite_swa.attention.sliding_window_pattern", [bool(w) for w in layout.swa], T.ARRAY,
+                             T.BOOL)
+        writer.add_key_value("granite_swa.logit_scale", 1.0, T.FLOAT32)
 
 
 def _rope_theta(config) -> float:
@@ -290,6 +354,8 @@ def _layer_tensors(model: nn.Module, layer: int, layout: GGUFLayout) -> dict[str
             out["attn_v.bias"] = v.bias
         if o.bias is not None:
             out["attn_output.bias"] = o.bias
+        if layout.arch == "granite_swa":  # no learned sink logit: exp(-inf) adds nothing to the softmax
+            out["attn_sinks.weight"] = torch.full((n_q,), float("-inf"))
     mlp = block.mlp
     out["ffn_norm.weight"] = block.post_attention_layernorm.weight
     out["ffn_gate.weight"] = mlp.gate_proj.weight

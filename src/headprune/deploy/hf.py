@@ -9,8 +9,13 @@ dense model the export was pruned from (`dense_model`, read back by `read_origin
 compares the export with its real origin rather than with a model of its own (pruned) config.
 A hybrid's files also say which model layers the layout's rows are and which layers have no heads
 (`heads.hybrid.layer_report`). A model with windowed KV units (`heads.windows`) also gets
-`headprune_kv_modes.json`, and only `load_pruned` loads it: it attaches the windows again (plain
-`from_pretrained` would attend to every token).
+`headprune_kv_modes.json`, and only `load_pruned` loads it: it attaches the windows again. Plain
+transformers cannot apply the windows (it would attend every head to every token), so such a
+folder's config.json names a model_type transformers does not know (`WINDOWED_MODEL_TYPE`, which
+says to load it with headprune.load_pruned; the family's own is kept as `headprune_model_type`):
+AutoConfig / AutoModel* / pipeline() refuse it with transformers' message quoting that type, and
+a model class's own from_pretrained warns quoting it (transformers' model-type mismatch warning).
+Removal-only exports keep their family's model_type and load plainly where their shapes allow.
 """
 from __future__ import annotations
 
@@ -37,6 +42,10 @@ log = logging.getLogger(__name__)
 LAYOUT_FILE = "headprune_layout.json"
 EXPORT_FILE = "headprune_export.json"
 MODES_FILE = "headprune_kv_modes.json"
+# config.json's model_type in a windowed export: unknown to transformers, so its Auto* loaders refuse it
+# quoting this text (their ValueError: "...has model type `<this>` but Transformers does not recognize...")
+WINDOWED_MODEL_TYPE = "headprune-windowed-kv: load with headprune.load_pruned"
+ORIGINAL_TYPE_KEY = "headprune_model_type"  # the family's own model_type in such a config.json
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,8 @@ def _write(model: nn.Module, directory: Path, tokenizer, origin: str | None) -> 
     recorded.update(layer_report(model))  # a hybrid: which model layers the layout's rows are, which have no heads
     if counts is None:
         model.save_pretrained(directory)
+        if modes is not None and any(WINDOW in layer for layer in modes.modes):
+            _mark_windowed(directory / "config.json")
         sites = {"sites": site_names(model), "layout_by_stack": by_stack(model, layout)} if stacked(model) else {}
         write_json_atomic(directory / LAYOUT_FILE, {"model_type": model.config.model_type,
                                                     "num_heads": adapter.num_heads(model.config), "layout": layout,
@@ -128,6 +139,37 @@ def _write(model: nn.Module, directory: Path, tokenizer, origin: str | None) -> 
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return counts is not None, why
+
+
+def _mark_windowed(path: Path) -> None:
+    """Give a windowed export's config.json the model_type transformers refuses (module docstring)."""
+    config = json.loads(path.read_text())
+    config[ORIGINAL_TYPE_KEY], config["model_type"] = config["model_type"], WINDOWED_MODEL_TYPE
+    write_json_atomic(path, config)
+
+
+def read_config(directory: str | Path):
+    """The transformers config of a `save_pruned` folder: a windowed export's (whose config.json names
+    `WINDOWED_MODEL_TYPE`) rebuilt with its family's own model_type, any other by AutoConfig."""
+    from transformers import CONFIG_MAPPING
+
+    path = Path(directory) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON (truncated or edited?): {err}") from None
+    if not isinstance(data, dict) or data.get("model_type") != WINDOWED_MODEL_TYPE:
+        return AutoConfig.from_pretrained(directory)
+    original = data.pop(ORIGINAL_TYPE_KEY, None)
+    if original not in CONFIG_MAPPING:
+        raise ValueError(f"{path}: model_type {WINDOWED_MODEL_TYPE!r} with {ORIGINAL_TYPE_KEY}={original!r}, which "
+                         "transformers does not know; allowed: the model_type of a transformers family (save_pruned "
+                         "writes it)")
+    if not (Path(directory) / MODES_FILE).is_file():
+        raise ValueError(f"{path} says the folder holds windowed KV units, but {MODES_FILE} is missing beside it; "
+                         "restore it (save_pruned writes both)")
+    data["model_type"] = original
+    return CONFIG_MAPPING[original].from_dict(data)
 
 
 def plain_counts(model: nn.Module) -> tuple[tuple[int, int] | None, str]:
@@ -178,7 +220,10 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"load_pruned: {directory} holds no model (no config.json)")
     shapes = weight_shapes(directory)
-    cls = _model_class(AutoConfig.from_pretrained(directory))
+    config = read_config(directory)
+    cls = _model_class(config)
+    if config.model_type != json.loads((directory / "config.json").read_text()).get("model_type"):
+        from_pretrained_kwargs = {"config": config, **from_pretrained_kwargs}  # a windowed export's own type
     if not (directory / LAYOUT_FILE).is_file():
         try:
             model = cls.from_pretrained(directory, **from_pretrained_kwargs)

@@ -51,14 +51,15 @@ CACHE_TYPES = {"f16": (1, 2), "f32": (0, 4)}  # KV cache type: (ggml type id, by
 
 
 def load(path: str | Path, n_ctx: int, threads: int = 1, logits_all: bool = True, n_batch: int = 512,
-         cache: str = "f16", flash_attn: bool = True) -> Loaded:
+         cache: str = "f16", flash_attn: bool = True, swa_full: bool | None = None) -> Loaded:
     """`Llama(path, flash_attn=True)` with llama.cpp's log captured (verbose, into `Loaded.log`).
     `cache`: the KV cache type, "f16" (llama.cpp's default, what users serve) or "f32".
     `flash_attn=False` only for the exactness check of an export: on CPU, llama.cpp's flash
     attention rounds to F16 inside whatever the cache type (dense SmolLM2, F32 weights, 4,096
     tokens: max |logit difference| 5.5e-2 with it, 2.6e-4 without; experiments/llm_kv/decode/
     llamacpp/agreement.json), while without it the V cache is transposed and padded to the widest
-    layer (`kv_rows` refuses such a state)."""
+    layer (`kv_rows` refuses such a state). `swa_full`: llama.cpp's choice for sliding-window
+    layers (None: its default, a full-size cache; False: a cache of the window plus a ubatch)."""
     llama_cpp = import_llama_cpp()
     if cache not in CACHE_TYPES:
         raise ValueError(f"cache={cache!r} is not allowed; allowed: {', '.join(CACHE_TYPES)}")
@@ -67,7 +68,8 @@ def load(path: str | Path, n_ctx: int, threads: int = 1, logits_all: bool = True
     with contextlib.redirect_stderr(buffer):
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
                               n_ubatch=min(n_batch, n_ctx), logits_all=logits_all, flash_attn=flash_attn,
-                              n_threads=threads, n_threads_batch=threads, type_k=kind, type_v=kind, verbose=True)
+                              n_threads=threads, n_threads_batch=threads, type_k=kind, type_v=kind, verbose=True,
+                              **({} if swa_full is None else {"swa_full": swa_full}))
     if llm is None or "llama_kv_cache" not in buffer.getvalue():
         raise RuntimeError(f"llama.cpp loaded {path} without logging its KV cache: {buffer.getvalue()[-2000:]}")
     from llama_cpp._logger import set_verbose

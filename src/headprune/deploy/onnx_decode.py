@@ -13,8 +13,9 @@ The graph (`export_onnx_decode`):
 - KV windows attached (heads/windows.py): in a layer with windowed units `<i>.key` / `<i>.value`
   hold its full units' KV heads only, and `past_key_values.<i>.window_key` / `.window_value`
   (B, windowed KV heads, sink + window, head_dim) its windowed units' fixed-size ring, with one
-  `past_window_slots` (sink + window,) int64 for every ring (which token each entry holds;
-  `EMPTY_SLOT` unused); `present.<i>.window_key` / `.window_value` / `present.window_slots` come
+  `past_window_slots` (B, sink + window) int64 for every ring (which token each entry of each row
+  holds; `EMPTY_SLOT` unused; a left-padded row's sinks are its first real tokens);
+  `present.<i>.window_key` / `.window_value` / `present.window_slots` come
   back the same size (deploy/onnx_ring.py). A prefill starts from `empty_past` (every entry unused).
 
 Batch, new tokens and past length are dynamic axes (named `batch`, `new_tokens`, `past_len`); each layer's KV head count is the number
@@ -167,7 +168,7 @@ def empty_past(model: nn.Module, batch: int, past_len: int = 0, shapes=None, see
         if layer in rings:  # (B, W, S, D) twice
             out += [tensor(batch, sum(rings[layer]), sink + window, dim) for _ in range(2)]
     if rings:
-        out.append(ring_slots(past_len, sink, window).to(param.device))
+        out.append(ring_slots(past_len, sink, window).expand(batch, -1).contiguous().to(param.device))  # (B, S)
     return out
 
 
@@ -209,7 +210,7 @@ def export_onnx_decode(model: nn.Module, path: str | Path, batch: int = 2, new: 
     for layer in range(layers):
         cache_axes += [{0: batch_, 2: past_}] * 2 + ([{0: batch_}] * 2 if layer in rings else [])  # rings: fixed size
     dynamic = ({0: batch_, 1: new_}, {0: batch_, 1: total}, {0: batch_, 1: new_},
-               tuple(cache_axes + ([None] if rings else [])))
+               tuple(cache_axes + ([{0: batch_}] if rings else [])))
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(_Decode(model).eval(), (ids, mask, pos, *past_tensors), str(path), dynamo=True,

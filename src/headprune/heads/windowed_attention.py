@@ -31,9 +31,12 @@ never comes here), and one seen not to keeps it (`ROUTES`). Prefill with a cache
 than a chunk) is chunked the same way. When the model records attention weights nothing is
 chunked (the weights are the whole (Q, K) map).
 
-A key at slot k is visible to a windowed head's query at slot q iff k <= q and (k < sink or
-k > q - window) (`heads.windows.window_allowed`); the model's own mask (padding, causality) is
-read at the held slots, so a padded row keeps what the masked full-sequence forward gives it.
+A key at slot k is visible to a windowed head's query at slot q iff k <= q and (f <= k < f +
+sink or k > q - window), f the row's first real token (`first_keys`: the first key slot the
+model's mask lets any query see; 0 without a mask), so a left-padded row's sinks are its own first
+tokens, not pad slots, and the row computes what its prompt computes alone
+(`heads.windows.window_allowed` with f = 0); the model's own mask (padding, causality) is read at
+the held slots.
 """
 from __future__ import annotations
 
@@ -140,6 +143,11 @@ class BandCall:
     per_head: torch.Tensor | None
     used: bool = False
 
+    @property
+    def first(self) -> torch.Tensor | None:
+        """(B,) each row's first real token (`first_keys` of the model's mask), or None."""
+        return first_keys(self.mask)
+
     def begin(self) -> None:
         self.used = False
 
@@ -218,44 +226,82 @@ def family_kernel(module: nn.Module, kernel: str):
     return ALL_ATTENTION_FUNCTIONS["sdpa"]
 
 
+def first_keys(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(B,) long: per row, the first key slot any query may see under the model's mask (B, 1, Q,
+    K), boolean or additive: a left-padded row's first real token (transformers masks pad keys
+    for every query, and each real token is seen at least by its own query). None without a
+    mask (no padding: every row starts at slot 0). A row that sees no key gets K."""
+    if mask is None:
+        return None
+    seen = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    seen = seen.any(dim=-2).any(dim=1)  # (B, K)
+    slots = torch.arange(seen.shape[-1], device=seen.device)
+    return torch.where(seen, slots, seen.shape[-1]).amin(dim=-1)
+
+
+def sink_allowed(keys: torch.Tensor, first: torch.Tensor | None, sink: int) -> torch.Tensor:
+    """Whether key slots `keys` are among their row's sinks: f <= k < f + sink, f the row's
+    first real token (`first` (B,), broadcast over `keys`' leading batch dim; None: 0)."""
+    if first is None:
+        return keys < sink
+    f = first.reshape(-1, *([1] * (keys.dim() - 1)))
+    return (keys >= f) & (keys < f + sink)
+
+
 def window_mask(mask: torch.Tensor | None, queries: torch.Tensor | None, slots: torch.Tensor, sink: int,
-                window: int, dtype: torch.dtype) -> torch.Tensor | None:
+                window: int, dtype: torch.dtype, first: torch.Tensor | None = None) -> torch.Tensor | None:
     """The windowed heads' mask over their held slots: (B or 1, 1, Q, n), boolean where the
-    model's mask is boolean, else additive; the model's mask (B, 1, Q, T) read at `slots`.
-    `queries` None: one query that may see every held slot (the cache layer's steady state),
-    so only the model's mask applies (None if it has none). A slot `EMPTY_SLOT` (an unused entry
-    of a fixed-size buffer) is after every query, so no query sees it."""
+    model's mask is boolean, else additive; the model's mask (B, 1, Q, T) read at `slots`, (n,)
+    shared by the rows or (B, n) per row. `first` (B,): each row's first real token, from which
+    its sinks count (None: slot 0). `queries` None: one query that may see every held slot (the
+    cache layer's steady state), so only the model's mask applies (None if it has none). A slot
+    `EMPTY_SLOT` (an unused entry of a fixed-size buffer) is after every query, so no query sees it."""
     if queries is None:
-        return None if mask is None else mask.index_select(-1, slots)
-    q, k = queries[:, None], slots[None, :]  # (Q, 1), (1, n)
-    allowed = (k <= q) & ((k < sink) | (k > q - window))  # (Q, n)
+        return None if mask is None else held_mask(mask, slots)
+    q = queries[:, None]  # (Q, 1)
+    k = slots[None, :] if slots.dim() == 1 else slots[:, None, None, :]  # (1, n) or (B, 1, 1, n)
+    sinks = sink_allowed(k if first is None or slots.dim() > 1 else k[None, None], first, sink)
+    allowed = (k <= q) & (sinks | (k > q - window))  # (Q, n), or (B, 1, Q, n) with per-row slots or sinks
+    if allowed.dim() == 2:
+        allowed = allowed[None, None]
     if mask is None:  # sdpa's causal shortcut: the window mask carries causality
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(dtype).min)[None, None]
-    held = mask.index_select(-1, torch.where(slots < EMPTY_SLOT, slots, 0))  # (B, 1, Q, n); unused: barred below
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    held = held_mask(mask, torch.where(slots < EMPTY_SLOT, slots, 0))  # (B, 1, Q, n); unused: barred below
     if held.dtype == torch.bool:
         return held & allowed
     return held.masked_fill(~allowed, torch.finfo(held.dtype).min)
+
+
+def held_mask(mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The model's mask (B, 1, Q, T) at key slots `slots`: (n,) for every row, or (B, n) per row."""
+    if slots.dim() == 1:
+        return mask.index_select(-1, slots)
+    b, n = slots.shape
+    index = slots.clamp(max=mask.shape[-1] - 1)[:, None, None, :].expand(mask.shape[0] if b == 1 else b, 1,
+                                                                        mask.shape[-2], n)
+    return mask.expand(index.shape[0], *mask.shape[1:]).gather(-1, index)
 
 
 def per_head_mask(mask: torch.Tensor | None, windowed: torch.Tensor, n_q: int, sink: int, window: int,
                   dtype: torch.dtype) -> torch.Tensor:
     """The model's mask (None: causal; or (B, 1, Q, K) additive or boolean) widened to every query
     head, (B or 1, H, Q, K), the heads of windowed units (`windowed`, (H,) bool) also barred from
-    keys outside their sinks and window: what one kernel call over all heads needs. Queries are
-    the last `n_q` key slots."""
+    keys outside their sinks (from each row's first real token, `first_keys`) and window: what
+    one kernel call over all heads needs. Queries are the last `n_q` key slots."""
     device = windowed.device
     n_k = mask.shape[-1] if mask is not None else n_q
     queries = torch.arange(n_k - n_q, n_k, device=device)[:, None]  # (Q, 1)
     keys = torch.arange(n_k, device=device)[None, :]  # (1, K)
-    allowed = (keys <= queries) & ((keys < sink) | (keys > queries - window))  # (Q, K)
-    allowed = allowed[None] | ~windowed[:, None, None]  # (H, Q, K): full heads unrestricted here
+    first = first_keys(mask)
+    sinks = sink_allowed(keys[None], first, sink)  # (B or 1, 1, K)
+    allowed = (keys <= queries) & (sinks | (keys > queries - window))  # (B or 1, Q, K)
+    allowed = allowed[:, None] | ~windowed[None, :, None, None]  # (B or 1, H, Q, K): full heads unrestricted here
     if mask is None:  # sdpa's causal shortcut: causality is ours to add
-        allowed = allowed & (keys <= queries)[None]
-        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)[None]
+        allowed = allowed & (keys <= queries)
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
     if mask.dtype == torch.bool:
-        return mask & allowed[None]  # (B, H, Q, K)
-    return mask.masked_fill(~allowed[None], torch.finfo(mask.dtype).min)  # (B, H, Q, K)
+        return mask & allowed  # (B, H, Q, K)
+    return mask.masked_fill(~allowed, torch.finfo(mask.dtype).min)  # (B, H, Q, K)
 
 
 @contextmanager
@@ -290,20 +336,23 @@ def recording_attentions() -> bool:
 
 def windowed_chunks(kernel, module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     mask: torch.Tensor | None, queries: torch.Tensor, slots: torch.Tensor, sink: int, window: int,
-                    **kwargs) -> torch.Tensor:
+                    first: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
     """The windowed heads' output (B, Q, Hw, Dv), chunk by chunk of max(window, MIN_CHUNK)
     queries: query (B, Hw, Q, D) at slots `queries` (ascending), keys / values (B, W, n, D) at
-    `slots` (ascending), the model's mask (B, 1, Q, T) or None; each chunk's kernel call reads
-    the key slots below `sink` and those from window - 1 before its first query to its last."""
+    `slots` ((n,) ascending, or (B, n) per row), the model's mask (B, 1, Q, T) or None, `first`
+    (B,) each row's first real token or None; each chunk's kernel call reads the entries that
+    hold, for some row, a sink or a slot from window - 1 before its first query to its last."""
     chunk = max(window, MIN_CHUNK)
     outs = []
+    rows = slots if slots.dim() == 2 else slots[None]  # (B or 1, n)
+    sinks = sink_allowed(rows, first, sink)  # (B or 1, n)
     for start in range(0, query.shape[2], chunk):
         end = min(start + chunk, query.shape[2])
-        first, last = int(queries[start]), int(queries[end - 1])
-        seen = ((slots < sink) | ((slots > first - window) & (slots <= last))).nonzero().flatten()  # (n',)
+        first_q, last_q = int(queries[start]), int(queries[end - 1])
+        seen = (sinks | ((rows > first_q - window) & (rows <= last_q))).any(0).nonzero().flatten()  # (n',)
         take = pick(seen)
-        rows = mask[..., start:end, :] if mask is not None and mask.shape[-2] > 1 else mask
-        part = window_mask(rows, queries[start:end], slots[seen], sink, window, query.dtype)
+        part_mask = mask[..., start:end, :] if mask is not None and mask.shape[-2] > 1 else mask
+        part = window_mask(part_mask, queries[start:end], slots[..., seen], sink, window, query.dtype, first)
         out, _ = kernel(module, query[:, :, start:end], keys[:, :, take], values[:, :, take], part, **kwargs)
         outs.append(out)  # (B, q, Hw, Dv)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -341,7 +390,7 @@ def band_attention(module: nn.Module, call: BandCall, kernel, query: torch.Tenso
         slots = torch.arange(n_k, device=query.device)
         out = windowed_chunks(kernel, module, query[:, heads.window_pick], key[:, kv.window_pick],
                               value[:, kv.window_pick], call.mask, slots[n_k - n_q:], slots, call.sink, call.window,
-                              **kwargs)
+                              call.first, **kwargs)
         parts["window"] = (heads.window, out)
     return joined(heads, parts, query.shape[1]), None
 
@@ -388,12 +437,14 @@ def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         out, weights = kernel(module, query[:, heads.full_pick], key, value, attention_mask, **kwargs)
         parts["full"] = (heads.full, out, weights, None)
     if len(heads.window):
+        first = call.layer.first  # (B,) each row's first real token, or None
         if (call.layer.chunked and queries is not None and query.shape[2] > max(call.window, MIN_CHUNK)
                 and not recording_attentions()):
             out, weights = windowed_chunks(kernel, module, query[:, heads.window_pick], window_keys, window_values,
-                                           attention_mask, queries, slots, call.sink, call.window, **kwargs), None
+                                           attention_mask, queries, slots, call.sink, call.window, first,
+                                           **kwargs), None
         else:
-            mask = window_mask(attention_mask, queries, slots, call.sink, call.window, query.dtype)
+            mask = window_mask(attention_mask, queries, slots, call.sink, call.window, query.dtype, first)
             out, weights = kernel(module, query[:, heads.window_pick], window_keys, window_values, mask, **kwargs)
         parts["window"] = (heads.window, out, weights, slots)
     output = joined(heads, parts, query.shape[1])  # (B, Q, H, Dv)
@@ -412,8 +463,11 @@ def assembled_weights(parts, query: torch.Tensor, n_keys: int) -> torch.Tensor |
     b, h, n_q, _ = query.shape
     weights = parts[0][2].new_zeros(b, h, n_q, n_keys)
     for heads, _, part, slots in parts:
-        if slots is not None:
+        if slots is not None and slots.dim() == 1:
             part = part.new_zeros(*part.shape[:3], n_keys).index_copy_(3, slots, part)
+        elif slots is not None:  # per-row slots (B, n); an unused entry's weight is 0
+            index = slots.clamp(max=n_keys - 1)[:, None, None, :].expand_as(part)
+            part = part.new_zeros(*part.shape[:3], n_keys).scatter_add_(3, index, part)
         weights.index_copy_(1, heads, part)
     return weights
 

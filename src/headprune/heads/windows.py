@@ -35,9 +35,12 @@ new token written over the oldest window token, which the new query may not see)
 masked keys it no longer sums over had weight exactly zero).
 
 Positions are cache slots: query i of a forward that finds `past` tokens in the cache sits at
-slot past + i, key j at slot j; a windowed head at slot p sees keys j <= p with j < sink or
-j > p - window (the window includes the token itself). Left-padded batches therefore count
-their pad slots among the sinks (as HF's own sliding-window layers count them in the window).
+slot past + i, key j at slot j; a windowed head at slot p sees keys j <= p with f <= j < f + sink
+or j > p - window (the window includes the token itself), f the row's first real token (the first
+key slot the model's mask lets it see, `windowed_attention.first_keys`; 0 without padding). So a
+left-padded row's sinks are its own first tokens, never pad slots, and the row computes what its
+prompt computes alone (generate() gives left-padded rows positions from their first real token);
+the cache keeps, per row, that row's sinks and last `window` tokens.
 """
 from __future__ import annotations
 
@@ -51,8 +54,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
 from headprune.heads.latent import is_latent
 from headprune.heads.surgery import prune_heads
-from headprune.heads.windowed_attention import (ROUTES, BandCall, HeadSplit, SplitCall, arm, disarm,
-                                               heads_flags, mask_only, per_head_mask)
+from headprune.heads.windowed_attention import (EMPTY_SLOT, ROUTES, BandCall, HeadSplit, SplitCall, arm, disarm,
+                                               first_keys, heads_flags, mask_only, per_head_mask)
 
 FULL, WINDOW, REMOVED = "full", "window", "removed"
 MODES = (FULL, WINDOW, REMOVED)
@@ -246,6 +249,7 @@ class KVWindows:
             if cache is not None:  # the split call (heads.windowed_attention): only the kept keys are read
                 index = getattr(module, "layer_idx", layer)
                 cache_layer = install_cache_layer(cache, index, kv_windowed, sink, window)
+                cache_layer.see(kwargs["attention_mask"])
                 arm(module, SplitCall(cache_layer, heads, sink, window, model.config._attn_implementation))
                 return None
             mask = kwargs["attention_mask"]  # None, or (B, 1, Q, K) additive float or boolean
@@ -265,17 +269,19 @@ class KVWindows:
 class WindowedCacheLayer(DynamicLayer):
     """One layer's KV cache when some of its KV heads are windowed: `keys` / `values` (B, full
     heads, T, D) hold every token of the full heads, `window_keys` / `window_values` (B, windowed
-    heads, <= sink + window, D) a windowed head's sinks and `window` latest tokens (`window_slots`
-    says which, ascending; the tensors hold them in the order of `slots`). `length` counts every
-    token seen, so masks and positions go on as for a full cache.
+    heads, <= sink + window, D) a windowed head's sinks and `window` latest tokens, per row
+    (`slots` (B, n): which slot each entry holds, `EMPTY_SLOT` for an entry a row does not use;
+    `window_slots` the same, ascending). A row's sinks are its first `sink` real tokens (`first`
+    (B,): each row's first real token, read from the model's mask by `see`; None: slot 0).
+    `length` counts every slot seen, so masks and positions go on as for a full cache.
 
     `update` (only in a forward its `KVWindows` hook armed: `armed`) returns the full heads'
     keys and values, what the full units' query heads attend to, and leaves in `step` the
     windowed heads' held + new keys and their slots for the split attention call (`take_step`,
-    heads.windowed_attention), keeping sinks + window. Once the windows are full, a one-token
-    step writes the new token in place of the oldest window token (which the new query may not
-    see; a ring after the sinks), so the held keys are exactly those the query sees and nothing
-    is copied but the new token."""
+    heads.windowed_attention), keeping sinks + window. Once every row's windows are full
+    (`full`), a one-token step writes the new token in place of the oldest window token (which
+    the new query may not see; a ring after the sinks, at the same entry in every row), so the
+    held keys are exactly those the query sees and nothing is copied but the new token."""
 
     chunked = True  # a long prefill's windowed heads attend chunk by chunk (heads.windowed_attention)
 
@@ -284,8 +290,20 @@ class WindowedCacheLayer(DynamicLayer):
         self.windowed, self.sink, self.window = list(windowed), sink, window
         self.length = 0
         self.armed = False  # set by the KVWindows hook for one forward (heads.windowed_attention.arm)
-        self.step = None  # (window keys (B, W, n, D), values, slots (n,), new slots (Q,) or None) of this forward
+        self.step = None  # (window keys (B, W, n, D), values, slots (B, n), new slots (Q,) or None) of this forward
         self.ring = sink  # where the oldest window token is held once the windows are full
+        self.first = None  # (B,) each row's first real token (left padding), None: every row starts at slot 0
+        self.full = False  # every row holds exactly its sink + window tokens: the ring may turn
+
+    def see(self, mask: torch.Tensor | None) -> None:
+        """Note each row's first real token from this forward's mask (B, 1, Q, T) over every slot
+        (`first_keys`); the earliest seen is kept (a later forward's mask may see fewer keys). A
+        one-token step after the first real tokens are known cannot move them: not read again."""
+        if self.first is not None and mask is not None and mask.shape[-2] == 1:
+            return
+        first = first_keys(mask)
+        if first is not None:
+            self.first = first if self.first is None else torch.minimum(self.first, first)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[1] != len(self.windowed):
@@ -299,13 +317,13 @@ class WindowedCacheLayer(DynamicLayer):
         self.values = value_states.new_zeros(b, len(self.full_heads), 0, value_states.shape[-1])
         self.window_keys = key_states.new_zeros(b, len(self.window_heads), 0, d)  # (B, W, 0, D)
         self.window_values = value_states.new_zeros(b, len(self.window_heads), 0, value_states.shape[-1])
-        self.slots = torch.zeros(0, dtype=torch.long, device=self.device)  # (n,): the held tokens' slots
+        self.slots = torch.zeros(b, 0, dtype=torch.long, device=self.device)  # (B, n): the held tokens' slots
         self.is_initialized = True
 
     @property
     def window_slots(self) -> torch.Tensor:
-        """(n,): the slots a windowed head holds, ascending."""
-        return self.slots.sort().values
+        """(B, n): the slots each row's windowed heads hold, ascending (`EMPTY_SLOT` last: unused)."""
+        return self.slots.sort(dim=-1).values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.armed:
@@ -321,26 +339,37 @@ class WindowedCacheLayer(DynamicLayer):
         if len(self.full_heads):
             self.keys = torch.cat([self.keys, key_states[:, full]], dim=-2)  # (B, F, T, D)
             self.values = torch.cat([self.values, value_states[:, full]], dim=-2)
-        if n_new == 1 and self.window_keys.shape[-2] == self.sink + self.window:  # the ring: one write in place
+        if n_new == 1 and self.full:  # the ring: one write in place, the same entry in every row
             at = self.ring
             self.window_keys[:, :, at] = key_states[:, window, 0]
             self.window_values[:, :, at] = value_states[:, window, 0]
-            self.slots[at] = first
+            self.slots[:, at] = first
             self.ring = self.sink + (at - self.sink + 1) % self.window
             self.step = (self.window_keys, self.window_values, self.slots, None)  # every held slot visible
             return self.keys, self.values
         if self.ring != self.sink:  # the ring turned: held in ascending slots again, oldest after the sinks
-            order = self.slots.argsort()
+            order = torch.cat([torch.arange(self.sink), self.sink + (torch.arange(self.window) + self.ring - self.sink)
+                               % self.window]).to(self.device)
             self.window_keys, self.window_values = self.window_keys[:, :, order], self.window_values[:, :, order]
-            self.slots, self.ring = self.slots[order], self.sink
+            self.slots, self.ring = self.slots[:, order], self.sink
+        b = key_states.shape[0]
         new = torch.arange(first, self.length, device=self.device)  # (Q,)
         window_keys = torch.cat([self.window_keys, key_states[:, window]], dim=-2)  # (B, W, n, D)
         window_values = torch.cat([self.window_values, value_states[:, window]], dim=-2)
-        slots = torch.cat([self.slots, new])  # (n,) ascending
+        slots = torch.cat([self.slots, new.expand(b, -1)], dim=1)  # (B, n): each row's held slots ascending, then new
         self.step = (window_keys, window_values, slots, new)
-        keep = (slots < self.sink) | (slots >= self.length - self.window)  # sinks + the last `window` tokens
-        if not bool(keep.all()):
-            window_keys, window_values, slots = window_keys[:, :, keep], window_values[:, :, keep], slots[keep]
+        start = 0 if self.first is None else self.first[:, None]  # (B, 1)
+        keep = (slots >= start) & (slots < EMPTY_SLOT) & ((slots < start + self.sink) | (slots >= self.length - self.window))
+        counts = keep.sum(dim=1)  # (B,)
+        least, most = (int(c) for c in torch.stack([counts.min(), counts.max()]).tolist())
+        self.full = least == self.sink + self.window
+        if least != slots.shape[1]:  # some row drops entries: each row's kept ones first (ascending), then unused
+            order = torch.where(keep, slots, EMPTY_SLOT).argsort(dim=1, stable=True)[:, :most]  # (B, n')
+            index = order[:, None, :, None]
+            window_keys = window_keys.gather(2, index.expand(*window_keys.shape[:2], most, window_keys.shape[-1]))
+            window_values = window_values.gather(2, index.expand(*window_values.shape[:2], most,
+                                                                 window_values.shape[-1]))
+            slots = torch.where(keep.gather(1, order), slots.gather(1, order), EMPTY_SLOT)
         self.window_keys, self.window_values, self.slots = window_keys, window_values, slots
         return self.keys, self.values
 
@@ -371,14 +400,17 @@ class WindowedCacheLayer(DynamicLayer):
                          "prompt-lookup decoding crop the cache; use plain greedy or sampled generation)")
 
     def reset(self) -> None:
-        self.keys = self.values = self.window_keys = self.window_values = None
-        self.length, self.armed, self.step, self.ring = 0, False, None, self.sink
+        self.keys = self.values = self.window_keys = self.window_values = self.first = None
+        self.length, self.armed, self.step, self.ring, self.full = 0, False, None, self.sink, False
         self.is_initialized = False
 
     def _rows(self, pick) -> None:
         if self.is_initialized:
             self.keys, self.values = pick(self.keys), pick(self.values)
             self.window_keys, self.window_values = pick(self.window_keys), pick(self.window_values)
+            self.slots = pick(self.slots)
+        if self.first is not None:
+            self.first = pick(self.first)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._rows(lambda t: t.repeat_interleave(repeats, dim=0))
