@@ -109,6 +109,7 @@ class SplitCall:
     sink: int
     window: int
     kernel: str
+    native: int | None = None  # the layer's own sliding window (Gemma 3 sliding layers, Mistral): keys intersect it
 
     def begin(self) -> None:
         self.layer.armed = True
@@ -139,6 +140,7 @@ class BandCall:
     mask: torch.Tensor | None
     per_head: torch.Tensor | None
     used: bool = False
+    native: int | None = None  # the layer's own sliding window, if any
 
     def begin(self) -> None:
         self.used = False
@@ -219,27 +221,32 @@ def family_kernel(module: nn.Module, kernel: str):
 
 
 def window_mask(mask: torch.Tensor | None, queries: torch.Tensor | None, slots: torch.Tensor, sink: int,
-                window: int, dtype: torch.dtype) -> torch.Tensor | None:
+                window: int, dtype: torch.dtype, native: int | None = None, offset: int = 0) -> torch.Tensor | None:
     """The windowed heads' mask over their held slots: (B or 1, 1, Q, n), boolean where the
-    model's mask is boolean, else additive; the model's mask (B, 1, Q, T) read at `slots`.
+    model's mask is boolean, else additive; the model's mask (B, 1, Q, K) read at `slots` (its
+    column 0 is slot `offset`: a sliding cache layer's first held token). `native`: the layer's
+    own sliding window, which further bars keys k <= q - native (the intersection of both windows).
     `queries` None: one query that may see every held slot (the cache layer's steady state),
     so only the model's mask applies (None if it has none). A slot `EMPTY_SLOT` (an unused entry
     of a fixed-size buffer) is after every query, so no query sees it."""
+    columns = (slots - offset).clamp(min=0) if offset else slots  # slots below offset: barred by `native`
     if queries is None:
-        return None if mask is None else mask.index_select(-1, slots)
+        return None if mask is None else mask.index_select(-1, columns)
     q, k = queries[:, None], slots[None, :]  # (Q, 1), (1, n)
     allowed = (k <= q) & ((k < sink) | (k > q - window))  # (Q, n)
+    if native is not None:
+        allowed &= k > q - native
     if mask is None:  # sdpa's causal shortcut: the window mask carries causality
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min)[None, None]
-    held = mask.index_select(-1, torch.where(slots < EMPTY_SLOT, slots, 0))  # (B, 1, Q, n); unused: barred below
+    held = mask.index_select(-1, torch.where(slots < EMPTY_SLOT, columns, 0))  # (B, 1, Q, n); unused: barred below
     if held.dtype == torch.bool:
         return held & allowed
     return held.masked_fill(~allowed, torch.finfo(held.dtype).min)
 
 
 def per_head_mask(mask: torch.Tensor | None, windowed: torch.Tensor, n_q: int, sink: int, window: int,
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, native: int | None = None) -> torch.Tensor:
     """The model's mask (None: causal; or (B, 1, Q, K) additive or boolean) widened to every query
     head, (B or 1, H, Q, K), the heads of windowed units (`windowed`, (H,) bool) also barred from
     keys outside their sinks and window: what one kernel call over all heads needs. Queries are
@@ -249,6 +256,8 @@ def per_head_mask(mask: torch.Tensor | None, windowed: torch.Tensor, n_q: int, s
     queries = torch.arange(n_k - n_q, n_k, device=device)[:, None]  # (Q, 1)
     keys = torch.arange(n_k, device=device)[None, :]  # (1, K)
     allowed = (keys <= queries) & ((keys < sink) | (keys > queries - window))  # (Q, K)
+    if native is not None:  # the layer's own sliding window: both windows bar
+        allowed &= keys > queries - native
     allowed = allowed[None] | ~windowed[:, None, None]  # (H, Q, K): full heads unrestricted here
     if mask is None:  # sdpa's causal shortcut: causality is ours to add
         allowed = allowed & (keys <= queries)[None]
@@ -290,7 +299,7 @@ def recording_attentions() -> bool:
 
 def windowed_chunks(kernel, module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     mask: torch.Tensor | None, queries: torch.Tensor, slots: torch.Tensor, sink: int, window: int,
-                    **kwargs) -> torch.Tensor:
+                    native: int | None = None, offset: int = 0, **kwargs) -> torch.Tensor:
     """The windowed heads' output (B, Q, Hw, Dv), chunk by chunk of max(window, MIN_CHUNK)
     queries: query (B, Hw, Q, D) at slots `queries` (ascending), keys / values (B, W, n, D) at
     `slots` (ascending), the model's mask (B, 1, Q, T) or None; each chunk's kernel call reads
@@ -303,7 +312,7 @@ def windowed_chunks(kernel, module: nn.Module, query: torch.Tensor, keys: torch.
         seen = ((slots < sink) | ((slots > first - window) & (slots <= last))).nonzero().flatten()  # (n',)
         take = pick(seen)
         rows = mask[..., start:end, :] if mask is not None and mask.shape[-2] > 1 else mask
-        part = window_mask(rows, queries[start:end], slots[seen], sink, window, query.dtype)
+        part = window_mask(rows, queries[start:end], slots[seen], sink, window, query.dtype, native, offset)
         out, _ = kernel(module, query[:, :, start:end], keys[:, :, take], values[:, :, take], part, **kwargs)
         outs.append(out)  # (B, q, Hw, Dv)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -329,7 +338,7 @@ def band_attention(module: nn.Module, call: BandCall, kernel, query: torch.Tenso
     if recording_attentions():  # the whole (Q, K) map is asked for: one call under the per-head mask
         mask = call.per_head if call.per_head is not None else per_head_mask(
             call.mask, heads_flags(heads, query.shape[1], query.device), query.shape[2], call.sink, call.window,
-            query.dtype)
+            query.dtype, call.native)
         return kernel(module, query, key, value, mask, **kwargs)
     parts = {}
     if len(heads.full):
@@ -341,7 +350,7 @@ def band_attention(module: nn.Module, call: BandCall, kernel, query: torch.Tenso
         slots = torch.arange(n_k, device=query.device)
         out = windowed_chunks(kernel, module, query[:, heads.window_pick], key[:, kv.window_pick],
                               value[:, kv.window_pick], call.mask, slots[n_k - n_q:], slots, call.sink, call.window,
-                              **kwargs)
+                              call.native, **kwargs)
         parts["window"] = (heads.window, out)
     return joined(heads, parts, query.shape[1]), None
 
@@ -378,6 +387,7 @@ def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                              f"num_key_value_groups={group}")
         return band_attention(module, call, kernel, query, key, value, **kwargs)
     window_keys, window_values, slots, queries = call.layer.take_step()  # (B, W, n, D) x2, (n,), (Q,) or None
+    offset = getattr(call.layer, "mask_offset", 0)  # the slot of the model's mask's first column (sliding layers)
     group = getattr(module, "num_key_value_groups", 1)  # query heads per KV head, as the kernel repeats them
     if len(heads.full) != key.shape[1] * group or len(heads.window) != window_keys.shape[1] * group:
         raise ValueError(f"{type(module).__name__}: {len(heads.full)} + {len(heads.window)} query heads for "
@@ -391,17 +401,19 @@ def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         if (call.layer.chunked and queries is not None and query.shape[2] > max(call.window, MIN_CHUNK)
                 and not recording_attentions()):
             out, weights = windowed_chunks(kernel, module, query[:, heads.window_pick], window_keys, window_values,
-                                           attention_mask, queries, slots, call.sink, call.window, **kwargs), None
+                                           attention_mask, queries, slots, call.sink, call.window, call.native,
+                                           offset, **kwargs), None
         else:
-            mask = window_mask(attention_mask, queries, slots, call.sink, call.window, query.dtype)
+            mask = window_mask(attention_mask, queries, slots, call.sink, call.window, query.dtype, call.native, offset)
             out, weights = kernel(module, query[:, heads.window_pick], window_keys, window_values, mask, **kwargs)
         parts["window"] = (heads.window, out, weights, slots)
     output = joined(heads, parts, query.shape[1])  # (B, Q, H, Dv)
-    return output, assembled_weights(list(parts.values()), query, call.layer.length)
+    return output, assembled_weights(list(parts.values()), query, call.layer.length - offset, offset)
 
 
-def assembled_weights(parts, query: torch.Tensor, n_keys: int) -> torch.Tensor | None:
-    """The attention weights (B, H, Q, T) of both halves, when the model records attentions."""
+def assembled_weights(parts, query: torch.Tensor, n_keys: int, offset: int = 0) -> torch.Tensor | None:
+    """The attention weights (B, H, Q, K) of both halves, when the model records attentions: over
+    the key slots offset .. offset + K - 1 (a sliding layer's held tokens; offset 0 otherwise)."""
     # transformers' private record of what the forward collects, read here only (imported here so
     # that a transformers without it fails only this path, not every import of the package)
     from transformers.utils.output_capturing import _active_collector
@@ -413,7 +425,8 @@ def assembled_weights(parts, query: torch.Tensor, n_keys: int) -> torch.Tensor |
     weights = parts[0][2].new_zeros(b, h, n_q, n_keys)
     for heads, _, part, slots in parts:
         if slots is not None:
-            part = part.new_zeros(*part.shape[:3], n_keys).index_copy_(3, slots, part)
+            seen = slots >= offset  # older slots: outside the layer's own window, weight zero
+            part = part.new_zeros(*part.shape[:3], n_keys).index_copy_(3, slots[seen] - offset, part[..., seen])
         weights.index_copy_(1, heads, part)
     return weights
 

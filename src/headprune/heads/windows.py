@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
 from headprune.heads.latent import is_latent
@@ -152,10 +152,30 @@ def units_of(model: nn.Module) -> tuple[int, int]:
     return n_layers, get_adapter(model).num_kv_heads(model.config)
 
 
-def window_allowed(queries: torch.Tensor, keys: torch.Tensor, sink: int, window: int) -> torch.Tensor:
-    """Bool (Q, K): which key slots a windowed head at each query slot may see (causal included)."""
+def window_allowed(queries: torch.Tensor, keys: torch.Tensor, sink: int, window: int,
+                   native: int | None = None) -> torch.Tensor:
+    """Bool (Q, K): which key slots a windowed head at each query slot may see (causal included);
+    in a layer with its own sliding window `native`, only those that window also lets it see."""
     q, k = queries[:, None], keys[None, :]  # (Q, 1), (1, K)
-    return (k <= q) & ((k < sink) | (k > q - window))
+    allowed = (k <= q) & ((k < sink) | (k > q - window))
+    return allowed & (k > q - native) if native is not None else allowed
+
+
+def native_windows(config) -> list[int | None]:
+    """Per layer, the sliding window the model itself gives it (None: full attention), read from
+    the config as transformers' caches read it: `layer_types` ("sliding_attention" layers get
+    `sliding_window`: Gemma 2 / 3, Qwen2 with use_sliding_window, GPT-OSS), else `sliding_window`
+    on every layer (Mistral). A windowed unit of such a layer keeps the intersection of both
+    windows (`KVWindows`); what it holds is priced by costs/ from the same function."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    n_layers = config.num_hidden_layers
+    if window is None:
+        return [None] * n_layers
+    if types is None:
+        return [int(window)] * n_layers
+    return [int(window) if kind == "sliding_attention" else None for kind in types]
 
 
 class KVWindows:
@@ -180,6 +200,7 @@ class KVWindows:
                              "shared by all its heads (multi-head latent attention, heads.latent), so a head cannot "
                              "keep a window of it (not done); allowed: every unit full or removed")
         self.detach()
+        self.native = native_windows(model.config)
         for layer, block in enumerate(adapter.blocks(model)):
             if WINDOW in self.layout.modes[layer]:
                 attention = adapter.attention(block)
@@ -225,6 +246,7 @@ class KVWindows:
 
     def _make_hook(self, model: nn.Module, layer: int):
         sink, window = self.layout.sink, self.layout.window
+        native = self.native[layer]
 
         def hook(module, args, kwargs):
             checked = self._checked.get(layer)
@@ -245,18 +267,19 @@ class KVWindows:
             cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)  # `cache`, GPT-NeoX's `layer_past`
             if cache is not None:  # the split call (heads.windowed_attention): only the kept keys are read
                 index = getattr(module, "layer_idx", layer)
-                cache_layer = install_cache_layer(cache, index, kv_windowed, sink, window)
-                arm(module, SplitCall(cache_layer, heads, sink, window, model.config._attn_implementation))
+                cache_layer = install_cache_layer(cache, index, kv_windowed, sink, window, native)
+                arm(module, SplitCall(cache_layer, heads, sink, window, model.config._attn_implementation, native))
                 return None
             mask = kwargs["attention_mask"]  # None, or (B, 1, Q, K) additive float or boolean
             routes = False if mask_only(model) else ROUTES.get(type(module))
             per_head = None if routes else per_head_mask(mask, heads_flags(heads, len(heads.full) + len(heads.window),
                                                                            hidden.device),
-                                                         hidden.shape[1], sink, window, hidden.dtype)
+                                                         hidden.shape[1], sink, window, hidden.dtype, native)
             if routes is False or "config" not in module.__dict__:  # its own kernel: the per-head mask alone
                 return args, {**kwargs, "attention_mask": per_head}
             kv = HeadSplit.of(kv_windowed, hidden.device)
-            arm(module, BandCall(heads, kv, sink, window, model.config._attn_implementation, mask, per_head))
+            arm(module, BandCall(heads, kv, sink, window, model.config._attn_implementation, mask, per_head,
+                                 native=native))
             return (args, kwargs) if per_head is None else (args, {**kwargs, "attention_mask": per_head})
 
         return hook
@@ -275,17 +298,37 @@ class WindowedCacheLayer(DynamicLayer):
     heads.windowed_attention), keeping sinks + window. Once the windows are full, a one-token
     step writes the new token in place of the oldest window token (which the new query may not
     see; a ring after the sinks), so the held keys are exactly those the query sees and nothing
-    is copied but the new token."""
+    is copied but the new token.
+
+    A layer with its own sliding window (`native`: Gemma 3's sliding layers, Mistral) combines
+    both windows: a windowed head sees a key only when both let it (`window_allowed`), so it
+    holds the sinks the next query can still see (slots > length - native) and the last
+    min(window, native) tokens; with `sliding` (it replaced transformers' DynamicSlidingWindowLayer)
+    the full heads keep the last native - 1 tokens and report the mask sizes and `is_sliding`
+    that layer reports, so the model's masks are built as without windows."""
 
     chunked = True  # a long prefill's windowed heads attend chunk by chunk (heads.windowed_attention)
+    mask_offset = 0  # the slot of the model's mask's first key column in this forward (sliding layers: > 0)
 
-    def __init__(self, windowed: list[bool], sink: int, window: int):
+    def __init__(self, windowed: list[bool], sink: int, window: int, native: int | None = None,
+                 sliding: bool = False):
         super().__init__()
+        if sliding and native is None:
+            raise ValueError("a windowed cache layer that mirrors a sliding cache layer needs its sliding window")
         self.windowed, self.sink, self.window = list(windowed), sink, window
+        self.native, self.is_sliding = native, sliding
+        self.span = window if native is None else min(window, native)  # latest tokens a windowed head holds
         self.length = 0
         self.armed = False  # set by the KVWindows hook for one forward (heads.windowed_attention.arm)
         self.step = None  # (window keys (B, W, n, D), values, slots (n,), new slots (Q,) or None) of this forward
-        self.ring = sink  # where the oldest window token is held once the windows are full
+        self.base = 0  # held sinks: the ring turns after them
+        self.ring = 0  # where the oldest window token is held once the windows are full
+
+    def sinks_held(self, length: int) -> int:
+        """How many sinks a windowed head holds after `length` tokens: those below `sink` that the
+        next query (slot `length`) may still see under the layer's own window."""
+        first = 0 if self.native is None else max(0, length - self.native + 1)
+        return max(0, min(self.sink, length) - first)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[1] != len(self.windowed):
@@ -317,32 +360,42 @@ class WindowedCacheLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n_new, first = key_states.shape[-2], self.length
         self.length += n_new
+        self.mask_offset = max(first - self.native + 1, 0) if self.is_sliding else 0  # as the model's mask was sized
         full, window = self.heads.full_pick, self.heads.window_pick
+        keys, values = self.keys, self.values
         if len(self.full_heads):
-            self.keys = torch.cat([self.keys, key_states[:, full]], dim=-2)  # (B, F, T, D)
-            self.values = torch.cat([self.values, value_states[:, full]], dim=-2)
-        if n_new == 1 and self.window_keys.shape[-2] == self.sink + self.window:  # the ring: one write in place
+            keys = torch.cat([self.keys, key_states[:, full]], dim=-2)  # (B, F, T, D)
+            values = torch.cat([self.values, value_states[:, full]], dim=-2)
+            self.keys, self.values = keys, values
+            if self.is_sliding:  # as DynamicSlidingWindowLayer: the last native - 1 kept, all returned
+                start = max(keys.shape[-2] - (self.native - 1), 0)
+                self.keys, self.values = keys[:, :, start:], values[:, :, start:]
+        held = self.sinks_held(first)
+        if (n_new == 1 and first - self.span >= self.sink and held == self.sinks_held(self.length)
+                and self.window_keys.shape[-2] == held + self.span):  # the ring: one write in place
             at = self.ring
             self.window_keys[:, :, at] = key_states[:, window, 0]
             self.window_values[:, :, at] = value_states[:, window, 0]
             self.slots[at] = first
-            self.ring = self.sink + (at - self.sink + 1) % self.window
+            self.ring = self.base + (at - self.base + 1) % self.span
             self.step = (self.window_keys, self.window_values, self.slots, None)  # every held slot visible
-            return self.keys, self.values
-        if self.ring != self.sink:  # the ring turned: held in ascending slots again, oldest after the sinks
+            return keys, values
+        if self.ring != self.base:  # the ring turned: held in ascending slots again, oldest after the sinks
             order = self.slots.argsort()
             self.window_keys, self.window_values = self.window_keys[:, :, order], self.window_values[:, :, order]
-            self.slots, self.ring = self.slots[order], self.sink
+            self.slots = self.slots[order]
         new = torch.arange(first, self.length, device=self.device)  # (Q,)
         window_keys = torch.cat([self.window_keys, key_states[:, window]], dim=-2)  # (B, W, n, D)
         window_values = torch.cat([self.window_values, value_states[:, window]], dim=-2)
         slots = torch.cat([self.slots, new])  # (n,) ascending
         self.step = (window_keys, window_values, slots, new)
-        keep = (slots < self.sink) | (slots >= self.length - self.window)  # sinks + the last `window` tokens
+        first_sink = 0 if self.native is None else self.length - self.native + 1  # older sinks: out of the layer's window
+        keep = ((slots < self.sink) & (slots >= first_sink)) | (slots >= self.length - self.span)  # sinks + last span
         if not bool(keep.all()):
             window_keys, window_values, slots = window_keys[:, :, keep], window_values[:, :, keep], slots[keep]
         self.window_keys, self.window_values, self.slots = window_keys, window_values, slots
-        return self.keys, self.values
+        self.base = self.ring = self.sinks_held(self.length)
+        return keys, values
 
     def take_step(self):
         """(window keys (B, W, n, D), window values, their slots (n,), the new tokens' slots (Q,),
@@ -371,6 +424,10 @@ class WindowedCacheLayer(DynamicLayer):
         return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.is_sliding:  # DynamicSlidingWindowLayer's: the model's sliding masks are sized from it
+            offset = max(self.length - self.native + 1, 0)
+            held = self.native - 1 if self.length >= self.native else self.length
+            return held + query_length, offset
         return self.length + query_length, 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -379,7 +436,7 @@ class WindowedCacheLayer(DynamicLayer):
 
     def reset(self) -> None:
         self.keys = self.values = self.window_keys = self.window_values = None
-        self.length, self.armed, self.step, self.ring = 0, False, None, self.sink
+        self.length, self.armed, self.step, self.ring, self.base, self.mask_offset = 0, False, None, 0, 0, 0
         self.is_initialized = False
 
     def _rows(self, pick) -> None:
@@ -411,12 +468,13 @@ def held_bytes(cache) -> int:
     return total
 
 
-def install_cache_layer(cache, index: int, windowed: list[bool], sink: int, window: int) -> WindowedCacheLayer:
+def install_cache_layer(cache, index: int, windowed: list[bool], sink: int, window: int,
+                        native: int | None = None) -> WindowedCacheLayer:
     """Give layer `index` of a transformers cache a `WindowedCacheLayer` before its first write
-    (a DynamicCache's own layer, still empty, is replaced; one already windowed is kept), and
-    return it. A
-    cache of another kind, or a layer that already holds tokens, is refused: it would keep
-    every token of the windowed heads."""
+    (a DynamicCache's own layer, still empty, is replaced: a DynamicSlidingWindowLayer by one that
+    mirrors it for the full heads; one already windowed is kept), and return it. `native`: the
+    layer's own sliding window (`native_windows`). A cache of another kind, or a layer that
+    already holds tokens, is refused: it would keep every token of the windowed heads."""
     cache = getattr(cache, "self_attention_cache", cache)
     layers = getattr(cache, "layers", None)
     if layers is None:
@@ -428,10 +486,14 @@ def install_cache_layer(cache, index: int, windowed: list[bool], sink: int, wind
     layer = layers[index] if index < len(layers) else None
     if isinstance(layer, WindowedCacheLayer):
         return layer
-    if type(layer) is not DynamicLayer or layer.is_initialized:
+    if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) or layer.is_initialized:
         raise ValueError(f"layer {index} has windowed KV units but its cache layer is "
                          f"{type(layer).__name__ if layer is not None else 'missing'}"
                          f"{' holding tokens' if layer is not None and layer.is_initialized else ''}; windowed units "
                          "need an empty DynamicCache (generate()'s default) so that it keeps only sinks + window")
-    layers[index] = WindowedCacheLayer(windowed, sink, window)
+    sliding = type(layer) is DynamicSlidingWindowLayer
+    if sliding and layer.sliding_window != native:
+        raise ValueError(f"layer {index}: its cache layer slides over {layer.sliding_window} tokens, the model config "
+                         f"gives it {native} (layer_types / sliding_window); windowed units need the two to agree")
+    layers[index] = WindowedCacheLayer(windowed, sink, window, native, sliding)
     return layers[index]
