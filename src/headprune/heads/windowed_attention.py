@@ -109,7 +109,6 @@ class SplitCall:
     sink: int
     window: int
     kernel: str
-    native: int | None = None  # the layer's own sliding window (Gemma 3 sliding layers, Mistral): keys intersect it
 
     def begin(self) -> None:
         self.layer.armed = True
@@ -140,7 +139,6 @@ class BandCall:
     mask: torch.Tensor | None
     per_head: torch.Tensor | None
     used: bool = False
-    native: int | None = None  # the layer's own sliding window, if any
 
     def begin(self) -> None:
         self.used = False
@@ -221,21 +219,19 @@ def family_kernel(module: nn.Module, kernel: str):
 
 
 def window_mask(mask: torch.Tensor | None, queries: torch.Tensor | None, slots: torch.Tensor, sink: int,
-                window: int, dtype: torch.dtype, native: int | None = None, offset: int = 0) -> torch.Tensor | None:
+                window: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor | None:
     """The windowed heads' mask over their held slots: (B or 1, 1, Q, n), boolean where the
     model's mask is boolean, else additive; the model's mask (B, 1, Q, K) read at `slots` (its
-    column 0 is slot `offset`: a sliding cache layer's first held token). `native`: the layer's
-    own sliding window, which further bars keys k <= q - native (the intersection of both windows).
+    column 0 is slot `offset`: a sliding cache layer's first held token). In a layer with its own
+    sliding window that mask bars what that window bars, so the two windows intersect.
     `queries` None: one query that may see every held slot (the cache layer's steady state),
     so only the model's mask applies (None if it has none). A slot `EMPTY_SLOT` (an unused entry
     of a fixed-size buffer) is after every query, so no query sees it."""
-    columns = (slots - offset).clamp(min=0) if offset else slots  # slots below offset: barred by `native`
+    columns = (slots - offset).clamp(min=0) if offset else slots  # below offset: out of the layer's own window
     if queries is None:
         return None if mask is None else mask.index_select(-1, columns)
     q, k = queries[:, None], slots[None, :]  # (Q, 1), (1, n)
     allowed = (k <= q) & ((k < sink) | (k > q - window))  # (Q, n)
-    if native is not None:
-        allowed &= k > q - native
     if mask is None:  # sdpa's causal shortcut: the window mask carries causality
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(dtype).min)[None, None]
@@ -246,7 +242,7 @@ def window_mask(mask: torch.Tensor | None, queries: torch.Tensor | None, slots: 
 
 
 def per_head_mask(mask: torch.Tensor | None, windowed: torch.Tensor, n_q: int, sink: int, window: int,
-                  dtype: torch.dtype, native: int | None = None) -> torch.Tensor:
+                  dtype: torch.dtype) -> torch.Tensor:
     """The model's mask (None: causal; or (B, 1, Q, K) additive or boolean) widened to every query
     head, (B or 1, H, Q, K), the heads of windowed units (`windowed`, (H,) bool) also barred from
     keys outside their sinks and window: what one kernel call over all heads needs. Queries are
@@ -256,8 +252,6 @@ def per_head_mask(mask: torch.Tensor | None, windowed: torch.Tensor, n_q: int, s
     queries = torch.arange(n_k - n_q, n_k, device=device)[:, None]  # (Q, 1)
     keys = torch.arange(n_k, device=device)[None, :]  # (1, K)
     allowed = (keys <= queries) & ((keys < sink) | (keys > queries - window))  # (Q, K)
-    if native is not None:  # the layer's own sliding window: both windows bar
-        allowed &= keys > queries - native
     allowed = allowed[None] | ~windowed[:, None, None]  # (H, Q, K): full heads unrestricted here
     if mask is None:  # sdpa's causal shortcut: causality is ours to add
         allowed = allowed & (keys <= queries)[None]
@@ -299,7 +293,7 @@ def recording_attentions() -> bool:
 
 def windowed_chunks(kernel, module: nn.Module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     mask: torch.Tensor | None, queries: torch.Tensor, slots: torch.Tensor, sink: int, window: int,
-                    native: int | None = None, offset: int = 0, **kwargs) -> torch.Tensor:
+                    offset: int = 0, **kwargs) -> torch.Tensor:
     """The windowed heads' output (B, Q, Hw, Dv), chunk by chunk of max(window, MIN_CHUNK)
     queries: query (B, Hw, Q, D) at slots `queries` (ascending), keys / values (B, W, n, D) at
     `slots` (ascending), the model's mask (B, 1, Q, T) or None; each chunk's kernel call reads
@@ -312,7 +306,7 @@ def windowed_chunks(kernel, module: nn.Module, query: torch.Tensor, keys: torch.
         seen = ((slots < sink) | ((slots > first - window) & (slots <= last))).nonzero().flatten()  # (n',)
         take = pick(seen)
         rows = mask[..., start:end, :] if mask is not None and mask.shape[-2] > 1 else mask
-        part = window_mask(rows, queries[start:end], slots[seen], sink, window, query.dtype, native, offset)
+        part = window_mask(rows, queries[start:end], slots[seen], sink, window, query.dtype, offset)
         out, _ = kernel(module, query[:, :, start:end], keys[:, :, take], values[:, :, take], part, **kwargs)
         outs.append(out)  # (B, q, Hw, Dv)
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -338,7 +332,7 @@ def band_attention(module: nn.Module, call: BandCall, kernel, query: torch.Tenso
     if recording_attentions():  # the whole (Q, K) map is asked for: one call under the per-head mask
         mask = call.per_head if call.per_head is not None else per_head_mask(
             call.mask, heads_flags(heads, query.shape[1], query.device), query.shape[2], call.sink, call.window,
-            query.dtype, call.native)
+            query.dtype)
         return kernel(module, query, key, value, mask, **kwargs)
     parts = {}
     if len(heads.full):
@@ -350,7 +344,7 @@ def band_attention(module: nn.Module, call: BandCall, kernel, query: torch.Tenso
         slots = torch.arange(n_k, device=query.device)
         out = windowed_chunks(kernel, module, query[:, heads.window_pick], key[:, kv.window_pick],
                               value[:, kv.window_pick], call.mask, slots[n_k - n_q:], slots, call.sink, call.window,
-                              call.native, **kwargs)
+                              **kwargs)
         parts["window"] = (heads.window, out)
     return joined(heads, parts, query.shape[1]), None
 
@@ -401,10 +395,10 @@ def split_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         if (call.layer.chunked and queries is not None and query.shape[2] > max(call.window, MIN_CHUNK)
                 and not recording_attentions()):
             out, weights = windowed_chunks(kernel, module, query[:, heads.window_pick], window_keys, window_values,
-                                           attention_mask, queries, slots, call.sink, call.window, call.native,
-                                           offset, **kwargs), None
+                                           attention_mask, queries, slots, call.sink, call.window, offset,
+                                           **kwargs), None
         else:
-            mask = window_mask(attention_mask, queries, slots, call.sink, call.window, query.dtype, call.native, offset)
+            mask = window_mask(attention_mask, queries, slots, call.sink, call.window, query.dtype, offset=offset)
             out, weights = kernel(module, query[:, heads.window_pick], window_keys, window_values, mask, **kwargs)
         parts["window"] = (heads.window, out, weights, slots)
     output = joined(heads, parts, query.shape[1])  # (B, Q, H, Dv)

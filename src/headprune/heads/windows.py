@@ -268,18 +268,17 @@ class KVWindows:
             if cache is not None:  # the split call (heads.windowed_attention): only the kept keys are read
                 index = getattr(module, "layer_idx", layer)
                 cache_layer = install_cache_layer(cache, index, kv_windowed, sink, window, native)
-                arm(module, SplitCall(cache_layer, heads, sink, window, model.config._attn_implementation, native))
+                arm(module, SplitCall(cache_layer, heads, sink, window, model.config._attn_implementation))
                 return None
             mask = kwargs["attention_mask"]  # None, or (B, 1, Q, K) additive float or boolean
             routes = False if mask_only(model) else ROUTES.get(type(module))
             per_head = None if routes else per_head_mask(mask, heads_flags(heads, len(heads.full) + len(heads.window),
                                                                            hidden.device),
-                                                         hidden.shape[1], sink, window, hidden.dtype, native)
+                                                         hidden.shape[1], sink, window, hidden.dtype)
             if routes is False or "config" not in module.__dict__:  # its own kernel: the per-head mask alone
                 return args, {**kwargs, "attention_mask": per_head}
             kv = HeadSplit.of(kv_windowed, hidden.device)
-            arm(module, BandCall(heads, kv, sink, window, model.config._attn_implementation, mask, per_head,
-                                 native=native))
+            arm(module, BandCall(heads, kv, sink, window, model.config._attn_implementation, mask, per_head))
             return (args, kwargs) if per_head is None else (args, {**kwargs, "attention_mask": per_head})
 
         return hook
