@@ -159,7 +159,7 @@ def cached_build(name: str, path: Path, sha256: str, build: Callable[[Path], Non
     renamed into place) and verified. A cached file that does not match is rebuilt, with a
     warning; a new one that does not match is refused (the packages are damaged), nothing kept."""
     if path.is_file():
-        if False:
+        if digest(path) == sha256:
             return path
         log.warning("the cached %s does not match its sha256 %s (damaged on disk): building it again from the "
                     "installed packages", path, sha256)
