@@ -43,25 +43,70 @@ def _loss(model, batches) -> float:
         return sum(float(model(**b, labels=b["input_ids"]).loss) for b in batches) / len(batches)
 
 
-def test_measured_rises_are_the_loss_of_each_unit_alone_windowed_or_removed():
-    """Each rise equals the mean loss with that one unit windowed (KVWindows) or masked, minus the
-    plain model's, computed here by whole forwards (the measurement carries blocks instead)."""
-    model = _llama()
+def _reference_rises(model, mask, batches, units):
+    """The straightforward measurement: for every unit and mode, one whole-model forward per batch
+    with that unit alone windowed (KVWindows) or masked, the per-token mean next-token loss
+    (labels -100 unscored) minus the plain model's."""
+    def loss() -> float:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for b in batches:
+                logits = model(input_ids=b["input_ids"]).logits[:, :-1]
+                targets = b.get("labels", b["input_ids"])[:, 1:]
+                total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                                 ignore_index=-100, reduction="sum"))
+                count += int((targets != -100).sum())
+        return total / count
+
+    base = loss()
+    n_layers = mask.num_layers
+    removed = [[0.0] * len(units) for _ in range(n_layers)]
+    windowed = [[0.0] * len(units) for _ in range(n_layers)]
+    for layer in range(n_layers):
+        for unit, heads in enumerate(units):
+            modes = [["full"] * len(units) for _ in range(n_layers)]
+            modes[layer][unit] = "window"
+            windows = KVWindows(KVLayout(tuple(map(tuple, modes)), SINK, WINDOW)).attach(model)
+            windowed[layer][unit] = loss() - base
+            windows.detach()
+            trial = mask.mask.clone()
+            trial[layer, heads] = 0.0
+            with mask.override(trial):
+                removed[layer][unit] = loss() - base
+    return removed, windowed, base
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_measured_rises_equal_whole_model_probes_and_choose_the_same_layout(attn, monkeypatch):
+    """The fast measurement (blocks before the unit carried, a layer's probes stacked as rows, the
+    head in token chunks, chunks without a scored target skipped) gives every unit's removal and
+    window rise of the whole-model reference to float rounding, on blocks of two rows and on a
+    block whose first tokens are unscored, with probes split over several calls; the knapsack
+    then chooses the same layout from both."""
+    from headprune.costs.tables import kv_mode_costs
+    from headprune.selection import unit_probes
+    from headprune.selection.budgets import allocate_modes
+
+    monkeypatch.setattr(unit_probes, "HEAD_TOKENS", 7)  # several head chunks, one of them unscored
+    monkeypatch.setattr(unit_probes, "PROBE_TOKENS", 3 * 2 * 24)  # 3 probes of a (2, 24) block per call
+    model = llama(seed=0, attn=attn, vocab_size=64, max_position_embeddings=256, num_hidden_layers=3)
     mask = HeadMask.for_model(model)
-    batches = _batches()
-    removed, windowed, base = measured_rises(model, mask, batches, kv_group_heads(model), SINK, WINDOW)
-    assert base == pytest.approx(_loss(model, batches), rel=1e-5)
-    for layer, unit in ((0, 1), (1, 0)):
-        modes = [["full", "full"], ["full", "full"]]
-        modes[layer][unit] = "window"
-        windows = KVWindows(KVLayout(tuple(map(tuple, modes)), SINK, WINDOW)).attach(model)
-        assert windowed[layer][unit] == pytest.approx(_loss(model, batches) - base, rel=1e-4, abs=1e-6)
-        windows.detach()
-        trial = mask.mask.clone()
-        trial[layer, kv_group_heads(model)[unit]] = 0.0
-        with mask.override(trial):
-            assert removed[layer][unit] == pytest.approx(_loss(model, batches) - base, rel=1e-4, abs=1e-6)
+    units = kv_group_heads(model)
+    rows = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(5))
+    scored_late = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(6))
+    labels = scored_late.clone()
+    labels[:, :9] = -100
+    batches = [{"input_ids": rows}, {"input_ids": scored_late, "labels": labels}]
+    removed, windowed, base = measured_rises(model, mask, batches, units, SINK, WINDOW)
+    ref_removed, ref_windowed, ref_base = _reference_rises(model, mask, batches, units)
+    assert base == pytest.approx(ref_base, abs=1e-5)
+    for fast, ref in ((removed, ref_removed), (windowed, ref_windowed)):
+        assert torch.allclose(torch.tensor(fast), torch.tensor(ref), atol=1e-5, rtol=0), (fast, ref)
     assert all(w != 0.0 for layer in windowed for w in layer)  # 24 tokens > 2 + 6: every window bites
+    costs = kv_mode_costs(model, 1, 64, SINK, WINDOW)
+    layouts = [allocate_modes(r, [[a - b for a, b in zip(rs, ws)] for rs, ws in zip(r, w)], costs, 0.5, SINK, WINDOW)[0]
+               for r, w in ((removed, windowed), (ref_removed, ref_windowed))]
+    assert layouts[0] == layouts[1]
 
 
 def test_attention_mass_is_the_probability_outside_sinks_and_window():

@@ -384,46 +384,19 @@ def unit_values(scores: torch.Tensor, units: list[list[int]]) -> list[list[float
     return [[float(shifted[l, heads].sum()) for heads in units] for l in range(scores.shape[0])]
 
 
-def single_unit(n_layers: int, n_units: int, layer: int, unit: int, sink: int, window: int) -> KVLayout:
-    """Every unit full but unit `unit` of layer `layer`, windowed."""
-    modes = [[FULL] * n_units for _ in range(n_layers)]
-    modes[layer][unit] = WINDOW
-    return KVLayout(tuple(tuple(m) for m in modes), sink, window)
-
-
 @torch.no_grad()
 def measured_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units: list[list[int]], sink: int,
                    window: int, task: Task = CAUSAL_LM) -> tuple[list[list[float]], list[list[float]], float]:
-    """(removal rise, window rise, base loss): per layer and unit, the calibration loss (`task`'s)
-    of the model with that unit alone removed / windowed, minus the loss with every unit as `mask`
-    has it."""
-    from headprune.recovery.blockwise import capture
-    from headprune.selection.measured import Probe
+    """(removal rise, window rise, base loss): per layer and unit, the calibration loss (next-token,
+    a causal LM's) of the model with that unit alone removed / windowed, minus the loss with every
+    unit as `mask` has it (`selection.unit_probes`: blocks before the unit carried, a layer's probes
+    batched, the head in chunks)."""
+    from headprune.selection.unit_probes import unit_rises
 
-    if getattr(model, KV_LAYOUT_ATTR, None) is not None:
-        raise ValueError("kv_modes=measured measures a model without windows; this one has a KV layout attached")
-    probe = Probe(model, mask, batches, [capture(model, b) for b in batches], task)
-    base = mask.mask.detach().clone()
-    base_loss = probe.loss(base)
-    removed: list[list[float]] = []
-    windowed: list[list[float]] = []
-    n_layers = mask.num_layers
-    for layer, hidden in probe.carried(base):
-        began = time.perf_counter()
-        removed.append([])
-        windowed.append([])
-        for u, heads in enumerate(units):
-            trial = base.clone()
-            trial[layer, heads] = 0.0
-            removed[-1].append(probe.loss(trial, layer, hidden) - base_loss)
-            windows = KVWindows(single_unit(n_layers, len(units), layer, u, sink, window)).attach(model)
-            try:
-                windowed[-1].append(probe.loss(base, layer, hidden) - base_loss)
-            finally:
-                windows.detach()
-        log.info("kv_modes=measured: layer %d removal rises %s, window rises %s (%.1f s)", layer,
-                 [round(r, 4) for r in removed[-1]], [round(w, 4) for w in windowed[-1]], time.perf_counter() - began)
-    return removed, windowed, base_loss
+    if task is not CAUSAL_LM:
+        raise ValueError(f"kv_modes=measured measures a causal LM's next-token loss; got task {task.name}")
+    rises, base = unit_rises(model, mask, batches, units, sink, window, (REMOVED, WINDOW))
+    return rises[REMOVED], rises[WINDOW], base
 
 
 def scored_targets(batches: list[dict], task: Task) -> float:
