@@ -180,11 +180,14 @@ def test_a_run_chooses_applies_and_exports_the_kv_modes(choice, tmp_path, llama_
     (["pruning.rearrange=true"], r"allowed: pruning.rearrange=false"),
     (["kv_modes.choice=streaming"], r"kv_modes.choice='streaming' is not allowed; allowed: none, measured"),
     (["model.attn_implementation=flash_attention_2"], r"allowed: eager, sdpa"),
+    (["kv_modes.samples=100"], r"kv_modes.samples=100 calibration blocks .* data.score_samples=2 gives only 2"),
+    (["kv_modes=attention_mass", "budget.target=0.01"], r"budget.target=0.01: only a layout without any unit fits 0.0100 .*allowed: a larger budget.target"),
+    (["kv_modes=measured_retrieval", "budget.target=0.01"], r"budget.target=0.01: only a layout without any unit"),
 ])
 def test_settings_kv_modes_cannot_honour_are_refused_before_any_work(override, pattern, tmp_path, llama_dir, data_dir):
     with pytest.raises(ValueError, match=pattern):
         run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "kv_modes=measured", *override)))
-    assert not (tmp_path / "results.json").exists()
+    assert not (tmp_path / "results.json").exists() and not (tmp_path / ".hydra").exists()
 
 
 def test_the_experiment_preset_composes():

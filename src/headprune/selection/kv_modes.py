@@ -74,7 +74,7 @@ from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import FULL, KERNELS, KV_LAYOUT_ATTR, REMOVED, WINDOW, KVLayout, KVWindows, window_allowed
 from headprune.selection.measured import first_sequences
 from headprune.recovery.none import NoRecovery
-from headprune.tasks import CAUSAL_LM, Task, task_for
+from headprune.tasks import CAUSAL_LM, Task, max_positions, task_for
 
 log = logging.getLogger(__name__)
 CHOICES = ("none", "measured", "attention_mass", "retrieval", "given")
@@ -158,11 +158,16 @@ class KVModes:
                 "layout": self.layout}
 
     def check(self, schedule, layer_policy, recovery, budget, *, block_size: int | None, rearrange: bool,
-              world_size: int = 1, resuming: bool = False) -> None:
-        """Refuse, before any work, settings a run with kv modes cannot honour."""
+              world_size: int = 1, resuming: bool = False, score_samples: int | None = None) -> None:
+        """Refuse, before any work, settings a run with kv modes cannot honour (`score_samples`:
+        the calibration blocks the data gives, None when unknown)."""
         if not self.active:
             return
         name = f"kv_modes={self.choice}"
+        if self.samples is not None and score_samples is not None and self.samples > score_samples:
+            raise ValueError(f"{name}: kv_modes.samples={self.samples} calibration blocks to measure on, but "
+                             f"data.score_samples={score_samples} gives only {score_samples}; allowed: kv_modes.samples "
+                             f"<= {score_samples}, kv_modes.samples=null (every one), or a larger data.score_samples")
         if not hasattr(budget, "mode_table"):
             raise ValueError(f"{name} chooses full / windowed / removed KV units under a cost budget with a KV mode "
                              f"table, which budget={budget.kind} has not; allowed: budget=kv or flops")
@@ -212,9 +217,34 @@ class KVModes:
         if kernel not in KERNELS:
             raise ValueError(f"kv_modes={self.choice}: windowed units need a per-head mask, which "
                              f"model.attn_implementation={kernel} does not take; allowed: {', '.join(KERNELS)}")
-        if self.choice == "given" and budget is not None and layer_policy is not None:
-            alive = torch.ones(model_shape(model), dtype=torch.bool)
-            self.given(model, alive, self.table(budget, model), budget.target, layer_policy)
+        positions = max_positions(model.config)
+        if budget is not None and positions is not None and budget.seq > positions:
+            raise ValueError(f"kv_modes={self.choice} prices the KV cache at budget.seq={budget.seq} tokens, beyond the "
+                             f"model's {positions} positions; allowed: budget.seq <= {positions}")
+        if budget is None or layer_policy is None:
+            return
+        alive = torch.ones(model_shape(model), dtype=torch.bool)
+        costs = self.table(budget, model)
+        if self.choice == "given":
+            self.given(model, alive, costs, budget.target, layer_policy)
+            return
+        self.check_fits(model, alive, costs, budget.target, layer_policy)
+
+    def check_fits(self, model: nn.Module, alive: torch.Tensor, costs: LayerCosts, share: float,
+                   layer_policy) -> None:
+        """Refuse, before any work, a budget `share` that no layout the choice may take fits (the
+        knapsack on zero values: its cheapest layout within the layer policy's caps and `removal`)."""
+        from headprune.selection.budgets import allocate_modes
+
+        units = kv_group_heads(model)
+        choices, _ = mode_choices(costs, units, layer_policy.caps(alive), share, self.removal)
+        zeros = [[0.0] * len(units) for _ in costs.cost]
+        try:
+            allocate_modes(zeros, zeros, costs, share, self.sink, self.window, choices=choices)
+        except ValueError as err:
+            raise ValueError(f"kv_modes={self.choice} with budget.target={share}: {err}; allowed: a larger "
+                             "budget.target (or smaller kv_modes.sink + kv_modes.window, a layer policy whose caps "
+                             "let more units go, kv_modes.removal=any)") from None
 
     def table(self, budget, dense: nn.Module) -> LayerCosts:
         """The budget's KV mode cost table for these window sizes."""
