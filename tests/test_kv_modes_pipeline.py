@@ -241,3 +241,44 @@ def test_measured_modes_are_measured_on_self_generated_calibration(tmp_path, lla
     dense = build_model(str(llama_dir), task="causal_lm", random_init=True, attn_implementation="sdpa", seed=0).eval()
     expected = _loss(dense, [{"input_ids": blocks[:1]}])
     assert res["rounds"][0]["budget"]["kv_modes"]["base_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_layer_granularity_windows_whole_layers():
+    """kv_modes.granularity=layer: each layer's options keep its units all full or all windowed, so
+    values that would window one unit of each layer (unit granularity) window whole layers instead,
+    within the same share."""
+    from headprune.costs.tables import kv_mode_costs
+    from headprune.selection.budgets import allocate_modes
+    from headprune.selection.kv_modes import mode_choices
+
+    model = _llama()
+    units = kv_group_heads(model)
+    costs = kv_mode_costs(model, 1, 32, SINK, WINDOW)
+    full = [[10.0, 1.0], [10.0, 1.0]]  # unit 1 of each layer cheap to window
+    windowed = [[1.0, 0.99], [1.0, 0.99]]
+    layouts = {}
+    for granularity in ("unit", "layer"):
+        choices, _ = mode_choices(costs, units, [4, 4], 0.7, "last", granularity)
+        if granularity == "layer":
+            assert all(0 in k for ks in choices for k in ks)
+        layouts[granularity], report = allocate_modes(full, windowed, costs, 0.7, SINK, WINDOW, choices=choices)
+        assert report["predicted_share"] <= 0.7
+    assert layouts["unit"].modes == (("full", "window"), ("full", "window"))
+    assert all(len(set(layer) - {"removed"}) == 1 for layer in layouts["layer"].modes)
+    assert "window" in {m for layer in layouts["layer"].modes for m in layer}
+
+
+def test_a_layer_granular_run_keeps_each_layer_all_full_or_all_windowed(tmp_path, llama_dir, data_dir):
+    res = run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "kv_modes=attention_mass", "kv_modes.granularity=layer",
+                                                     "budget.target=0.7")))
+    modes = res["final"]["kv_layout"]["modes"]
+    assert all(len(set(layer) - {"removed"}) == 1 for layer in modes) and "window" in str(modes)
+    assert res["rounds"][0]["budget"]["kv_modes"]["granularity"] == "layer"
+    assert res["final"]["cost_share"] <= 0.7
+
+
+def test_granularity_refused_outside_its_values():
+    with pytest.raises(ValueError, match=r"kv_modes.granularity='head' is not allowed; allowed: unit .*, layer"):
+        KVModes(choice="measured", granularity="head")
+    with pytest.raises(ValueError, match=r"kv_modes=none does not do; allowed: kv_modes.granularity=unit"):
+        KVModes(granularity="layer")

@@ -79,6 +79,7 @@ from headprune.tasks import CAUSAL_LM, Task, max_positions, task_for
 log = logging.getLogger(__name__)
 CHOICES = ("none", "measured", "attention_mass", "retrieval", "given")
 REMOVALS = ("any", "last")
+GRANULARITIES = ("unit", "layer")
 UNIT_VALUES = ("metric", "uniform")
 
 
@@ -92,7 +93,10 @@ class KVModes:
     unit score or 1 for every unit (the choice then reads only the share a window loses: the
     metric's scores on the calibration text rank the units that copy from far back low);
     `retrieval_blocks` (measured): synthetic retrieval blocks measured beside the calibration ones;
-    `layout` (given, and only there): the file or folder the layout is read from."""
+    `layout` (given, and only there): the file or folder the layout is read from;
+    `granularity`: unit (each unit full, windowed or removed on its own) or layer (a layer's kept
+    units are all full or all windowed: the per-layer sliding windows engines serve; the
+    knapsack chooses per layer, a windowed layer worth the sum of its units' windowed values)."""
 
     choice: str = "none"
     sink: int = 64
@@ -102,6 +106,7 @@ class KVModes:
     unit_value: str = "metric"
     retrieval_blocks: int = 0
     layout: Optional[str] = None
+    granularity: str = "unit"
 
     def __post_init__(self) -> None:
         if self.choice not in CHOICES:
@@ -113,6 +118,12 @@ class KVModes:
         if self.removal != "any" and not self.active:
             raise ValueError(f"kv_modes.removal={self.removal} chooses between windows and removal, which "
                              "kv_modes=none does not do; allowed: kv_modes.removal=any with kv_modes=none")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"kv_modes.granularity={self.granularity!r} is not allowed; allowed: unit (each unit's mode "
+                             "on its own), layer (a layer's kept units all full or all windowed)")
+        if self.granularity != "unit" and not self.active:
+            raise ValueError(f"kv_modes.granularity={self.granularity} sets how windows are chosen, which kv_modes=none "
+                             "does not do; allowed: kv_modes.granularity=unit with kv_modes=none")
         if self.unit_value not in UNIT_VALUES:
             raise ValueError(f"kv_modes.unit_value={self.unit_value!r} is not allowed; allowed: metric (the metric's "
                              "unit score), uniform (1 for every unit)")
@@ -155,7 +166,7 @@ class KVModes:
     def record(self) -> dict:
         return {"choice": self.choice, "sink": self.sink, "window": self.window, "samples": self.samples,
                 "removal": self.removal, "unit_value": self.unit_value, "retrieval_blocks": self.retrieval_blocks,
-                "layout": self.layout}
+                "layout": self.layout, "granularity": self.granularity}
 
     def check(self, schedule, layer_policy, recovery, budget, *, block_size: int | None, rearrange: bool,
               world_size: int = 1, resuming: bool = False, score_samples: int | None = None) -> None:
@@ -237,7 +248,7 @@ class KVModes:
         from headprune.selection.budgets import allocate_modes
 
         units = kv_group_heads(model)
-        choices, _ = mode_choices(costs, units, layer_policy.caps(alive), share, self.removal)
+        choices, _ = mode_choices(costs, units, layer_policy.caps(alive), share, self.removal, self.granularity)
         zeros = [[0.0] * len(units) for _ in costs.cost]
         try:
             allocate_modes(zeros, zeros, costs, share, self.sink, self.window, choices=choices)
@@ -298,7 +309,8 @@ class KVModes:
                 lost = [[max(m, r) for m, r in zip(ms, rs)] for ms, rs in zip(mass, retrieval)]
                 measured.update(retrieval=retrieval, retrieval_period=period)
             windowed = [[f * (1.0 - m) for f, m in zip(fs, ms)] for fs, ms in zip(full, lost)]
-        choices, windows_fit = mode_choices(costs, units, layer_policy.caps(mask.alive()), share, self.removal)
+        choices, windows_fit = mode_choices(costs, units, layer_policy.caps(mask.alive()), share, self.removal,
+                                            self.granularity)
         layout, report = allocate_modes(full, windowed, costs, share, self.sink, self.window, choices=choices)
         report["all_windowed_fits"] = windows_fit
         report["kv_modes"] = {**self.record(), "tokens": sum(int(b["input_ids"].numel()) for b in batches),
@@ -329,6 +341,11 @@ class KVModes:
         if cost - costs.fixed > cost_limit(costs, share) * (1 + 1e-9):
             raise ValueError(f"{where} keeps {cost / costs.dense:.4f} of the dense {costs.unit}, more than the budget's "
                              f"{share:.4f}; allowed: budget.target >= {cost / costs.dense:.4f}, or a smaller layout")
+        mixed = [l for l, (full, windowed) in enumerate(options) if full and windowed]
+        if self.granularity == "layer" and mixed:
+            raise ValueError(f"{where}: layer {mixed[0]} keeps {options[mixed[0]][0]} unit(s) full and "
+                             f"{options[mixed[0]][1]} windowed, which kv_modes.granularity=layer does not allow; "
+                             "allowed: kv_modes.granularity=unit, or a layout whose layers are all full or all windowed")
         group = len(kv_group_heads(model)[0])
         caps = layer_policy.caps(alive)  # alive (layers, heads): the heads still in the model
         for l, layer in enumerate(layout.modes):
@@ -386,13 +403,16 @@ def calibration_batches(loader, device, samples: int | None, max_batches: int | 
 
 
 def mode_choices(costs: LayerCosts, units: list[list[int]], caps: list[int], share: float,
-                 removal: str) -> tuple[list[list[tuple[int, int]]], bool]:
+                 removal: str, granularity: str = "unit") -> tuple[list[list[tuple[int, int]]], bool]:
     """(the options (units full, units windowed) each layer may take, whether every unit windowed
     fits `share`): a layer removes at most its policy cap's worth of units (`caps[l]` heads, a unit
-    being len(units[0]) of them); `removal="last"`, when every unit windowed fits, no unit removed."""
+    being len(units[0]) of them); `removal="last"`, when every unit windowed fits, no unit removed;
+    `granularity="layer"`: a layer's kept units all full or all windowed."""
     group = len(units[0])
     choices = [sorted(k for k in costs.cost[l] if len(units) - sum(k) <= caps[l] // group)
                for l in range(len(costs.cost))]
+    if granularity == "layer":
+        choices = [[k for k in ks if 0 in k] for ks in choices]
     windows_fit = all_windowed_fits(costs, len(units), share)
     if removal == "last" and windows_fit:
         choices = [[k for k in ks if sum(k) == len(units)] for ks in choices]

@@ -151,10 +151,11 @@ def probed_output(model: nn.Module, mask: HeadMask, inputs: BlockInputs, hidden:
 
 @torch.no_grad()
 def unit_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units: list[list[int]], sink: int,
-               window: int, modes: tuple[str, ...] = MODES) -> tuple[dict[str, list[list[float]]], float]:
+               window: int, modes: tuple[str, ...] = MODES, layers=None) -> tuple[dict[str, list[list[float]]], float]:
     """({mode: rise[l][u]}, base loss): per layer and unit, the mean next-token loss over
     `batches` (causal LM) with that unit alone in `mode` (removed / window), minus the loss with
-    every unit as `mask` has it (module docstring)."""
+    every unit as `mask` has it (module docstring). `layers`: the layers probed (None: every
+    one); the others' rises are NaN (a benchmark of part of the measurement)."""
     if getattr(model, KV_LAYOUT_ATTR, None) is not None:
         raise ValueError("kv_modes=measured measures a model without windows; this one has a KV layout attached")
     bad = [m for m in modes if m not in MODES]
@@ -170,6 +171,9 @@ def unit_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units: lis
             hidden = inputs.hidden  # (B, T, E) entering block 0, then each next block
             count += float((next_targets(batch) != -100).sum())
             for layer in range(n_layers):
+                if layers is not None and layer not in layers:
+                    hidden = run_block(model, layer, inputs, hidden)
+                    continue
                 began = time.perf_counter()
                 outputs = [probed_output(model, mask, inputs, hidden, layer, units[u], u, n_units, mode, sink, window)
                            for u, mode in probes]
@@ -181,4 +185,5 @@ def unit_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units: lis
             base_sum += tail_losses(model, inputs, batch, n_layers, [hidden])[0]
     count = max(count, 1.0)
     base = base_sum / count
-    return {mode: [[s / count - base for s in layer] for layer in per_layer] for mode, per_layer in sums.items()}, base
+    return {mode: [[s / count - base if layers is None or l in layers else float("nan") for s in layer]
+                   for l, layer in enumerate(per_layer)] for mode, per_layer in sums.items()}, base
