@@ -7,7 +7,8 @@ at the budget's seq) by the three-way knapsack (`selection.budgets.allocate_mode
 What a unit is worth, three ways:
 
 - `measured`: the calibration loss rise of the unit alone windowed, and of the unit alone removed,
-  every other unit full (`Probe`: the loss from layer l on, blocks before it carried), on the
+  every other unit full (`selection.unit_probes`: the loss from layer l on, blocks before it
+  carried, a layer's probes batched, the head in token chunks), on the
   first `samples` calibration blocks, which must be at least `budget.seq` tokens long (a window's
   cost shows only at long range). Full is worth the removal rise, windowed the removal rise
   minus the window rise, removed 0: the knapsack keeps the layout with the least summed rise.
@@ -41,6 +42,10 @@ What a unit is worth, three ways:
   before any work against the model's shape, the window sizes set here, the budget and the layer
   policy's caps. Why: a layout that took an hour to measure can be trained (KL steps) or evaluated
   again without measuring it again, and recoveries compared on one layout.
+
+`granularity=layer` keeps a layer's kept units all full or all windowed (the per-layer sliding
+windows engines serve): the knapsack's options per layer are filtered, and a windowed layer is
+worth the sum of its units' windowed values.
 
 The layer policy's caps bound the removed units per layer (windows are not removal); its
 `unit_scores` are what `attention_mass` reads. `removal=last` removes no unit when every unit
