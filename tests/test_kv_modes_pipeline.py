@@ -282,3 +282,30 @@ def test_granularity_refused_outside_its_values():
         KVModes(choice="measured", granularity="head")
     with pytest.raises(ValueError, match=r"kv_modes=none does not do; allowed: kv_modes.granularity=unit"):
         KVModes(granularity="layer")
+
+
+def test_a_recovery_declares_whether_it_may_follow_kv_modes():
+    """KVModes.check reads the recovery's capability (`Recovery.follows_kv_modes`), not its class: a
+    new recovery saying it keeps the windows is accepted, the same recovery saying nothing refused;
+    none and distill with steps are accepted, distill without steps refused."""
+    from headprune.recovery import Distill, NoRecovery
+    from headprune.recovery.base import Recovery
+    from headprune.selection.budgets import KVBudget
+    from headprune.selection.layer_policies import GlobalPolicy
+    from headprune.selection.schedules import OneShot
+
+    class Quiet(Recovery):  # a toy recovery of its own, declaring nothing
+        pass
+
+    class WindowAware(Recovery):
+        def follows_kv_modes(self) -> bool:
+            return True
+
+    kv = KVModes(choice="attention_mass", sink=SINK, window=WINDOW)
+    settings = (OneShot(target_sparsity=0.5, baseline_epochs=0, epochs_per_round=0), GlobalPolicy())
+    budget = KVBudget(target=0.5, seq=32)
+    for recovery in (WindowAware(), NoRecovery(), Distill(steps=4)):
+        kv.check(*settings, recovery, budget, block_size=32, rearrange=False)
+    for recovery in (Quiet(), Distill(steps=0)):
+        with pytest.raises(ValueError, match=r"applies no repair after the modes are chosen"):
+            kv.check(*settings, recovery, budget, block_size=32, rearrange=False)

@@ -78,7 +78,6 @@ from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import FULL, KERNELS, KV_LAYOUT_ATTR, REMOVED, WINDOW, KVLayout, KVWindows, window_allowed
 from headprune.selection.measured import first_sequences
-from headprune.recovery.none import NoRecovery
 from headprune.tasks import CAUSAL_LM, Task, max_positions, task_for
 
 log = logging.getLogger(__name__)
@@ -195,8 +194,8 @@ class KVModes:
             raise ValueError(f"{name} chooses the modes once, in one round without epochs; got {schedule.num_rounds} "
                              f"round(s) and {schedule.total_epochs()} epoch(s); allowed: schedule=one_shot with "
                              "baseline_epochs=0, epochs_per_round=0 and recover_epochs=0 (train with recovery.steps)")
-        steps = trains_steps(recovery)
-        if not isinstance(recovery, NoRecovery) and not steps:
+        steps = recovery.trains_steps()
+        if not recovery.follows_kv_modes():
             raise ValueError(f"{name} applies no repair after the modes are chosen (a reconstruction would have to "
                              f"see the windows); got recovery={type(recovery).__name__}"
                              f"{' with recovery.steps=0' if hasattr(recovery, 'steps') else ''}; allowed: recovery=none, "
@@ -389,14 +388,6 @@ def read_kv_layout(path: str) -> KVLayout:
                              "one that did not finish)")
         data = data["final"]["kv_layout"]
     return KVLayout.from_json(data, where=str(file))
-
-
-def trains_steps(recovery) -> bool:
-    """Whether `recovery` trains a step budget after the round (`recovery=distill|lora` with
-    `steps > 0`): what a KV-mode run may do after choosing, with the windows on."""
-    from headprune.recovery.distill import Distilling
-
-    return isinstance(recovery, Distilling) and recovery.steps > 0
 
 
 def calibration_batches(loader, device, samples: int | None, max_batches: int | None) -> list[dict]:
