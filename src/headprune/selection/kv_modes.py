@@ -248,14 +248,14 @@ class KVModes:
     def check_fits(self, model: nn.Module, alive: torch.Tensor, costs: LayerCosts, share: float,
                    layer_policy) -> None:
         """Refuse, before any work, a budget `share` that no layout the choice may take fits (the
-        knapsack on zero values: its cheapest layout within the layer policy's caps and `removal`)."""
+        knapsack with every kept unit worth 1, within the layer policy's caps and `removal`)."""
         from headprune.selection.budgets import allocate_modes
 
         units = kv_group_heads(model)
         choices, _ = mode_choices(costs, units, layer_policy.caps(alive), share, self.removal, self.granularity)
-        zeros = [[0.0] * len(units) for _ in costs.cost]
+        ones = [[1.0] * len(units) for _ in costs.cost]  # every unit kept worth the same: a layout keeping any fits
         try:
-            allocate_modes(zeros, zeros, costs, share, self.sink, self.window, choices=choices)
+            allocate_modes(ones, ones, costs, share, self.sink, self.window, choices=choices)
         except ValueError as err:
             raise ValueError(f"kv_modes={self.choice} with budget.target={share}: {err}; allowed: a larger "
                              "budget.target (or smaller kv_modes.sink + kv_modes.window, a layer policy whose caps "
