@@ -94,6 +94,10 @@ def _refusals(tmp_path):
          r"keeps 1.0000 of the dense bytes, more than the budget's 0.5000"),
         (["kv_modes=given", f"kv_modes.layout={_modes_file(tmp_path / 'm4.json')}", "layer_policy.min_heads_per_layer=4"],
          r"removes 1 unit\(s\) of layer 1; the layer policy lets it lose at most 0"),
+        (["kv_modes=given", f"kv_modes.layout={_modes_file(tmp_path / 'm7.json')}", "kv_modes.granularity=layer"],
+         r"m7.json: layer 0 keeps 1 unit\(s\) full and 1 windowed, which kv_modes.granularity=layer does not allow"),
+        (["kv_modes=given", f"kv_modes.layout={_modes_file(tmp_path / 'm6.json')}", "budget.seq=100000"],
+         r"budget.seq=100000 tokens, beyond the model's 256 positions; allowed: budget.seq <= 256"),
         (["kv_modes=given", f"kv_modes.layout={_modes_file(tmp_path / 'm5.json')}", "kv_modes.samples=1"],
          r"kv_modes.samples=1 .* allowed: kv_modes.samples=null"),
     ]

@@ -140,3 +140,24 @@ def test_a_killed_kl_run_resumes_with_its_windows_to_the_uninterrupted_weights(t
     assert resumed["final"]["val"] == whole["final"]["val"]
     saved = json.loads((killed / "export" / "headprune_kv_modes.json").read_text())
     assert KVLayout.from_json(saved) == KVLayout.from_json(whole["final"]["kv_layout"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change,setting", [
+    (["kv_modes.window=10"], "kv_modes.window"),
+    (["kv_modes=retrieval"], "kv_modes.choice"),
+    (["kv_modes=none"], "kv_modes.choice"),
+])
+def test_a_resume_with_changed_kv_modes_is_refused_naming_the_setting(change, setting, tmp_path, llama_dir, data_dir):
+    """The checkpoint carries the layout its settings chose; a resume under other kv_modes settings
+    (another window, another choice, or none at all) would record settings the trained model does
+    not have (or fail after training, kv_modes=none): refused before anything is written."""
+    overrides = _cli(llama_dir, *KL, "recovery.checkpoint_every=2")
+    run(compose_train(tmp_path, data_dir, *overrides))
+    ckpt = tmp_path / "recovery" / "last.ckpt"
+    assert ckpt.is_file()
+    written = {p: p.stat().st_mtime_ns for p in (tmp_path / "results.json", ckpt, tmp_path / ".hydra" / "config.yaml")
+               if p.exists()}
+    with pytest.raises(ValueError, match=rf"other settings than this resume: .*{setting}"):
+        run(compose_train(tmp_path, data_dir, *overrides, *change, f"ckpt_path={ckpt}"))
+    assert {p: p.stat().st_mtime_ns for p in written} == written

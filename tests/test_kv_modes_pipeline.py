@@ -43,25 +43,70 @@ def _loss(model, batches) -> float:
         return sum(float(model(**b, labels=b["input_ids"]).loss) for b in batches) / len(batches)
 
 
-def test_measured_rises_are_the_loss_of_each_unit_alone_windowed_or_removed():
-    """Each rise equals the mean loss with that one unit windowed (KVWindows) or masked, minus the
-    plain model's, computed here by whole forwards (the measurement carries blocks instead)."""
-    model = _llama()
+def _reference_rises(model, mask, batches, units):
+    """The straightforward measurement: for every unit and mode, one whole-model forward per batch
+    with that unit alone windowed (KVWindows) or masked, the per-token mean next-token loss
+    (labels -100 unscored) minus the plain model's."""
+    def loss() -> float:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for b in batches:
+                logits = model(input_ids=b["input_ids"]).logits[:, :-1]
+                targets = b.get("labels", b["input_ids"])[:, 1:]
+                total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                                 ignore_index=-100, reduction="sum"))
+                count += int((targets != -100).sum())
+        return total / count
+
+    base = loss()
+    n_layers = mask.num_layers
+    removed = [[0.0] * len(units) for _ in range(n_layers)]
+    windowed = [[0.0] * len(units) for _ in range(n_layers)]
+    for layer in range(n_layers):
+        for unit, heads in enumerate(units):
+            modes = [["full"] * len(units) for _ in range(n_layers)]
+            modes[layer][unit] = "window"
+            windows = KVWindows(KVLayout(tuple(map(tuple, modes)), SINK, WINDOW)).attach(model)
+            windowed[layer][unit] = loss() - base
+            windows.detach()
+            trial = mask.mask.clone()
+            trial[layer, heads] = 0.0
+            with mask.override(trial):
+                removed[layer][unit] = loss() - base
+    return removed, windowed, base
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_measured_rises_equal_whole_model_probes_and_choose_the_same_layout(attn, monkeypatch):
+    """The fast measurement (blocks before the unit carried, a layer's probes stacked as rows, the
+    head in token chunks, chunks without a scored target skipped) gives every unit's removal and
+    window rise of the whole-model reference to float rounding, on blocks of two rows and on a
+    block whose first tokens are unscored, with probes split over several calls; the knapsack
+    then chooses the same layout from both."""
+    from headprune.costs.tables import kv_mode_costs
+    from headprune.selection import unit_probes
+    from headprune.selection.budgets import allocate_modes
+
+    monkeypatch.setattr(unit_probes, "HEAD_TOKENS", 7)  # several head chunks, one of them unscored
+    monkeypatch.setattr(unit_probes, "PROBE_TOKENS", 3 * 2 * 24)  # 3 probes of a (2, 24) block per call
+    model = llama(seed=0, attn=attn, vocab_size=64, max_position_embeddings=256, num_hidden_layers=3)
     mask = HeadMask.for_model(model)
-    batches = _batches()
-    removed, windowed, base = measured_rises(model, mask, batches, kv_group_heads(model), SINK, WINDOW)
-    assert base == pytest.approx(_loss(model, batches), rel=1e-5)
-    for layer, unit in ((0, 1), (1, 0)):
-        modes = [["full", "full"], ["full", "full"]]
-        modes[layer][unit] = "window"
-        windows = KVWindows(KVLayout(tuple(map(tuple, modes)), SINK, WINDOW)).attach(model)
-        assert windowed[layer][unit] == pytest.approx(_loss(model, batches) - base, rel=1e-4, abs=1e-6)
-        windows.detach()
-        trial = mask.mask.clone()
-        trial[layer, kv_group_heads(model)[unit]] = 0.0
-        with mask.override(trial):
-            assert removed[layer][unit] == pytest.approx(_loss(model, batches) - base, rel=1e-4, abs=1e-6)
+    units = kv_group_heads(model)
+    rows = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(5))
+    scored_late = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(6))
+    labels = scored_late.clone()
+    labels[:, :9] = -100
+    batches = [{"input_ids": rows}, {"input_ids": scored_late, "labels": labels}]
+    removed, windowed, base = measured_rises(model, mask, batches, units, SINK, WINDOW)
+    ref_removed, ref_windowed, ref_base = _reference_rises(model, mask, batches, units)
+    assert base == pytest.approx(ref_base, abs=1e-5)
+    for fast, ref in ((removed, ref_removed), (windowed, ref_windowed)):
+        assert torch.allclose(torch.tensor(fast), torch.tensor(ref), atol=1e-5, rtol=0), (fast, ref)
     assert all(w != 0.0 for layer in windowed for w in layer)  # 24 tokens > 2 + 6: every window bites
+    costs = kv_mode_costs(model, 1, 64, SINK, WINDOW)
+    layouts = [allocate_modes(r, [[a - b for a, b in zip(rs, ws)] for rs, ws in zip(r, w)], costs, 0.5, SINK, WINDOW)[0]
+               for r, w in ((removed, windowed), (ref_removed, ref_windowed))]
+    assert layouts[0] == layouts[1]
 
 
 def test_attention_mass_is_the_probability_outside_sinks_and_window():
@@ -135,11 +180,14 @@ def test_a_run_chooses_applies_and_exports_the_kv_modes(choice, tmp_path, llama_
     (["pruning.rearrange=true"], r"allowed: pruning.rearrange=false"),
     (["kv_modes.choice=streaming"], r"kv_modes.choice='streaming' is not allowed; allowed: none, measured"),
     (["model.attn_implementation=flash_attention_2"], r"allowed: eager, sdpa"),
+    (["kv_modes.samples=100"], r"kv_modes.samples=100 calibration blocks .* data.score_samples=2 gives only 2"),
+    (["kv_modes=attention_mass", "budget.target=0.01"], r"budget.target=0.01: only a layout without any unit fits 0.0100 .*allowed: a larger budget.target"),
+    (["kv_modes=measured_retrieval", "budget.target=0.01"], r"budget.target=0.01: only a layout without any unit"),
 ])
 def test_settings_kv_modes_cannot_honour_are_refused_before_any_work(override, pattern, tmp_path, llama_dir, data_dir):
     with pytest.raises(ValueError, match=pattern):
         run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "kv_modes=measured", *override)))
-    assert not (tmp_path / "results.json").exists()
+    assert not (tmp_path / "results.json").exists() and not (tmp_path / ".hydra").exists()
 
 
 def test_the_experiment_preset_composes():
@@ -193,3 +241,71 @@ def test_measured_modes_are_measured_on_self_generated_calibration(tmp_path, lla
     dense = build_model(str(llama_dir), task="causal_lm", random_init=True, attn_implementation="sdpa", seed=0).eval()
     expected = _loss(dense, [{"input_ids": blocks[:1]}])
     assert res["rounds"][0]["budget"]["kv_modes"]["base_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_layer_granularity_windows_whole_layers():
+    """kv_modes.granularity=layer: each layer's options keep its units all full or all windowed, so
+    values that would window one unit of each layer (unit granularity) window whole layers instead,
+    within the same share."""
+    from headprune.costs.tables import kv_mode_costs
+    from headprune.selection.budgets import allocate_modes
+    from headprune.selection.kv_modes import mode_choices
+
+    model = _llama()
+    units = kv_group_heads(model)
+    costs = kv_mode_costs(model, 1, 32, SINK, WINDOW)
+    full = [[10.0, 1.0], [10.0, 1.0]]  # unit 1 of each layer cheap to window
+    windowed = [[1.0, 0.99], [1.0, 0.99]]
+    layouts = {}
+    for granularity in ("unit", "layer"):
+        choices, _ = mode_choices(costs, units, [4, 4], 0.7, "last", granularity)
+        if granularity == "layer":
+            assert all(0 in k for ks in choices for k in ks)
+        layouts[granularity], report = allocate_modes(full, windowed, costs, 0.7, SINK, WINDOW, choices=choices)
+        assert report["predicted_share"] <= 0.7
+    assert layouts["unit"].modes == (("full", "window"), ("full", "window"))
+    assert all(len(set(layer) - {"removed"}) == 1 for layer in layouts["layer"].modes)
+    assert "window" in {m for layer in layouts["layer"].modes for m in layer}
+
+
+def test_a_layer_granular_run_keeps_each_layer_all_full_or_all_windowed(tmp_path, llama_dir, data_dir):
+    res = run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "kv_modes=attention_mass", "kv_modes.granularity=layer",
+                                                     "budget.target=0.7")))
+    modes = res["final"]["kv_layout"]["modes"]
+    assert all(len(set(layer) - {"removed"}) == 1 for layer in modes) and "window" in str(modes)
+    assert res["rounds"][0]["budget"]["kv_modes"]["granularity"] == "layer"
+    assert res["final"]["cost_share"] <= 0.7
+
+
+def test_granularity_refused_outside_its_values():
+    with pytest.raises(ValueError, match=r"kv_modes.granularity='head' is not allowed; allowed: unit .*, layer"):
+        KVModes(choice="measured", granularity="head")
+    with pytest.raises(ValueError, match=r"kv_modes=none does not do; allowed: kv_modes.granularity=unit"):
+        KVModes(granularity="layer")
+
+
+def test_a_recovery_declares_whether_it_may_follow_kv_modes():
+    """KVModes.check reads the recovery's capability (`Recovery.follows_kv_modes`), not its class: a
+    new recovery saying it keeps the windows is accepted, the same recovery saying nothing refused;
+    none and distill with steps are accepted, distill without steps refused."""
+    from headprune.recovery import Distill, NoRecovery
+    from headprune.recovery.base import Recovery
+    from headprune.selection.budgets import KVBudget
+    from headprune.selection.layer_policies import GlobalPolicy
+    from headprune.selection.schedules import OneShot
+
+    class Quiet(Recovery):  # a toy recovery of its own, declaring nothing
+        pass
+
+    class WindowAware(Recovery):
+        def follows_kv_modes(self) -> bool:
+            return True
+
+    kv = KVModes(choice="attention_mass", sink=SINK, window=WINDOW)
+    settings = (OneShot(target_sparsity=0.5, baseline_epochs=0, epochs_per_round=0), GlobalPolicy())
+    budget = KVBudget(target=0.5, seq=32)
+    for recovery in (WindowAware(), NoRecovery(), Distill(steps=4)):
+        kv.check(*settings, recovery, budget, block_size=32, rearrange=False)
+    for recovery in (Quiet(), Distill(steps=0)):
+        with pytest.raises(ValueError, match=r"applies no repair after the modes are chosen"):
+            kv.check(*settings, recovery, budget, block_size=32, rearrange=False)

@@ -33,6 +33,8 @@
 #                                                      blocks the dense model sampled itself (data.calibration=self)
 #   retrieval_uniform_self, measured_self              their choice on a self-generated calibration block (data.calibration=self)
 #   removal                                            kv_modes=none: the budget's own knapsack removes KV groups
+#   layer, layer_85, layer_sink0                       measured_retrieval_last with kv_modes.granularity=layer (whole layers
+#                                                      windowed) at 2/3 and 85%, and without sinks (window 512); not run yet
 #   removal_refit                                      kv_modes=none, attention_drop + refit (2 calibration blocks)
 # One arm (the dense model evaluated too with true):
 #   bash experiments/llm_kv_modes/run.sh one <arm> [true|false]

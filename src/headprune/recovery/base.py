@@ -84,6 +84,17 @@ class Recovery:
         took what it needs from it then, e.g. a cached teacher, lets the run free it)."""
         return self.needs_dense
 
+    def trains_steps(self) -> bool:
+        """Whether it trains a step budget right after the round (`recovery=distill|lora` with
+        `steps > 0`), which writes a resumable checkpoint in a run without epochs."""
+        return False
+
+    def follows_kv_modes(self) -> bool:
+        """Whether it may follow a KV-mode choice (`kv_modes=`): it changes nothing, or it trains
+        the model with the layout's windows attached. A repair that solves against the dense
+        model would have to see the windows in its targets: False (the default)."""
+        return False
+
     def check(self, schedule) -> None:
         pass
 

@@ -71,6 +71,12 @@ class Distilling(Recovery):
     (`teacher_cache.py`), instead of running the teacher at every step; the run still keeps its
     frozen unpruned copy while a repair stage or the budget needs it."""
 
+    def trains_steps(self) -> bool:
+        return self.steps > 0
+
+    def follows_kv_modes(self) -> bool:
+        return self.steps > 0  # the steps train the windowed model (its windows attached before them)
+
     alpha: float = 0.9
     temperature: float = 2.0
     hidden_weight: float = 0.0

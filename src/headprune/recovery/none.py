@@ -10,6 +10,9 @@ from headprune.recovery.base import Recovery, trains_after_pruning
 class NoRecovery(Recovery):
     """Prune and stop (the schedule must have no epochs after pruning)."""
 
+    def follows_kv_modes(self) -> bool:
+        return True  # nothing changes after the choice
+
     def check(self, schedule) -> None:
         if trains_after_pruning(schedule):
             raise ValueError(f"recovery=none trains nothing after pruning, but schedule.epochs_per_round="

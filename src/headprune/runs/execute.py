@@ -44,7 +44,8 @@ def run(spec: RunSpec, record: Record | None = None) -> dict:
         runtime = Runtime.of(spec.trainer.settings)  # a GPU, device count or precision this machine lacks: refused here
         spec.kv_modes.check(spec.schedule, spec.layer_policy, spec.recovery, spec.budget,
                             block_size=spec.data.block_size, rearrange=spec.pruning.rearrange,
-                            world_size=runtime.world_size, resuming=bool(ckpt_path))
+                            world_size=runtime.world_size, resuming=bool(ckpt_path),
+                            score_samples=getattr(spec.data, "score_samples", None))
         spec.evaluation.check(spec.task)
         run_dir.refuse_to_overwrite(output_dir, resuming=bool(ckpt_path), overwrite=spec.output.overwrite)
         if ckpt_path:

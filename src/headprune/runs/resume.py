@@ -22,7 +22,7 @@ from headprune.results import flatten
 log = logging.getLogger(__name__)
 
 # the config keys that define an experiment; a resume must not change any of them
-DEFINING = ("model", "data", "metric", "schedule", "layer_policy", "budget", "recovery", "pruning", "seed")
+DEFINING = ("model", "data", "metric", "schedule", "layer_policy", "budget", "recovery", "pruning", "kv_modes", "seed")
 # within those, what may change between the two parts of a run (where files are, how fast it loads,
 # where the dense copy and the pruned model's blocks live, whether training recomputes activations)
 FREE = ("data.data_dir", "data.num_workers", "budget.cache_dir", "pruning.dense_device", "pruning.model_device",
@@ -59,6 +59,9 @@ def check_resume(config: Mapping, ckpt_path: str, output_dir: Path, epochs: int,
     saved = checkpoint[RUN_STATE]["pruner"].get("config") if in_recovery else _saved_config(checkpoint, output_dir)
     if saved is not None:
         now, before = experiment(dict(config)), experiment(saved)
+        if "kv_modes" not in saved:  # a checkpoint from before kv_modes existed: it ran without them
+            now = {k: v for k, v in now.items() if not k.startswith("kv_modes.") or k == "kv_modes.choice"}
+            before.setdefault("kv_modes.choice", "none")
         differ = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
         if differ:
             shown = ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in differ[:8])

@@ -7,7 +7,8 @@ at the budget's seq) by the three-way knapsack (`selection.budgets.allocate_mode
 What a unit is worth, three ways:
 
 - `measured`: the calibration loss rise of the unit alone windowed, and of the unit alone removed,
-  every other unit full (`Probe`: the loss from layer l on, blocks before it carried), on the
+  every other unit full (`selection.unit_probes`: the loss from layer l on, blocks before it
+  carried, a layer's probes batched, the head in token chunks), on the
   first `samples` calibration blocks, which must be at least `budget.seq` tokens long (a window's
   cost shows only at long range). Full is worth the removal rise, windowed the removal rise
   minus the window rise, removed 0: the knapsack keeps the layout with the least summed rise.
@@ -42,6 +43,10 @@ What a unit is worth, three ways:
   policy's caps. Why: a layout that took an hour to measure can be trained (KL steps) or evaluated
   again without measuring it again, and recoveries compared on one layout.
 
+`granularity=layer` keeps a layer's kept units all full or all windowed (the per-layer sliding
+windows engines serve): the knapsack's options per layer are filtered, and a windowed layer is
+worth the sum of its units' windowed values.
+
 The layer policy's caps bound the removed units per layer (windows are not removal); its
 `unit_scores` are what `attention_mass` reads. `removal=last` removes no unit when every unit
 windowed fits the budget (the knapsack then chooses only between full and windowed): the two
@@ -73,12 +78,12 @@ from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import FULL, KERNELS, KV_LAYOUT_ATTR, REMOVED, WINDOW, KVLayout, KVWindows, window_allowed
 from headprune.selection.measured import first_sequences
-from headprune.recovery.none import NoRecovery
-from headprune.tasks import CAUSAL_LM, Task, task_for
+from headprune.tasks import CAUSAL_LM, Task, max_positions, task_for
 
 log = logging.getLogger(__name__)
 CHOICES = ("none", "measured", "attention_mass", "retrieval", "given")
 REMOVALS = ("any", "last")
+GRANULARITIES = ("unit", "layer")
 UNIT_VALUES = ("metric", "uniform")
 
 
@@ -92,7 +97,10 @@ class KVModes:
     unit score or 1 for every unit (the choice then reads only the share a window loses: the
     metric's scores on the calibration text rank the units that copy from far back low);
     `retrieval_blocks` (measured): synthetic retrieval blocks measured beside the calibration ones;
-    `layout` (given, and only there): the file or folder the layout is read from."""
+    `layout` (given, and only there): the file or folder the layout is read from;
+    `granularity`: unit (each unit full, windowed or removed on its own) or layer (a layer's kept
+    units are all full or all windowed: the per-layer sliding windows engines serve; the
+    knapsack chooses per layer, a windowed layer worth the sum of its units' windowed values)."""
 
     choice: str = "none"
     sink: int = 64
@@ -102,6 +110,7 @@ class KVModes:
     unit_value: str = "metric"
     retrieval_blocks: int = 0
     layout: Optional[str] = None
+    granularity: str = "unit"
 
     def __post_init__(self) -> None:
         if self.choice not in CHOICES:
@@ -113,6 +122,12 @@ class KVModes:
         if self.removal != "any" and not self.active:
             raise ValueError(f"kv_modes.removal={self.removal} chooses between windows and removal, which "
                              "kv_modes=none does not do; allowed: kv_modes.removal=any with kv_modes=none")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"kv_modes.granularity={self.granularity!r} is not allowed; allowed: unit (each unit's mode "
+                             "on its own), layer (a layer's kept units all full or all windowed)")
+        if self.granularity != "unit" and not self.active:
+            raise ValueError(f"kv_modes.granularity={self.granularity} sets how windows are chosen, which kv_modes=none "
+                             "does not do; allowed: kv_modes.granularity=unit with kv_modes=none")
         if self.unit_value not in UNIT_VALUES:
             raise ValueError(f"kv_modes.unit_value={self.unit_value!r} is not allowed; allowed: metric (the metric's "
                              "unit score), uniform (1 for every unit)")
@@ -155,14 +170,19 @@ class KVModes:
     def record(self) -> dict:
         return {"choice": self.choice, "sink": self.sink, "window": self.window, "samples": self.samples,
                 "removal": self.removal, "unit_value": self.unit_value, "retrieval_blocks": self.retrieval_blocks,
-                "layout": self.layout}
+                "layout": self.layout, "granularity": self.granularity}
 
     def check(self, schedule, layer_policy, recovery, budget, *, block_size: int | None, rearrange: bool,
-              world_size: int = 1, resuming: bool = False) -> None:
-        """Refuse, before any work, settings a run with kv modes cannot honour."""
+              world_size: int = 1, resuming: bool = False, score_samples: int | None = None) -> None:
+        """Refuse, before any work, settings a run with kv modes cannot honour (`score_samples`:
+        the calibration blocks the data gives, None when unknown)."""
         if not self.active:
             return
         name = f"kv_modes={self.choice}"
+        if self.samples is not None and score_samples is not None and self.samples > score_samples:
+            raise ValueError(f"{name}: kv_modes.samples={self.samples} calibration blocks to measure on, but "
+                             f"data.score_samples={score_samples} gives only {score_samples}; allowed: kv_modes.samples "
+                             f"<= {score_samples}, kv_modes.samples=null (every one), or a larger data.score_samples")
         if not hasattr(budget, "mode_table"):
             raise ValueError(f"{name} chooses full / windowed / removed KV units under a cost budget with a KV mode "
                              f"table, which budget={budget.kind} has not; allowed: budget=kv or flops")
@@ -174,8 +194,8 @@ class KVModes:
             raise ValueError(f"{name} chooses the modes once, in one round without epochs; got {schedule.num_rounds} "
                              f"round(s) and {schedule.total_epochs()} epoch(s); allowed: schedule=one_shot with "
                              "baseline_epochs=0, epochs_per_round=0 and recover_epochs=0 (train with recovery.steps)")
-        steps = trains_steps(recovery)
-        if not isinstance(recovery, NoRecovery) and not steps:
+        steps = recovery.trains_steps()
+        if not recovery.follows_kv_modes():
             raise ValueError(f"{name} applies no repair after the modes are chosen (a reconstruction would have to "
                              f"see the windows); got recovery={type(recovery).__name__}"
                              f"{' with recovery.steps=0' if hasattr(recovery, 'steps') else ''}; allowed: recovery=none, "
@@ -212,9 +232,34 @@ class KVModes:
         if kernel not in KERNELS:
             raise ValueError(f"kv_modes={self.choice}: windowed units need a per-head mask, which "
                              f"model.attn_implementation={kernel} does not take; allowed: {', '.join(KERNELS)}")
-        if self.choice == "given" and budget is not None and layer_policy is not None:
-            alive = torch.ones(model_shape(model), dtype=torch.bool)
-            self.given(model, alive, self.table(budget, model), budget.target, layer_policy)
+        positions = max_positions(model.config)
+        if budget is not None and positions is not None and budget.seq > positions:
+            raise ValueError(f"kv_modes={self.choice} prices the KV cache at budget.seq={budget.seq} tokens, beyond the "
+                             f"model's {positions} positions; allowed: budget.seq <= {positions}")
+        if budget is None or layer_policy is None:
+            return
+        alive = torch.ones(model_shape(model), dtype=torch.bool)
+        costs = self.table(budget, model)
+        if self.choice == "given":
+            self.given(model, alive, costs, budget.target, layer_policy)
+            return
+        self.check_fits(model, alive, costs, budget.target, layer_policy)
+
+    def check_fits(self, model: nn.Module, alive: torch.Tensor, costs: LayerCosts, share: float,
+                   layer_policy) -> None:
+        """Refuse, before any work, a budget `share` that no layout the choice may take fits (the
+        knapsack with every kept unit worth 1, within the layer policy's caps and `removal`)."""
+        from headprune.selection.budgets import allocate_modes
+
+        units = kv_group_heads(model)
+        choices, _ = mode_choices(costs, units, layer_policy.caps(alive), share, self.removal, self.granularity)
+        ones = [[1.0] * len(units) for _ in costs.cost]  # every unit kept worth the same: a layout keeping any fits
+        try:
+            allocate_modes(ones, ones, costs, share, self.sink, self.window, choices=choices)
+        except ValueError as err:
+            raise ValueError(f"kv_modes={self.choice} with budget.target={share}: {err}; allowed: a larger "
+                             "budget.target (or smaller kv_modes.sink + kv_modes.window, a layer policy whose caps "
+                             "let more units go, kv_modes.removal=any)") from None
 
     def table(self, budget, dense: nn.Module) -> LayerCosts:
         """The budget's KV mode cost table for these window sizes."""
@@ -268,7 +313,8 @@ class KVModes:
                 lost = [[max(m, r) for m, r in zip(ms, rs)] for ms, rs in zip(mass, retrieval)]
                 measured.update(retrieval=retrieval, retrieval_period=period)
             windowed = [[f * (1.0 - m) for f, m in zip(fs, ms)] for fs, ms in zip(full, lost)]
-        choices, windows_fit = mode_choices(costs, units, layer_policy.caps(mask.alive()), share, self.removal)
+        choices, windows_fit = mode_choices(costs, units, layer_policy.caps(mask.alive()), share, self.removal,
+                                            self.granularity)
         layout, report = allocate_modes(full, windowed, costs, share, self.sink, self.window, choices=choices)
         report["all_windowed_fits"] = windows_fit
         report["kv_modes"] = {**self.record(), "tokens": sum(int(b["input_ids"].numel()) for b in batches),
@@ -299,6 +345,11 @@ class KVModes:
         if cost - costs.fixed > cost_limit(costs, share) * (1 + 1e-9):
             raise ValueError(f"{where} keeps {cost / costs.dense:.4f} of the dense {costs.unit}, more than the budget's "
                              f"{share:.4f}; allowed: budget.target >= {cost / costs.dense:.4f}, or a smaller layout")
+        mixed = [l for l, (full, windowed) in enumerate(options) if full and windowed]
+        if self.granularity == "layer" and mixed:
+            raise ValueError(f"{where}: layer {mixed[0]} keeps {options[mixed[0]][0]} unit(s) full and "
+                             f"{options[mixed[0]][1]} windowed, which kv_modes.granularity=layer does not allow; "
+                             "allowed: kv_modes.granularity=unit, or a layout whose layers are all full or all windowed")
         group = len(kv_group_heads(model)[0])
         caps = layer_policy.caps(alive)  # alive (layers, heads): the heads still in the model
         for l, layer in enumerate(layout.modes):
@@ -339,14 +390,6 @@ def read_kv_layout(path: str) -> KVLayout:
     return KVLayout.from_json(data, where=str(file))
 
 
-def trains_steps(recovery) -> bool:
-    """Whether `recovery` trains a step budget after the round (`recovery=distill|lora` with
-    `steps > 0`): what a KV-mode run may do after choosing, with the windows on."""
-    from headprune.recovery.distill import Distilling
-
-    return isinstance(recovery, Distilling) and recovery.steps > 0
-
-
 def calibration_batches(loader, device, samples: int | None, max_batches: int | None) -> list[dict]:
     """The first `samples` calibration sequences of `loader`, on `device`."""
     batches = first_sequences(loader, device, samples, max_batches)
@@ -356,13 +399,16 @@ def calibration_batches(loader, device, samples: int | None, max_batches: int | 
 
 
 def mode_choices(costs: LayerCosts, units: list[list[int]], caps: list[int], share: float,
-                 removal: str) -> tuple[list[list[tuple[int, int]]], bool]:
+                 removal: str, granularity: str = "unit") -> tuple[list[list[tuple[int, int]]], bool]:
     """(the options (units full, units windowed) each layer may take, whether every unit windowed
     fits `share`): a layer removes at most its policy cap's worth of units (`caps[l]` heads, a unit
-    being len(units[0]) of them); `removal="last"`, when every unit windowed fits, no unit removed."""
+    being len(units[0]) of them); `removal="last"`, when every unit windowed fits, no unit removed;
+    `granularity="layer"`: a layer's kept units all full or all windowed."""
     group = len(units[0])
     choices = [sorted(k for k in costs.cost[l] if len(units) - sum(k) <= caps[l] // group)
                for l in range(len(costs.cost))]
+    if granularity == "layer":
+        choices = [[k for k in ks if 0 in k] for ks in choices]
     windows_fit = all_windowed_fits(costs, len(units), share)
     if removal == "last" and windows_fit:
         choices = [[k for k in ks if sum(k) == len(units)] for ks in choices]
@@ -384,46 +430,19 @@ def unit_values(scores: torch.Tensor, units: list[list[int]]) -> list[list[float
     return [[float(shifted[l, heads].sum()) for heads in units] for l in range(scores.shape[0])]
 
 
-def single_unit(n_layers: int, n_units: int, layer: int, unit: int, sink: int, window: int) -> KVLayout:
-    """Every unit full but unit `unit` of layer `layer`, windowed."""
-    modes = [[FULL] * n_units for _ in range(n_layers)]
-    modes[layer][unit] = WINDOW
-    return KVLayout(tuple(tuple(m) for m in modes), sink, window)
-
-
 @torch.no_grad()
 def measured_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units: list[list[int]], sink: int,
                    window: int, task: Task = CAUSAL_LM) -> tuple[list[list[float]], list[list[float]], float]:
-    """(removal rise, window rise, base loss): per layer and unit, the calibration loss (`task`'s)
-    of the model with that unit alone removed / windowed, minus the loss with every unit as `mask`
-    has it."""
-    from headprune.recovery.blockwise import capture
-    from headprune.selection.measured import Probe
+    """(removal rise, window rise, base loss): per layer and unit, the calibration loss (next-token,
+    a causal LM's) of the model with that unit alone removed / windowed, minus the loss with every
+    unit as `mask` has it (`selection.unit_probes`: blocks before the unit carried, a layer's probes
+    batched, the head in chunks)."""
+    from headprune.selection.unit_probes import unit_rises
 
-    if getattr(model, KV_LAYOUT_ATTR, None) is not None:
-        raise ValueError("kv_modes=measured measures a model without windows; this one has a KV layout attached")
-    probe = Probe(model, mask, batches, [capture(model, b) for b in batches], task)
-    base = mask.mask.detach().clone()
-    base_loss = probe.loss(base)
-    removed: list[list[float]] = []
-    windowed: list[list[float]] = []
-    n_layers = mask.num_layers
-    for layer, hidden in probe.carried(base):
-        began = time.perf_counter()
-        removed.append([])
-        windowed.append([])
-        for u, heads in enumerate(units):
-            trial = base.clone()
-            trial[layer, heads] = 0.0
-            removed[-1].append(probe.loss(trial, layer, hidden) - base_loss)
-            windows = KVWindows(single_unit(n_layers, len(units), layer, u, sink, window)).attach(model)
-            try:
-                windowed[-1].append(probe.loss(base, layer, hidden) - base_loss)
-            finally:
-                windows.detach()
-        log.info("kv_modes=measured: layer %d removal rises %s, window rises %s (%.1f s)", layer,
-                 [round(r, 4) for r in removed[-1]], [round(w, 4) for w in windowed[-1]], time.perf_counter() - began)
-    return removed, windowed, base_loss
+    if task is not CAUSAL_LM:
+        raise ValueError(f"kv_modes=measured measures a causal LM's next-token loss; got task {task.name}")
+    rises, base = unit_rises(model, mask, batches, units, sink, window, (REMOVED, WINDOW))
+    return rises[REMOVED], rises[WINDOW], base
 
 
 def scored_targets(batches: list[dict], task: Task) -> float:

@@ -106,7 +106,7 @@ class Probe:
         try:
             with self.mask.override(trial):
                 for i, batch in enumerate(self.batches):
-                    with _start_at(self.model, layer, None if layer == 0 else hidden[i]):
+                    with start_at(self.model, layer, None if layer == 0 else hidden[i]):
                         logits = forward_logits(self.model, batch)
                     losses = task.loss(logits, batch)  # (B,)
                     weights = task.weights(batch)  # (B,) examples, or next-token targets
@@ -133,7 +133,7 @@ class Probe:
 
 
 @contextmanager
-def _start_at(model: nn.Module, layer: int, hidden: torch.Tensor | None):
+def start_at(model: nn.Module, layer: int, hidden: torch.Tensor | None):
     """Blocks 0..layer-1 of `model` return `hidden` instead of computing (layer 0: nothing changes)."""
     blocks = get_adapter(model).blocks(model)[:layer]
 
