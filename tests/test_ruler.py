@@ -121,3 +121,55 @@ def test_the_samples_file_holds_the_seeded_prompts(tmp_path, data_dir):
     assert [list(line) for line in lines] == [list(ruler.SAMPLE_KEYS)] * 2
     assert lines == ruler.ruler_samples(ByteTokenizer(), ["fwe"], [512], 2, 3, str(data_dir), False)
     assert [(s["task"], s["context"], s["index"]) for s in lines] == [("fwe", 512, 0), ("fwe", 512, 1)]
+
+
+def _ruler_block(scores: dict[str, float], context: str = "4096") -> dict:
+    tasks = {t: {context: {"score": s, "samples": 2, "sha256": "x", "cases": []}} for t, s in scores.items()}
+    return {"tasks": tasks, "mean_all_tasks": {context: sum(scores.values()) / len(scores)}}
+
+
+def test_the_ruler_mean_leaves_out_tasks_where_dense_is_below_20_percent():
+    dense = _ruler_block({"niah_single_1": 1.0, "vt": 0.5, "cwe": 0.1})
+    export = _ruler_block({"niah_single_1": 0.9, "vt": 0.3, "cwe": 0.0})
+    means = ruler.floor_means(export, dense)
+    assert means["below_floor"] == {"4096": ["cwe"]} and means["mean_dense_at_least_20"]["4096"] == pytest.approx(0.6)
+    lines = ruler.table({"dense": dense, "export": export}, dense)
+    assert lines[0] == ("| model | context | niah_single_1 | vt | cwe | mean, all tasks | RULER mean (dense >= 20%) "
+                        "| / dense |")
+    assert lines[3] == "| export | 4096 | 0.90 | 0.30 | 0.00 | 0.400 | 0.600 | 0.800 |"
+    assert lines[-1] == "Left out of the RULER mean (dense below 20%): 4096 tokens: cwe"
+
+
+def test_headprune_collect_shows_ruler_for_dense_and_export(tmp_path):
+    from headprune.apps.collect import main
+
+    run_dir = tmp_path / "sweep" / "0"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- kv_modes=retrieval\n")
+    (run_dir / "results.json").write_text(json.dumps({
+        "baseline": {"val": {"ppl": 10.0}}, "rounds": [], "model": {},
+        "final": {"sparsity": 0.5, "val": {"ppl": 11.0}, "stop_reason": "target"},
+        "evaluation": {"dense": {"ruler": _ruler_block({"vt": 0.5, "fwe": 0.1})},
+                       "pruned": {"ruler": _ruler_block({"vt": 0.25, "fwe": 0.0})}}}))
+    main([str(tmp_path / "sweep"), "--out", str(tmp_path / "out")])
+    text = (tmp_path / "out" / "ruler.md").read_text()
+    assert "## kv_modes=retrieval" in text
+    assert "| export | 4096 | 0.25 | 0.00 | 0.125 | 0.250 | 0.500 |" in text and "4096 tokens: fwe" in text
+
+
+def test_llm_kv_modes_collect_shows_ruler_and_its_targets(tmp_path):
+    from tests.helpers import experiment_script
+
+    collect = experiment_script("llm_kv_modes/collect")
+    dense = {"ruler": _ruler_block({"vt": 0.5, "fwe": 0.8})}
+    runs = {"retrieval": {"budget": {"target": 0.34}, "evaluation": {"pruned": {"ruler": _ruler_block(
+                {"vt": 0.5, "fwe": 0.7})}}},
+            "retrieval_85": {"budget": {"target": 0.15}, "evaluation": {"pruned": {"ruler": _ruler_block(
+                {"vt": 0.45, "fwe": 0.7})}}},
+            "removal": {"budget": {"target": 0.34}, "evaluation": {"pruned": {}}}}
+    lines = collect.ruler_section(runs, dense)
+    assert "| retrieval | 4096 | 0.50 | 0.70 | 0.600 | 0.600 | 0.923 |" in lines
+    assert "- retrieval: miss (0.600 vs 0.95 x 0.650)" in lines
+    assert "- retrieval_85: hit (0.575 vs 0.85 x 0.650)" in lines
+    assert not any(line.startswith("| removal") for line in lines)
+    assert collect.ruler_section({"removal": runs["removal"]}, dense) == []

@@ -477,6 +477,40 @@ def header(tasks: Sequence[str], chat_template: bool) -> dict:
                           "haystack": TASKS[t].haystack} for t in tasks}}
 
 
+# -- tables -------------------------------------------------------------------------------------------
+def table(models: dict[str, dict], dense: dict | None) -> list[str]:
+    """Markdown lines: one row per (model, context) of `models` ({name: an evaluation block's
+    `ruler`}), a column per task (its score), the mean over every task, and the RULER mean over the
+    tasks where `dense` (the dense model's `ruler`; None: unknown) scores at least FLOOR, with its
+    share of dense's; then a line naming the tasks left out. What headprune-collect and the
+    experiments' collect scripts show."""
+    from headprune.report import DASH, Column, markdown, number
+
+    tasks = list(dict.fromkeys(t for block in models.values() for t in block["tasks"]))
+    contexts = sorted({c for block in models.values() for c in block["mean_all_tasks"]}, key=int)
+    rows = []
+    for name, block in models.items():
+        for context in contexts:
+            if context not in block["mean_all_tasks"]:
+                continue
+            kept = floor_means(block, dense)["mean_dense_at_least_20"][context] if dense else None
+            base = floor_means(dense, dense)["mean_dense_at_least_20"].get(context) if dense else None
+            rows.append({"model": name, "context": context, "mean": block["mean_all_tasks"][context], "kept": kept,
+                         "share": kept / base if kept is not None and base else None,
+                         **{t: block["tasks"].get(t, {}).get(context, {}).get("score") for t in tasks}})
+    columns = [Column("model", lambda r: r["model"], False), Column("context", lambda r: r["context"]),
+               *[Column(t, lambda r, t=t: number(r[t], ".2f")) for t in tasks],
+               Column("mean, all tasks", lambda r: number(r["mean"], ".3f")),
+               Column(f"RULER mean (dense >= {FLOOR:.0%})", lambda r: number(r["kept"], ".3f")),
+               Column("/ dense", lambda r: number(r["share"], ".3f"))]
+    lines = markdown(columns, rows)
+    if dense:
+        left = {c: floor_means(dense, dense)["below_floor"][c] for c in dense["mean_all_tasks"]}
+        lines += ["", "Left out of the RULER mean (dense below 20%): " + "; ".join(
+            f"{c} tokens: {', '.join(names) if names else DASH}" for c, names in left.items())]
+    return lines
+
+
 # -- the samples file ---------------------------------------------------------------------------------
 def write_samples(path: str | Path, tokenizer, tasks: Sequence[str], contexts: Sequence[int], samples: int, seed: int,
                   data_dir: str | Path | None, chat_template: bool) -> list[dict]:
