@@ -173,3 +173,23 @@ def test_llm_kv_modes_collect_shows_ruler_and_its_targets(tmp_path):
     assert "- retrieval_85: hit (0.575 vs 0.85 x 0.650)" in lines
     assert not any(line.startswith("| removal") for line in lines)
     assert collect.ruler_section({"removal": runs["removal"]}, dense) == []
+
+
+def test_an_export_with_windows_generates_through_its_windowed_cache(tmp_path, monkeypatch):
+    import headprune.heads.windows as windows
+    from headprune.deploy.hf import load_pruned, save_pruned
+    from headprune.heads.windows import KVLayout, KVWindows
+    from tests.helpers import llama
+
+    tok = tiny_tokenizer()
+    model = llama(tok, attn="sdpa", max_position_embeddings=256)
+    KVWindows(KVLayout.uniform(model, "window", sink=2, window=8)).attach(model)
+    save_pruned(model, tmp_path / "export", tokenizer=tok)
+    export = load_pruned(tmp_path / "export")
+    installed = []
+    install = windows.install_cache_layer
+    monkeypatch.setattr(windows, "install_cache_layer", lambda *a, **k: installed.append(a[1]) or install(*a, **k))
+    sample = {"task": "fwe", "input": "a b c d e f g h i j k l m n o p Answer:", "max_gen_toks": 3}
+    prediction, tokens = ruler.generate(export, tok, sample)
+    assert tokens == len(sample["input"]) and isinstance(prediction, str)
+    assert installed and set(installed) == set(range(model.config.num_hidden_layers))  # every windowed layer
