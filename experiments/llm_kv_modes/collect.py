@@ -29,6 +29,7 @@ ARMS_2048 = ["retrieval_2048", "retrieval_2048_kl", "retrieval_33_2048"]  # a 20
 ARMS_8192 = ["measured_retrieval_8192"]  # SmolLM2's 8192-token context; dense: its own evaluation.dense
 # the issue's targets without training, by the share of the KV bytes kept: (ppl rise %, passkey share of dense's)
 TARGETS = {0.67: (1.0, None), 0.34: (3.0, 0.9), 0.15: (8.0, 0.8)}  # None: the issue sets none
+RULER_TARGETS = {0.34: 0.95, 0.15: 0.85}  # issue 53: the RULER mean's share of dense's, by the KV share kept
 
 
 def ppl(block: dict, corpus: str, seq: int = 4096) -> float:
@@ -200,6 +201,7 @@ def render(directory: Path = HERE) -> dict[str, str]:
              *markdown(ARM_COLUMNS, [dense_row(runs, dense, runtime=dense_run.get("runtime")), *table]),
              "", targets_heading(4096), "",
              *markdown(target_columns(dense_key), table)]
+    lines += ruler_section(runs, dense)
     other_runs, other_rows = {}, []
     for seq, arms, kept in ((2048, ARMS_2048, "512 of 2048 tokens"), (8192, ARMS_8192, "512 of 8192 tokens")):
         section, runs_seq, table_seq = context_section(directory, seq, arms, kept)
@@ -235,6 +237,36 @@ def render(directory: Path = HERE) -> dict[str, str]:
               "on a lent GPU, the arms side by side (`gpu.sh`), so their wall and choice seconds are not comparable.", "",
               *map(conditions, table + other_rows)]
     return {"results.md": "\n".join(lines) + "\n", "answers.md": answers(dense, {**runs, **other_runs})}
+
+
+def ruler_section(runs: dict[str, dict], dense: dict, context: str = "4096") -> list[str]:
+    """The RULER table (headprune.evaluation.ruler.table) of the dense model and each arm's export that
+    scored it, and issue 53's targets (the RULER mean over the tasks where dense scores >= 20%, as a
+    share of dense's), hit or miss; no lines when no arm scored RULER."""
+    from headprune.evaluation.ruler import floor_means, table
+
+    scored = {arm: data["evaluation"]["pruned"]["ruler"] for arm, data in runs.items()
+              if "ruler" in data["evaluation"]["pruned"]}
+    if not scored:
+        return []
+    base = dense.get("ruler")
+    lines = ["", "## RULER at 4096 (issue 53)", "",
+             "lm-eval's RULER task code offline (headprune.evaluation.ruler): the settings each run's",
+             "results.json names (`evaluation.settings.ruler_*`; essay variants on Tiny Shakespeare's training",
+             "part), the same seeded samples for dense and every export, greedy, lm-eval's string_match_all.", "",
+             *table({"dense": base, **scored} if base else scored, base)]
+    if base:
+        dense_mean = floor_means(base, base)["mean_dense_at_least_20"].get(context)
+        lines += ["", "Targets: RULER mean >= 95% of dense's at 2/3 of the KV bytes removed (KV kept 0.34), >= 85% at",
+                  "85% removed (0.15).", ""]
+        for arm, block in scored.items():
+            target = RULER_TARGETS.get(runs[arm]["budget"]["target"])
+            mean = floor_means(block, base)["mean_dense_at_least_20"].get(context)
+            if target is None or mean is None or not dense_mean:
+                continue
+            lines.append(f"- {arm}: {'hit' if mean >= target * dense_mean else 'miss'} ({mean:.3f} vs {target:g} x "
+                         f"{dense_mean:.3f})")
+    return lines
 
 
 def context_section(directory: Path, seq: int, arms: list[str], kept: str) -> tuple[list[str], dict, list[dict]]:

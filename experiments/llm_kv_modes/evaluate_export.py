@@ -40,6 +40,7 @@ def finish(run: Path) -> dict:
     block["pruned"] = llm_suite.evaluate_llm(model, tokenizer, datamodule, settings, cfg.data.get("data_dir"))
     block["pruned"]["model"] = str(run / "export")
     block["pruned"]["by"] = "experiments/llm_kv_modes/evaluate_export.py (the run's process ended before this stage)"
+    llm_suite.ruler_floor(block)  # the RULER mean over the tasks where dense scores >= 20%, when dense is in the file
     data.setdefault("stages", {})["evaluate_pruned"] = round(time.perf_counter() - start, 3)
     write_json_atomic(path, data)
     return data

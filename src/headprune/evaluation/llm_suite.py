@@ -26,7 +26,15 @@ model in the run's memory, masked (`final.val_source: in_memory_masked`).
 - greedy answers to fixed chat prompts (`generate`);
 - `passkey`: synthetic passkey retrieval (headprune.evaluation.retrieval) at each of
   `passkey_lengths` tokens and `passkey_depths`, `passkey_samples` keys each (none when the
-  lengths are empty): what separates windowed KV layouts where perplexity does not.
+  lengths are empty): what separates windowed KV layouts where perplexity does not;
+- `ruler`: RULER (headprune.evaluation.ruler: lm-eval's own task code, offline, the essay
+  variants on Tiny Shakespeare's training part) on `ruler_tasks` at each of `ruler_contexts`,
+  `ruler_samples` seeded samples each (`ruler_seed`; none when the tasks are empty): per task and
+  context the score and every case, `mean_all_tasks`, and once the dense model's scores are in
+  the results, `mean_dense_at_least_20` (the RULER mean: the tasks where dense scores >= 20%) with
+  the tasks left out. The samples are built once, when the settings are checked against the
+  model's tokenizer (before any work), and the dense model and the export are scored on the same
+  ones (`sha256` per task and context says so).
 """
 from __future__ import annotations
 
@@ -62,6 +70,11 @@ class EvaluationSettings:
     passkey_lengths: List[int] = field(default_factory=list)  # passkey retrieval at these lengths ([]: none)
     passkey_depths: List[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     passkey_samples: int = 5  # keys per (length, depth)
+    ruler_tasks: List[str] = field(default_factory=list)  # RULER tasks (evaluation.ruler.TASKS; []: none)
+    ruler_contexts: List[int] = field(default_factory=lambda: [4096])  # prompt + answer tokens of each sample
+    ruler_samples: int = 20  # samples per task and context
+    ruler_seed: int = 0  # the samples' seed (the same for the dense model and the export)
+    ruler_chat_template: bool = True  # the prompt as one user turn of the tokenizer's chat template (false: plain)
 
     def check(self, task: Task) -> None:
         """Refuse, before any work, settings that cannot run: the suite is the causal-LM Task's."""
@@ -104,6 +117,9 @@ class EvaluationSettings:
             from headprune.evaluation.zero_shot import check_tasks
 
             check_tasks(self.zero_shot_tasks, "evaluation.zero_shot_tasks")
+        from headprune.evaluation.ruler import check_settings
+
+        check_settings(self.ruler_tasks, self.ruler_contexts, self.ruler_samples, self.ruler_seed)
 
     def tokens_used(self) -> int:
         """The tokens every window length covers: the largest multiple of the lengths' least common
@@ -128,6 +144,8 @@ class EvaluationSettings:
         if self.passkey_lengths and positions and max(self.passkey_lengths) > positions:
             raise ValueError(f"evaluation.passkey_lengths: {max(self.passkey_lengths)} exceeds the model's {positions} "
                              f"positions; allowed: at most {positions}")
+        if self.ruler_tasks:
+            self.check_ruler(datamodule.tokenizer, positions, datamodule.data_dir)
         held = len(datamodule.held_out_ids)
         if held < self.perplexity_tokens:
             raise ValueError(f"evaluation.perplexity_tokens={self.perplexity_tokens} exceeds the {held} held-out tokens "
@@ -139,6 +157,29 @@ class EvaluationSettings:
                                  f"tokens of evaluation.other_corpora {name!r}; allowed: at most {held}")
 
 
+    def check_ruler(self, tokenizer, positions: int | None, data_dir) -> list[dict]:
+        """The RULER samples, built here (once: `ruler.cached_samples`), so a context too short for a
+        task, a missing haystack or chat template is refused before any work; every prompt plus its
+        answer tokens fits the model's positions."""
+        if positions and max(self.ruler_contexts) > positions:
+            raise ValueError(f"evaluation.ruler_contexts: {max(self.ruler_contexts)} exceeds the model's {positions} "
+                             f"positions; allowed: at most {positions}")
+        samples = self.ruler_samples_of(tokenizer, data_dir)
+        longest = max(len(tokenizer.encode(s["input"], add_special_tokens=False)) + s["max_gen_toks"] for s in samples)
+        if positions and longest > positions:
+            raise ValueError(f"evaluation.ruler_contexts: the longest RULER prompt with its answer takes {longest} tokens "
+                             f"(the chat template's tokens beyond the context), more than the model's {positions} "
+                             f"positions; allowed: contexts at most {positions - (longest - max(self.ruler_contexts))}")
+        return samples
+
+    def ruler_samples_of(self, tokenizer, data_dir) -> list[dict]:
+        """The seeded RULER samples of these settings for `tokenizer` (built once per process)."""
+        from headprune.evaluation.ruler import cached_samples
+
+        return cached_samples(tokenizer, self.ruler_tasks, self.ruler_contexts, self.ruler_samples, self.ruler_seed,
+                              data_dir, self.ruler_chat_template)
+
+
 SOURCES = {"dense": "in_memory_dense", "pruned": "export"}  # evaluation.<which>.source: the model each reads
 
 
@@ -148,6 +189,10 @@ def header(options: EvaluationSettings, datamodule) -> dict:
     perplexities here, on the data module's validation blocks, without BOS)."""
     head = {"settings": asdict(options), "perplexity_tokens_used": options.tokens_used(),
             "val": datamodule.val_windows()}
+    if options.ruler_tasks:
+        from headprune.evaluation.ruler import header as ruler_header
+
+        head["ruler"] = ruler_header(options.ruler_tasks, options.ruler_chat_template)
     if options.other_corpora:
         head["other_corpora"] = {name: str(corpus_file(name, "held_out", datamodule.data_dir, "evaluation.other_corpora"))
                                  for name in options.other_corpora}
@@ -189,11 +234,31 @@ def evaluate_llm(model, tokenizer, datamodule, options: EvaluationSettings, data
         out["passkey"] = passkey_accuracy(model, tokenizer, options.passkey_lengths, options.passkey_depths,
                                           options.passkey_samples)
         out["seconds"]["passkey"] = round(time.perf_counter() - start, 3)
+    if options.ruler_tasks:
+        from headprune.evaluation.ruler import ruler_scores
+
+        start = time.perf_counter()
+        out["ruler"] = ruler_scores(model, tokenizer, options.ruler_samples_of(tokenizer, data_dir))
+        out["seconds"]["ruler"] = round(time.perf_counter() - start, 3)
     if options.generate:
         start = time.perf_counter()
         out["generation"] = generate_answers(model, tokenizer, max_new_tokens=options.max_new_tokens)
         out["seconds"]["generation"] = round(time.perf_counter() - start, 3)
     log.info("evaluation: %s", {k: v["ppl"] for k, v in out["perplexity"].items()}
              | {f"{c}/{k}": v["ppl"] for c, seqs in out.get("perplexity_other", {}).items() for k, v in seqs.items()}
-             | {k: v["acc"] for k, v in out.get("zero_shot", {}).items()})
+             | {k: v["acc"] for k, v in out.get("zero_shot", {}).items()}
+             | {f"ruler/{c}": v for c, v in out.get("ruler", {}).get("mean_all_tasks", {}).items()})
     return out
+
+
+def ruler_floor(block: dict) -> None:
+    """Once results.json `evaluation` holds the dense model's RULER scores: the RULER mean over the
+    tasks where dense scores at least 20%, added to the dense and the pruned blocks (`ruler.floor_means`)."""
+    from headprune.evaluation.ruler import floor_means
+
+    dense = block.get("dense", {}).get("ruler")
+    if dense is None:
+        return
+    for which in ("dense", "pruned"):
+        if "ruler" in block.get(which, {}):
+            block[which]["ruler"].update(floor_means(block[which]["ruler"], dense))

@@ -169,6 +169,7 @@ def _evaluate(results: RunResults, which: str, setup: Setup, spec: RunSpec, mode
                                              spec.data.data_dir)}
     if which == "pruned":
         block[which]["model"] = str(results.data["final"].get("export_dir"))
+    llm_suite.ruler_floor(block)
     setup.stages[f"evaluate_{which}"] = round(time.perf_counter() - start, 3)
     results.save()
     log_evaluation(sink, which, block[which])
