@@ -48,7 +48,8 @@ def run(spec: RunSpec, record: Record | None = None) -> dict:
         spec.evaluation.check(spec.task)
         run_dir.refuse_to_overwrite(output_dir, resuming=bool(ckpt_path), overwrite=spec.output.overwrite)
         if ckpt_path:
-            finished = check_resume(spec.record(), ckpt_path, output_dir, spec.schedule.total_epochs(), spec.recovery)
+            finished = check_resume(spec.record(), ckpt_path, output_dir, spec.schedule.total_epochs(), spec.recovery,
+                                    runtime=runtime)
             if finished is not None:
                 return finished
         start = time.perf_counter()
