@@ -26,7 +26,7 @@ DEFINING = ("model", "data", "metric", "schedule", "layer_policy", "budget", "re
 # within those, what may change between the two parts of a run (where files are, how fast it loads,
 # where the dense copy and the pruned model's blocks live, whether training recomputes activations)
 FREE = ("data.data_dir", "data.num_workers", "budget.cache_dir", "pruning.dense_device", "pruning.model_device",
-        "model.gradient_checkpointing")
+        "model.gradient_checkpointing", "pruning.verify_surgery")
 
 
 def experiment(config: dict) -> dict:
