@@ -68,3 +68,28 @@ def test_an_unwritable_run_dir_is_named_before_training(tmp_path, data_dir, monk
     with pytest.raises(PermissionError, match=r"the run dir .* cannot be written: Permission denied"):
         run(compose_iterative(tmp_path / "ro", data_dir))
     assert not (tmp_path / "ro" / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_an_overwrite_that_dies_midway_leaves_no_results_beside_the_old_export(first, data_dir, monkeypatch):
+    """`overwrite=true` over a finished run, dying before its own export (a full disk): the old
+    export/ must not stay beside the new run's results.json, which does not describe it (issue 56).
+    The run dir holds a matching pair, or no export."""
+    import json
+
+    import headprune.runs.execute as execute
+
+    assert (first / "export" / "config.json").is_file()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(execute, "export_pruned", disk_full)
+    from tests.helpers import compose_train
+
+    with pytest.raises(OSError, match="No space left"):
+        run(compose_train(first, data_dir, "model=tiny_bert", "debug=fast", "data.max_train_samples=32",
+                          "data.score_samples=16", "callbacks=default", "overwrite=true", "seed=7"))
+    saved = json.loads((first / "results.json").read_text())
+    assert saved["config"]["seed"] == 7  # the new run's record
+    assert not (first / "export").exists() or saved["final"].get("export_dir") == str(first / "export")

@@ -59,6 +59,7 @@ def run(spec: RunSpec, record: Record | None = None) -> dict:
         spec.evaluation.check_model(setup.module.model, setup.datamodule)
         setup.stages["load"] = round(time.perf_counter() - start, 3)
         run_dir.check_writable(output_dir)
+        run_dir.retire_old_export(output_dir, resuming=bool(ckpt_path), overwrite=spec.output.overwrite)
         log_file = record(output_dir) if record is not None else None
     finally:
         buffered.release(into=log_file)
