@@ -128,6 +128,13 @@ class EvaluationSettings:
         if self.passkey_lengths and positions and max(self.passkey_lengths) > positions:
             raise ValueError(f"evaluation.passkey_lengths: {max(self.passkey_lengths)} exceeds the model's {positions} "
                              f"positions; allowed: at most {positions}")
+        if self.passkey_lengths:  # each length holds the instruction, needle, question and answer in this tokenizer
+            from headprune.evaluation.retrieval import passkey_cases
+
+            try:
+                passkey_cases(datamodule.tokenizer, sorted(set(self.passkey_lengths)), self.passkey_depths[:1], 1)
+            except ValueError as err:
+                raise ValueError(f"evaluation.passkey_lengths: {err}") from None
         held = len(datamodule.held_out_ids)
         if held < self.perplexity_tokens:
             raise ValueError(f"evaluation.perplexity_tokens={self.perplexity_tokens} exceeds the {held} held-out tokens "
