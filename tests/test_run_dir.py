@@ -93,3 +93,16 @@ def test_an_overwrite_that_dies_midway_leaves_no_results_beside_the_old_export(f
     saved = json.loads((first / "results.json").read_text())
     assert saved["config"]["seed"] == 7  # the new run's record
     assert not (first / "export").exists() or saved["final"].get("export_dir") == str(first / "export")
+
+
+def test_a_new_run_dir_that_cannot_be_created_is_refused_by_name(tmp_path, data_dir):
+    """A run dir on a read-only file system (or under a folder this user cannot write): Hydra would
+    create it before the app starts and print its own mkdir traceback; refused first, exit 2, naming
+    hydra.run.dir (issue 56)."""
+    from tests.helpers import unwritable_folder
+
+    target = unwritable_folder(tmp_path) / "new" / "run"
+    proc = train_cli(*_cli(data_dir), f"hydra.run.dir={target}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"hydra.run.dir={target}" in proc.stderr and "cannot be created" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout

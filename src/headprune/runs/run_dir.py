@@ -80,3 +80,21 @@ def retire_old_export(output_dir: Path, resuming: bool, overwrite: bool) -> None
     os.replace(export, aside)
     shutil.rmtree(aside, ignore_errors=True)
     logging.getLogger(__name__).info("overwrite=true: the earlier run's export %s was removed", export)
+
+
+def creation_problem(output_dir: Path) -> str:
+    """Why `output_dir` cannot be created (or written, when it exists), or '': the nearest existing
+    folder on its path must take new entries (a read-only file system or a folder without write
+    permission does not). For the check before Hydra creates the run dir itself."""
+    path = Path(output_dir).absolute()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return ""
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return f"{existing} does not take new files ({err.strerror})"
+    return ""
