@@ -97,3 +97,18 @@ def test_a_correct_surgery_passes_its_check_and_leaves_the_model_as_it_was(famil
     assert model.training and all(m.training for m in model.modules())
     assert torch.equal(torch.random.get_rng_state(), state)
     assert "could not verify" not in caplog.text  # the probe ran
+
+
+def test_a_run_switches_the_check_off_only_by_its_setting(tmp_path, data_dir):
+    """`pruning.verify_surgery` (default true) is the run's one switch; assembly sets it on the model, so
+    every prune_heads of the run (each round's removal, the export's fold) follows it."""
+    from headprune.runs import RunSpec
+    from headprune.heads.verify import wanted
+    from tests.helpers import compose_train
+
+    assert RunSpec.from_config(compose_train(tmp_path, data_dir, "model=tiny_bert")).pruning.verify_surgery is True
+    spec = RunSpec.from_config(compose_train(tmp_path, data_dir, "model=tiny_bert", "pruning.verify_surgery=false"))
+    assert spec.pruning.verify_surgery is False
+    model = tiny("bert")
+    assert wanted(model, None) and not wanted(set_verify(model, spec.pruning.verify_surgery), None)
+    assert wanted(model, True)  # an explicit verify=True still verifies
