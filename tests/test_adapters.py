@@ -61,7 +61,9 @@ def test_every_caller_reads_the_query_to_kv_map_from_the_adapter(monkeypatch):
     assert heads_of_kv_groups(model, {0: [1]}) == {0: [1, 3]}
     rows = adapter.head_rows(model, 0)
     assert rows[0]["k"] == rows[2]["k"] and rows[0]["k"] != rows[1]["k"]
-    prune_heads(model, {layer: [1, 3] for layer in range(3)})  # KV head 1 goes whole
+    # verify=False: the strided map is not what the attention kernel computes (h // groups), so the pruned
+    # model cannot equal the masked one; this test follows the plumbing, not the numbers
+    prune_heads(model, {layer: [1, 3] for layer in range(3)}, verify=False)  # KV head 1 goes whole
     assert model.model.layers[0].self_attn.k_proj.weight.shape[0] == D  # one KV head left
     assert model.model.layers[0].self_attn.num_key_value_groups == 2
     assert plain_counts(model)[0] == (2, 1)

@@ -1,5 +1,6 @@
 """headprune-collect: sweep folders -> CSV, tables and plots."""
 import json
+import re
 import statistics
 
 import pytest
@@ -170,3 +171,61 @@ def test_an_out_that_is_a_file_is_refused_before_collecting(where, tmp_path, cap
     err = capsys.readouterr().err
     assert f"--out {out}" in err and f"{tmp_path / 'notes.md'} is a file" in err and "allowed: a folder" in err
     assert (tmp_path / "notes.md").read_text() == "mine"
+
+
+def _lm_run(folder, final_ppl, base_ppl=20.0):
+    _fake_run(folder, {"ppl": base_ppl, "loss": 3.0}, [{"ppl": 25.0, "loss": 3.2}, {"ppl": final_ppl, "loss": 3.3}])
+
+
+def test_a_run_with_an_unreadable_value_is_skipped_and_the_rest_collected(tmp_path, capsys):
+    """`final.val.ppl` = "abc": that run is skipped, named with the field, as the help promises;
+    the good run is collected (issue 56)."""
+    _lm_run(tmp_path / "runs" / "good", 30.0)
+    bad = tmp_path / "runs" / "bad" / "results.json"
+    _lm_run(bad.parent, 31.0)
+    data = json.loads(bad.read_text())
+    data["final"]["val"]["ppl"] = "abc"
+    bad.write_text(json.dumps(data))
+    assert main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert "collected 1 runs" in captured.out
+    assert str(bad) in captured.err and "final.val.ppl" in captured.err
+    assert str(tmp_path / "runs" / "good") in (tmp_path / "out" / "runs.csv").read_text()
+    assert "bad" not in (tmp_path / "out" / "runs.csv").read_text()
+
+
+def test_a_nan_run_is_skipped_and_the_out_folder_is_published_whole(tmp_path, capsys):
+    """Into an earlier output, with one run's results.json edited to NaN: that run is skipped
+    (strict JSON has no NaN), every output file is the new collection's, and none holds a NaN."""
+    _lm_run(tmp_path / "runs" / "a", 30.0)
+    _lm_run(tmp_path / "runs" / "b", 31.0)
+    out = tmp_path / "out"
+    main([str(tmp_path / "runs"), "--out", str(out)])
+    nan = tmp_path / "runs" / "b" / "results.json"
+    nan.write_text(nan.read_text().replace("31.0", "NaN"))
+    assert main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert "NaN" in capsys.readouterr().err
+    for name in ("runs.csv", "results.md", "curves.md", "runs.json"):
+        text = (out / name).read_text()
+        assert not re.search(r"\bnan\b", text, re.IGNORECASE) and str(tmp_path / "runs" / "b") not in text, name
+    assert len(json.loads((out / "runs.json").read_text())) == 1
+
+
+def test_outputs_are_published_together_or_not_at_all(tmp_path, monkeypatch):
+    """A failure while the outputs are being made (here: the plot) leaves the earlier output folder
+    exactly as it was: no file of the new collection beside the old ones."""
+    import headprune.apps.collect as collect_module
+
+    _lm_run(tmp_path / "runs" / "a", 30.0)
+    out = tmp_path / "out"
+    main([str(tmp_path / "runs"), "--out", str(out)])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    _lm_run(tmp_path / "runs" / "b", 40.0)
+
+    def broken_plot(*args, **kwargs):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(collect_module, "plot", broken_plot)
+    with pytest.raises(OSError):
+        main([str(tmp_path / "runs"), "--out", str(out)])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -247,3 +247,19 @@ def test_a_pruned_deberta_exports_to_onnx(positions, tmp_path):
     with torch.no_grad():
         model.classifier.weight.mul_(2.0)
     assert judge(check_onnx(model, path))
+
+
+def test_the_default_sdpa_is_refused_naming_the_eager_setting(tmp_path):
+    """DeBERTa has only eager attention in transformers: the CLI's default (sdpa) must be refused
+    naming `model.attn_implementation=eager`, not with transformers' own message (issue 56)."""
+    from headprune.models.build import build_model
+
+    config = tf.DebertaV2Config(vocab_size=100, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                intermediate_size=64)
+    tf.DebertaV2ForSequenceClassification(config).save_pretrained(tmp_path / "trained")
+    config.save_pretrained(tmp_path / "config_only")
+    for folder, random_init in ((tmp_path / "trained", False), (tmp_path / "config_only", True)):
+        with pytest.raises(ValueError, match=r"model\.attn_implementation=sdpa .*deberta-v2.*allowed: "
+                                             r"model\.attn_implementation=eager"):
+            build_model(str(folder), random_init=random_init)
+    assert build_model(str(tmp_path / "trained"), attn_implementation="eager") is not None

@@ -16,6 +16,27 @@ def _blocks(page: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", (DOCS / page).read_text(), re.S)
 
 
+FRAGMENT = re.compile(r"<!-- fragment: [^>]+ -->\n```python\n")
+# the pages whose unmarked Python blocks tests run (test: where), each block as written
+RUN = {"python_api.md": "test_python_api_examples_run", "extending.md": "test_extending_examples_run",
+       "../README.md": "tests/test_readme.py::test_python_example_runs_as_written"}
+
+
+def test_every_python_block_runs_in_a_test_or_is_marked_a_fragment():
+    """A block a user copies runs as printed (a test runs it), or says it is a fragment and what it
+    needs (`<!-- fragment: ... -->` right above it)."""
+    pages = sorted(DOCS.glob("*.md")) + [DOCS.parent / "README.md"]
+    unmarked = []
+    for page in pages:
+        text = page.read_text()
+        name = page.name if page.parent == DOCS else f"../{page.name}"
+        whole = text.count("```python\n")
+        marked = len(FRAGMENT.findall(text))
+        if whole > marked and name not in RUN:
+            unmarked.append(f"{name}: {whole - marked} unmarked block(s)")
+    assert not unmarked, unmarked
+
+
 def _loaders(tokenizer) -> dict:
     return {"train_loader": [tiny_batch(tokenizer, 8, seed=1)], "score_loader": [tiny_batch(tokenizer, 8, seed=2)],
             "val_loader": [tiny_batch(tokenizer, 8, seed=3)]}
@@ -25,11 +46,12 @@ def _loaders(tokenizer) -> dict:
 def test_python_api_examples_run(tokenizer, tmp_path, data_dir, monkeypatch):
     blocks = _blocks("python_api.md")
     assert len(blocks) == 3
-    scope = _loaders(tokenizer)
+    scope: dict = {}  # each block as a user pastes it: nothing defined beforehand (issue 56: NameError)
     exec(blocks[0], scope)  # noqa: S102 - the page's own code
     report, model = scope["report"], scope["model"]
     assert [r["sparsity"] for r in report["rounds"]] == [0.25, 0.5] and report["final"]["stop_reason"] == "target_reached"
     assert sum(map(len, model.headprune_layout)) == 36 and scope["state"]["rounds"] == report["rounds"]
+    scope = {}
     exec(blocks[1], scope)  # noqa: S102
     assert scope["report"]["round"]["budget"]["predicted_share"] <= 0.5
     assert sum(map(len, scope["model"].headprune_layout)) < 72

@@ -298,3 +298,19 @@ def test_llamacpp_experiment_tables_are_what_its_raw_files_give():
     assert tables.agreement_table(json.loads((folder / "agreement.json").read_text())) in readme
     assert tables.decode_table(bench) in readme and tables.shares(bench) in readme
     assert markdown(bench) == (folder / "bench.md").read_text()
+
+
+def test_export_cli_refuses_a_tokenizer_without_merges_with_exit_2(tmp_path, capsys):
+    """A byte-level tokenizer without BPE merges cannot be written as llama.cpp's gpt2 vocabulary:
+    exit 2 with the reason, as the help promises for what a format cannot express, and no file
+    (issue 56)."""
+    from headprune import save_pruned
+    from headprune.apps.export import main as export_main
+    from tests.helpers import byte_tokenizer
+
+    no_merges = byte_tokenizer()
+    save_pruned(tiny_llama(no_merges, {1: [0, 1]}), tmp_path / "model", tokenizer=no_merges)
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(tmp_path / "model"), "--gguf", str(tmp_path / "m.gguf")])
+    assert exit_.value.code == 2 and "has no BPE merges" in capsys.readouterr().err
+    assert not (tmp_path / "m.gguf").exists()

@@ -209,3 +209,57 @@ def test_a_distill_resume_is_refused_for_its_teacher_only_past_round_1(rounds, r
     if refused:
         assert f"{run_dir / 'teacher'}" in str(raised.value)
     assert files(run_dir) == before
+
+
+# -- a resume that would change the numerics (issue 56, item 5) ------------------------------------------
+@pytest.mark.parametrize("change, named", [
+    ("trainer.accumulate_grad_batches=2", r"trainer\.accumulate_grad_batches \(1 -> 2\)"),
+    ("trainer.precision=bf16-true", r"trainer\.precision \('32-true' -> 'bf16-true'\)"),
+])
+def test_a_resume_that_changes_the_numerics_is_refused_naming_the_setting(finished, tmp_path, data_dir, change, named):
+    """More micro-batches per optimizer step, or weights in another dtype, train another model than
+    the uninterrupted run: refused like a changed recovery.lr, before anything is written."""
+    last = _copy(finished, tmp_path / "run")
+    before = files(tmp_path / "run")
+    with pytest.raises(ValueError, match=rf"numerics.*{named}"):
+        run(compose_train(tmp_path / "run", data_dir, *BASE, change, f"ckpt_path={last}"))
+    assert files(tmp_path / "run") == before
+
+
+@pytest.mark.slow  # a subprocess: the console command as a user runs it (~10 s of start-up)
+def test_a_one_process_run_resumed_under_ddp_is_refused_naming_the_world_size(finished, tmp_path, data_dir):
+    """`trainer=ddp` (two processes) resuming a one-process run's checkpoint: each optimizer step
+    would average twice the examples. The real command line, refused before any process starts
+    and before anything is written."""
+    import subprocess
+    import sys
+
+    last = _copy(finished, tmp_path / "run")
+    before = files(tmp_path / "run")
+    proc = subprocess.run([sys.executable, "-m", "headprune.apps.train", *BASE, "trainer=ddp", "trainer.devices=2",
+                           "trainer.accelerator=cpu", f"data.data_dir={data_dir}", f"hydra.run.dir={tmp_path / 'run'}",
+                           f"ckpt_path={last}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "trainer.devices / trainer.strategy (world size 1 -> 2 processes)" in proc.stderr, proc.stderr[-3000:]
+    assert files(tmp_path / "run") == before
+
+
+def test_a_recovery_checkpoint_resumed_with_other_numerics_is_refused(tmp_path):
+    """A retraining-free run killed in its recovery's step budget (`recovery/last.ckpt`, the run's
+    state beside the weights) holds the runtime it trained with: each changed setting is named."""
+    from headprune.engine import Runtime
+    from headprune.engine.step_fit import RUN_STATE
+    from headprune.runs.resume import check_resume
+
+    path = tmp_path / "recovery" / "last.ckpt"
+    path.parent.mkdir()
+    saved = Runtime.of({"accelerator": "cpu"}).record()
+    torch.save({RUN_STATE: {"pruner": {"config": {}, "runtime": saved}}}, path)
+    assert check_resume({}, str(path), tmp_path, epochs=0, runtime=Runtime.of({"accelerator": "cpu"})) is None
+    changed = Runtime.of({"accelerator": "cpu", "accumulate_grad_batches": 4, "precision": "bf16-true",
+                          "strategy": "ddp", "devices": 2})
+    with pytest.raises(ValueError) as refused:
+        check_resume({}, str(path), tmp_path, epochs=0, runtime=changed)
+    for named in ("trainer.accumulate_grad_batches (1 -> 4)", "trainer.precision ('32-true' -> 'bf16-true')",
+                  "trainer.devices / trainer.strategy (world size 1 -> 2 processes)"):
+        assert named in str(refused.value)

@@ -147,3 +147,20 @@ def test_causal_lms_prune_to_a_kv_budget_and_tune(family):
         torch.testing.assert_close(model(**batch).logits, masked, atol=1e-5, rtol=0)
     if family == "llama":  # 2 of each layer's 4 query heads share a KV head: groups go whole
         assert all(len(kept) % 2 == 0 for kept in model.headprune_layout)
+
+
+def test_an_image_classifier_is_pruned_to_its_budget_through_the_api():
+    """ViT through `prune_to_budget(..., recovery="none")`: the batches' images (`pixel_values`) are
+    its examples (was: KeyError 'input_features', issue 56)."""
+    import transformers as tf
+
+    config = tf.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                          image_size=16, patch_size=8, num_labels=2)
+    torch.manual_seed(0)
+    model = tf.ViTForImageClassification(config).eval()
+    g = torch.Generator().manual_seed(0)
+    loader = [{"pixel_values": torch.randn(4, 3, 16, 16, generator=g), "labels": torch.randint(0, 2, (4,), generator=g)}
+              for _ in range(2)]
+    report = prune_to_budget(model, loader, budget={"kind": "heads", "target": 0.5}, recovery="none", eval_loader=loader)
+    assert sum(report["round"]["heads_per_layer"]) == 4
+    assert 0.0 <= report["round"]["val"]["acc"] <= 1.0

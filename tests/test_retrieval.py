@@ -76,3 +76,23 @@ def test_a_tiny_llama_runs_and_bad_settings_are_refused():
         passkey_accuracy(model, TOK, [100])
     with pytest.raises(ValueError, match=r"depths=\[1.5\] must be a non-empty list of shares in \[0, 1\]"):
         passkey_accuracy(model, TOK, [300], [1.5])
+
+
+def test_a_passkey_length_too_short_for_the_tokenizer_is_refused_with_the_model_check(tmp_path):
+    """`evaluation.passkey_lengths` shorter than the instruction, needle, question and answer: refused by
+    `EvaluationSettings.check_model`, which a run calls before its run dir is written (.hydra/, csv/,
+    train.log), not by the evaluation after the run (issue 56)."""
+    from types import SimpleNamespace
+
+    from headprune.evaluation.llm_suite import EvaluationSettings
+
+    tok = ByteTokenizer()
+    model = SimpleNamespace(config=llama_config(tok, max_position_embeddings=512))
+    data = SimpleNamespace(tokenizer=tok, held_out_ids=list(range(1000)), data_dir=str(tmp_path), name="x")
+    settings = EvaluationSettings(enabled=True, perplexity_tokens=64, perplexity_seqs=[32], passkey_lengths=[16, 300], zero_shot_tasks=[],
+                                  passkey_samples=1)
+    with pytest.raises(ValueError, match=r"evaluation\.passkey_lengths: passkey length=16 is too short.*allowed: at "
+                                         r"least \d+"):
+        settings.check_model(model, data)
+    EvaluationSettings(enabled=True, perplexity_tokens=64, perplexity_seqs=[32], passkey_lengths=[300], zero_shot_tasks=[],
+                       passkey_samples=1).check_model(model, data)

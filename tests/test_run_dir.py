@@ -68,3 +68,41 @@ def test_an_unwritable_run_dir_is_named_before_training(tmp_path, data_dir, monk
     with pytest.raises(PermissionError, match=r"the run dir .* cannot be written: Permission denied"):
         run(compose_iterative(tmp_path / "ro", data_dir))
     assert not (tmp_path / "ro" / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_an_overwrite_that_dies_midway_leaves_no_results_beside_the_old_export(first, data_dir, monkeypatch):
+    """`overwrite=true` over a finished run, dying before its own export (a full disk): the old
+    export/ must not stay beside the new run's results.json, which does not describe it (issue 56).
+    The run dir holds a matching pair, or no export."""
+    import json
+
+    import headprune.runs.execute as execute
+
+    assert (first / "export" / "config.json").is_file()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(execute, "export_pruned", disk_full)
+    from tests.helpers import compose_train
+
+    with pytest.raises(OSError, match="No space left"):
+        run(compose_train(first, data_dir, "model=tiny_bert", "debug=fast", "data.max_train_samples=32",
+                          "data.score_samples=16", "callbacks=default", "overwrite=true", "seed=7"))
+    saved = json.loads((first / "results.json").read_text())
+    assert saved["config"]["seed"] == 7  # the new run's record
+    assert not (first / "export").exists() or saved["final"].get("export_dir") == str(first / "export")
+
+
+def test_a_new_run_dir_that_cannot_be_created_is_refused_by_name(tmp_path, data_dir):
+    """A run dir on a read-only file system (or under a folder this user cannot write): Hydra would
+    create it before the app starts and print its own mkdir traceback; refused first, exit 2, naming
+    hydra.run.dir (issue 56)."""
+    from tests.helpers import unwritable_folder
+
+    target = unwritable_folder(tmp_path) / "new" / "run"
+    proc = train_cli(*_cli(data_dir), f"hydra.run.dir={target}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"hydra.run.dir={target}" in proc.stderr and "cannot be created" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "input_features", "decoder_input_ids",
+MODEL_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "input_features", "pixel_values", "decoder_input_ids",
                 "decoder_attention_mask")
 
 
@@ -65,9 +65,16 @@ def shift_right(labels: torch.Tensor, config) -> torch.Tensor:
     return out.masked_fill(out == -100, config.pad_token_id)
 
 
+EXAMPLE_INPUTS = ("input_ids", "input_features", "pixel_values")  # a batch's main input: text, audio, images
+
+
 def batch_size(batch: dict) -> int:
-    """Examples in a batch (its token ids', else its audio features' first axis)."""
-    return int(batch["input_ids" if "input_ids" in batch else "input_features"].shape[0])
+    """Examples in a batch: the first axis of its main input (token ids, audio features or images)."""
+    for name in EXAMPLE_INPUTS:
+        if name in batch:
+            return int(batch[name].shape[0])
+    raise ValueError(f"a batch holds none of {', '.join(EXAMPLE_INPUTS)} (its keys: {sorted(batch)}); allowed: a "
+                     "dict with the model's main input")
 
 
 def next_token_loss_sum(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, int]:

@@ -17,9 +17,12 @@ reason, rather than a final sparsity of 0. Run dirs reached through symbolic lin
 links to runs) are collected like any other.
 
 A results.json that cannot be read (truncated by a kill, a run still writing it, not a results
-object) is skipped and named on stderr; the command fails only when no run could be read. A null
+object, not strict JSON (NaN), a validation value or sparsity that is not a number) is skipped
+and named on stderr, with the field; the command fails only when no run could be read. A null
 value (results.json writes null for a non-finite accuracy, loss or perplexity) shows as "–" in the
-tables, an empty cell in runs.csv, and no point in curves and plots.
+tables, an empty cell in runs.csv, and no point in curves and plots. The outputs are published
+together (made in a staging folder inside --out, then renamed into place): a failure leaves an
+earlier output folder as it was.
 
 Runs whose LLM evaluation scored RULER (`evaluation.ruler_tasks`) also get `ruler.md`: per run, the
 dense model's and the export's score per task and context, the mean over every task and the RULER
@@ -31,12 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 from headprune import tasks
-from headprune.atomic import write_json_atomic, write_text_atomic
+from headprune.atomic import share, write_json_atomic, write_text_atomic
 from headprune.report import DASH, number, to_csv
 
 OVERRIDE_FILE = Path(".hydra") / "overrides.yaml"
@@ -148,8 +153,8 @@ def _results_files(root: Path) -> list[Path]:
 def _read_results(path: Path) -> tuple[dict | None, str]:
     """(the results, "") or (None, why the file cannot be used)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        data = json.loads(path.read_text(encoding="utf-8"), parse_constant=_not_strict)
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, a NaN or Infinity
         return None, f"not valid JSON, truncated or still being written: {err}"
     except OSError as err:
         return None, f"cannot be read: {err}"
@@ -160,7 +165,34 @@ def _read_results(path: Path) -> tuple[dict | None, str]:
             return None, f"'{key}' is missing or not a {kind.__name__}"
     if not isinstance(data["baseline"].get("val"), dict) or not all(isinstance(r, dict) for r in data["rounds"]):
         return None, "'baseline.val' or a round is not an object"
+    bad = _unreadable_value(data)
+    if bad:
+        return None, bad
     return data, ""
+
+
+def _not_strict(constant: str):
+    raise ValueError(f"not strict JSON: {constant} (results.json writes null for a non-finite value)")
+
+
+def _unreadable_value(data: dict) -> str:
+    """Why a figure the tables read is unusable ('' if none): each validation value and sparsity is a
+    number or null (results.json's null for a non-finite value)."""
+    places = [("baseline.val", data["baseline"].get("val")), ("final.val", data["final"].get("val"))]
+    for i, r in enumerate(data["rounds"]):
+        places += [(f"rounds[{i}].{key}", r.get(key)) for key in ("val", "val_before_finetune")]
+    checks = [(f"{where}.{k}", v) for where, block in places if isinstance(block, dict) for k, v in block.items()]
+    checks += [("final.sparsity", data["final"].get("sparsity"))]
+    checks += [(f"rounds[{i}].sparsity", r.get("sparsity")) for i, r in enumerate(data["rounds"])]
+    for where, value in checks:
+        if isinstance(value, (dict, list)) or value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            return f"{where}={value!r} is not a number; allowed: a number or null"
+    for where, block in places[1:]:
+        if block is not None and not isinstance(block, dict):
+            return f"{where} is not an object"
+    return ""
 
 
 def label(run: dict, keys: list[str] | None = None, mean_over: list[str] = ()) -> str:
@@ -300,23 +332,37 @@ def plot(runs: list[dict], path: Path, keys: list[str] | None = None, before_fin
 def collect(roots: list[Path], out: Path, keys: list[str] | None = None, before_finetune: bool = False,
             mean_over: list[str] = (), skipped: list[str] | None = None) -> list[dict]:
     """Write the tables, CSV, plot and runs.json of the readable runs under `roots` into `out`;
-    unreadable results.json files are appended to `skipped`."""
+    unreadable results.json files are appended to `skipped`. The outputs are published together:
+    every file is made in a hidden staging folder inside `out` first, and only when all are made
+    are they renamed into place (a plot of a task this collection has none of is removed), so a
+    failure leaves an earlier output as it was, never a mix of two collections."""
     runs = load_runs(roots, skipped)
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("runs.csv", to_csv(rows(runs))), ("results.md", final_table(runs, keys)),
-                       ("curves.md", curve_table(runs, keys, mean_over, before_finetune))):
-        write_text_atomic(out / name, text)
-    ruler = ruler_report(runs, keys)
-    if ruler:
-        write_text_atomic(out / "ruler.md", ruler)
-    for metric, group in by_task(runs).items():  # one plot per task
-        plot(group, out / PLOT_FILES[metric], keys, before_finetune, mean_over)
-    # scores only of the first round (the unpruned model's importance map), to keep the file small;
-    # the layer-sensitivity profile when a run measured one
-    write_json_atomic(out / "runs.json", [{k: r.get(k) for k in ("run_dir", "overrides", "baseline", "final", "model")}
-                                          | {k: r[k] for k in ("layer_sensitivity",) if k in r}
-                                          | {"rounds": [{k: v for k, v in x.items() if k != "scores" or i == 0}
-                                                        for i, x in enumerate(r["rounds"])]} for r in runs])
+    stage = Path(tempfile.mkdtemp(dir=out, prefix=".collect.", suffix=".tmp"))
+    try:
+        for name, text in (("runs.csv", to_csv(rows(runs))), ("results.md", final_table(runs, keys)),
+                           ("curves.md", curve_table(runs, keys, mean_over, before_finetune))):
+            write_text_atomic(stage / name, text)
+        ruler = ruler_report(runs, keys)
+        if ruler:
+            write_text_atomic(stage / "ruler.md", ruler)
+        for metric, group in by_task(runs).items():  # one plot per task
+            plot(group, stage / PLOT_FILES[metric], keys, before_finetune, mean_over)
+        # scores only of the first round (the unpruned model's importance map), to keep the file small;
+        # the layer-sensitivity profile when a run measured one
+        write_json_atomic(stage / "runs.json", [{k: r.get(k) for k in ("run_dir", "overrides", "baseline", "final",
+                                                                       "model")}
+                                                | {k: r[k] for k in ("layer_sensitivity",) if k in r}
+                                                | {"rounds": [{k: v for k, v in x.items() if k != "scores" or i == 0}
+                                                              for i, x in enumerate(r["rounds"])]} for r in runs])
+        made = {p.name for p in stage.iterdir()}
+        for name in (set(PLOT_FILES.values()) | {"ruler.md"}) - made:  # an earlier collection's plot or RULER table not made now
+            (out / name).unlink(missing_ok=True)
+        for name in sorted(made):
+            share(stage / name)
+            os.replace(stage / name, out / name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return runs
 
 

@@ -153,7 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     if refusals:
         parser.error("; ".join(refusals))  # exit 2, nothing written
     if args.gguf is not None:
-        write_gguf(folder, model, args.gguf, args.gguf_weights)
+        try:
+            write_gguf(folder, model, args.gguf, args.gguf_weights)
+        except ValueError as err:  # what GGUF cannot express (a vocabulary without merges...): nothing written
+            parser.error(f"--gguf {args.gguf}: {err}")
     if args.vllm_deci is not None:
         write_vllm_deci(folder, model, args.vllm_deci)
     if args.onnx is None and args.onnx_decode is None:

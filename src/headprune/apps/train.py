@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from headprune.apps.config_paths import config_dir
@@ -49,6 +50,20 @@ def record(output_dir: Path, cfg: DictConfig) -> logging.Handler | None:
     handler.setFormatter(logging.Formatter(run_dir.LOG_FORMAT))
     logging.getLogger().addHandler(handler)
     return handler
+
+
+class RunDirCheck(Callback):
+    """A Hydra callback (conf/train.yaml `hydra.callbacks.run_dir_check`): before Hydra creates the run
+    dir of a single run (which it does before the app starts, with its own traceback when it cannot),
+    a run dir that cannot be created is refused naming hydra.run.dir: exit 2, nothing written."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        target = Path(str(config.hydra.run.dir))
+        problem = run_dir.creation_problem(target)
+        if problem:
+            print(f"headprune-train: hydra.run.dir={target} cannot be created: {problem}; allowed: a folder you can "
+                  "create files in (hydra.run.dir=<path>)", file=sys.stderr)
+            raise SystemExit(2)
 
 
 def _hydra_config():

@@ -19,10 +19,11 @@ log = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def fold(model: nn.Module, mask: HeadMask) -> dict:
+def fold(model: nn.Module, mask: HeadMask, verify: bool | None = None) -> dict:
     """Fold `mask` into `model` in place and detach it (module docstring). Returns what was
     folded, for results.json: `l0_gates_folded` (heads closed by learned gates) and
-    `gates_folded` (scales other than 0 and 1), each only when it applies."""
+    `gates_folded` (scales other than 0 and 1), each only when it applies. The removal verifies
+    itself (`prune_heads`' `verify`: a `heads.verify.SurgeryError` before anything is saved)."""
     gates = mask.mask.detach().clone()  # (L, H)
     info: dict = {}
     if mask.stochastic is not None:
@@ -38,5 +39,5 @@ def fold(model: nn.Module, mask: HeadMask) -> dict:
     mask.mask.copy_((gates > 0).to(mask.mask))
     pruned = mask.pruned()
     mask.detach()
-    prune_heads(model, pruned)
+    prune_heads(model, pruned, verify=verify)
     return info

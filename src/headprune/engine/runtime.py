@@ -158,7 +158,7 @@ class Runtime:
                 "autocast_dtype": None if self.autocast_dtype is None else str(self.autocast_dtype).removeprefix("torch."),
                 "precision": self.precision, "strategy": self.strategy, "world_size": self.world_size,
                 "accumulate_grad_batches": self.accumulate_grad_batches,
-                "torch": torch.__version__, "transformers": transformers.__version__,
+                "torch": str(torch.__version__), "transformers": transformers.__version__,
                 "lightning": lightning.__version__, "torch_threads": torch.get_num_threads()}
 
 

@@ -144,6 +144,13 @@ class EvaluationSettings:
         if self.passkey_lengths and positions and max(self.passkey_lengths) > positions:
             raise ValueError(f"evaluation.passkey_lengths: {max(self.passkey_lengths)} exceeds the model's {positions} "
                              f"positions; allowed: at most {positions}")
+        if self.passkey_lengths:  # each length holds the instruction, needle, question and answer in this tokenizer
+            from headprune.evaluation.retrieval import passkey_cases
+
+            try:
+                passkey_cases(datamodule.tokenizer, sorted(set(self.passkey_lengths)), self.passkey_depths[:1], 1)
+            except ValueError as err:
+                raise ValueError(f"evaluation.passkey_lengths: {err}") from None
         if self.ruler_tasks:
             self.check_ruler(datamodule.tokenizer, positions, datamodule.data_dir)
         held = len(datamodule.held_out_ids)

@@ -32,6 +32,7 @@ from headprune.heads.adapters import (LAYOUT_ATTR, ArchAdapter, feature_dim, get
                                       set_num_features)
 from headprune.heads.headless import HeadlessAttention
 from headprune.heads.stacks import StackedAdapter, to_rows
+from headprune.heads.verify import Probe, wanted
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,8 @@ class Sliced(NamedTuple):
     index: torch.Tensor
 
 
-def prune_heads(model: nn.Module, heads: HeadSpec, sliced: list[Sliced] | None = None) -> nn.Module:
+def prune_heads(model: nn.Module, heads: HeadSpec, sliced: list[Sliced] | None = None,
+                verify: bool | None = None) -> nn.Module:
     """Remove `heads` from `model` in place and return it.
 
     `heads` maps layer -> head ids, or is an iterable of (layer, head) pairs (as
@@ -60,12 +62,21 @@ def prune_heads(model: nn.Module, heads: HeadSpec, sliced: list[Sliced] | None =
     Every sliced parameter is replaced by a new, smaller one. Pass a list as `sliced` to get a
     `Sliced(old, new, dim, index)` entry per replaced parameter, e.g. to carry optimizer state
     over (`heads.optimizer_state.carry_optimizer_state`).
+
+    The surgery verifies itself (`heads.verify`): one tiny forward of the pruned model must give
+    what the model with the same heads masked gave, else `SurgeryError` names the module and any
+    parameter left unsliced. `verify=False` skips it (None: the model's `set_verify` setting, by
+    default on).
     """
     adapter = get_adapter(model)
     blocks = adapter.blocks(model)
     n_heads = adapter.num_heads(model.config)
     request = _validated(to_rows(model, heads), len(blocks), n_heads)
     layout = head_layout(model)
+    removing = {layer: remove & set(layout[layer]) for layer, remove in request.items()}
+    probe = Probe(model, adapter, removing) if any(removing.values()) and wanted(model, verify) else None
+    if probe is not None:
+        probe.before(model)
     for layer, remove in request.items():
         kept = [h for h in layout[layer] if h not in remove]
         if kept != layout[layer]:
@@ -74,11 +85,14 @@ def prune_heads(model: nn.Module, heads: HeadSpec, sliced: list[Sliced] | None =
     setattr(model, LAYOUT_ATTR, layout)
     if isinstance(adapter, StackedAdapter):
         adapter.settle(model, sliced)  # what a stack shares across its layers (T5's position bias)
+    if probe is not None:
+        probe.after(model)
     return model
 
 
-def apply_layout(model: nn.Module, layout: list[list[int]]) -> nn.Module:
-    """Prune `model` down to `layout` (original ids of the heads each layer keeps)."""
+def apply_layout(model: nn.Module, layout: list[list[int]], verify: bool | None = None) -> nn.Module:
+    """Prune `model` down to `layout` (original ids of the heads each layer keeps); `verify` as
+    `prune_heads`' (a saved layout loaded onto weights about to be replaced: False)."""
     current = head_layout(model)
     if len(layout) != len(current):
         raise ValueError(f"layout has {len(layout)} layers, the model has {len(current)}")
@@ -89,7 +103,7 @@ def apply_layout(model: nn.Module, layout: list[list[int]]) -> nn.Module:
             raise ValueError(f"layout keeps heads {missing} of layer {layer}, which the model does not have "
                              f"(it has {now})")
         heads[layer] = [h for h in now if h not in set(target)]
-    return prune_heads(model, heads)
+    return prune_heads(model, heads, verify=verify)
 
 
 def kv_group_heads(model: nn.Module) -> list[list[int]]:

@@ -149,6 +149,30 @@ def checkpoint_activations(model):
 
 def _build(pretrained: str, num_labels: int, task: str, random_init: bool, attn_implementation: str,
            config_overrides: dict[str, Any] | None, seed: int | None, dtype: str | None):
+    try:
+        return _load(pretrained, num_labels, task, random_init, attn_implementation, config_overrides, seed, dtype)
+    except ValueError as err:
+        # transformers' refusal of an attention kernel a family lacks (DeBERTa: eager only) does not
+        # name the setting that asked for it
+        text = str(err)
+        if attn_implementation == "sdpa" and ("scaled_dot_product_attention" in text or "sdpa" in text.lower()) \
+                and "does not support" in text:
+            model_type = _model_type(pretrained)
+            raise ValueError(f"model.attn_implementation=sdpa (the default) is not available for "
+                             f"model_type={model_type!r} in transformers ({text.split('.')[0]}); allowed: "
+                             "model.attn_implementation=eager") from None
+        raise
+
+
+def _model_type(pretrained: str) -> str | None:
+    try:
+        return AutoConfig.from_pretrained(resolve_pretrained(pretrained)).model_type
+    except Exception:  # noqa: BLE001 - only for the message
+        return None
+
+
+def _load(pretrained: str, num_labels: int, task: str, random_init: bool, attn_implementation: str,
+          config_overrides: dict[str, Any] | None, seed: int | None, dtype: str | None):
     check_task(task)
     if attn_implementation not in ("eager", "sdpa"):
         raise ValueError(f"model.attn_implementation={attn_implementation!r} is not allowed; allowed: eager, sdpa")

@@ -97,6 +97,37 @@ def capture(model: nn.Module, batch: dict) -> BlockInputs:
     return BlockInputs(seen[0][0], [kwargs for _, kwargs in seen])
 
 
+def blockwise_problem(model: nn.Module, what: str, allowed: str = "recovery=none, finetune, distill or lora") -> str:
+    """Why `what` (a method that carries hidden states block by block: least squares, refit) cannot
+    run on `model`, or '': a hybrid (`heads.hybrid.blockwise_refusal`), a model with several attention
+    stacks (an encoder-decoder's blocks are not one chain), or one whose forward does not call each
+    block once on the previous block's hidden states (DeBERTa's encoder unpacks each layer's output).
+    The last is found by `capture` on a one-example probe (`heads.verify.probe_inputs`): no block
+    computes anything, the model is left as it was."""
+    from headprune.heads.hybrid import blockwise_refusal
+    from headprune.heads.stacks import StackedAdapter
+    from headprune.heads.verify import probe_inputs
+
+    refusal = blockwise_refusal(model, what, allowed)
+    if refusal:
+        return refusal
+    model_type = getattr(model.config, "model_type", None)
+    if isinstance(get_adapter(model), StackedAdapter):
+        return (f"{what} carries one chain of blocks, but model_type={model_type!r} has several attention stacks "
+                f"(encoder and decoder); allowed there: {allowed}")
+    batch = probe_inputs(model)
+    if batch is None:
+        return ""
+    try:
+        with eval_mode(model):
+            capture(model, {**batch, "attention_mask": torch.ones_like(batch["input_ids"])} if "input_ids" in batch
+                    else batch)
+    except Exception as err:  # noqa: BLE001 - any failure means the blocks cannot be replayed one by one
+        return (f"{what} runs the model block by block, but the forward of model_type={model_type!r} does not call its "
+                f"blocks one after another on one hidden state ({type(err).__name__}: {err}); allowed there: {allowed}")
+    return ""
+
+
 def run_block(model: nn.Module, layer: int, inputs: BlockInputs, hidden: torch.Tensor) -> torch.Tensor:
     """Block `layer` of `model` on `hidden` (B, T, E) with the batch's recorded arguments."""
     out = get_adapter(model).blocks(model)[layer](hidden, **inputs.kwargs[layer])

@@ -69,9 +69,9 @@ class LeastSquares(Reconstruction):
 
     def check_model(self, student: nn.Module) -> None:
         """The run's one bias check, before any work: each round's tuning trusts it; hybrids refused."""
-        from headprune.heads.hybrid import blockwise_refusal
+        from headprune.recovery.blockwise import blockwise_problem
 
-        refusal = blockwise_refusal(student, "recovery=least_squares")
+        refusal = blockwise_problem(student, "recovery=least_squares")
         if refusal:
             raise ValueError(refusal)
         check_bias(student, self)

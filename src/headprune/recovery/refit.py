@@ -96,9 +96,9 @@ class Refit(Reconstruction):
 
     def check_model(self, student: nn.Module) -> None:
         """The run's one bias check, before any work: each round's refit trusts it; hybrids refused."""
-        from headprune.heads.hybrid import blockwise_refusal
+        from headprune.recovery.blockwise import blockwise_problem
 
-        refusal = blockwise_refusal(student, "recovery=refit")
+        refusal = blockwise_problem(student, "recovery=refit")
         if refusal:
             raise ValueError(refusal)
         check_bias(student, self)

@@ -14,6 +14,7 @@ from headprune.engine import Runtime
 from headprune.evaluation.llm_suite import EvaluationSettings
 from headprune.heads.hybrid import layer_report
 from headprune.heads.surgery import count_params
+from headprune.heads.verify import set_verify
 from headprune.lightning.callbacks import HeadPruning
 from headprune.lightning.module import HeadPruneModule
 from headprune.models import load_tokenizer
@@ -53,6 +54,7 @@ def assemble(spec: RunSpec, runtime: Runtime | None = None) -> Setup:
     datamodule.setup("fit")
     model = spec.model.build(num_labels=datamodule.num_labels)
     check_model(model, spec)  # its head does model.task, before any work
+    set_verify(model, spec.pruning.verify_surgery)  # every prune_heads on it (rounds, the export's fold)
     if not spec.trains:
         runtime.place(model, model_device=spec.pruning.model_device)
     spec.kv_modes.check_model(model, task, spec.budget, spec.layer_policy)

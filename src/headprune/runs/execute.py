@@ -49,7 +49,8 @@ def run(spec: RunSpec, record: Record | None = None) -> dict:
         spec.evaluation.check(spec.task)
         run_dir.refuse_to_overwrite(output_dir, resuming=bool(ckpt_path), overwrite=spec.output.overwrite)
         if ckpt_path:
-            finished = check_resume(spec.record(), ckpt_path, output_dir, spec.schedule.total_epochs(), spec.recovery)
+            finished = check_resume(spec.record(), ckpt_path, output_dir, spec.schedule.total_epochs(), spec.recovery,
+                                    runtime=runtime)
             if finished is not None:
                 return finished
         start = time.perf_counter()
@@ -59,6 +60,7 @@ def run(spec: RunSpec, record: Record | None = None) -> dict:
         spec.evaluation.check_model(setup.module.model, setup.datamodule)
         setup.stages["load"] = round(time.perf_counter() - start, 3)
         run_dir.check_writable(output_dir)
+        run_dir.retire_old_export(output_dir, resuming=bool(ckpt_path), overwrite=spec.output.overwrite)
         log_file = record(output_dir) if record is not None else None
     finally:
         buffered.release(into=log_file)

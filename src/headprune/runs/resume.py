@@ -26,7 +26,7 @@ DEFINING = ("model", "data", "metric", "schedule", "layer_policy", "budget", "re
 # within those, what may change between the two parts of a run (where files are, how fast it loads,
 # where the dense copy and the pruned model's blocks live, whether training recomputes activations)
 FREE = ("data.data_dir", "data.num_workers", "budget.cache_dir", "pruning.dense_device", "pruning.model_device",
-        "model.gradient_checkpointing")
+        "model.gradient_checkpointing", "pruning.verify_surgery")
 
 
 def experiment(config: dict) -> dict:
@@ -35,10 +35,13 @@ def experiment(config: dict) -> dict:
     return {k: v for k, v in flat.items() if k not in FREE}
 
 
-def check_resume(config: Mapping, ckpt_path: str, output_dir: Path, epochs: int, recovery=None) -> dict | None:
+def check_resume(config: Mapping, ckpt_path: str, output_dir: Path, epochs: int, recovery=None,
+                 runtime=None) -> dict | None:
     """Refuse a resume that cannot continue this run, whose settings are `config` (`RunSpec.record`:
     the resolved composed config) (naming what differs, or what `recovery`
-    needs and lacks); return the finished run's results when there is nothing left to do (None: go on).
+    needs and lacks), or whose `runtime` (`engine.Runtime`, None: not checked) would train with
+    other numerics than the checkpoint's run (`NUMERICS`); return the finished run's results when
+    there is nothing left to do (None: go on).
     A run that trains no epoch resumes only from a recovery's step-budget checkpoint
     (`<run dir>/recovery/last.ckpt`), which holds the run's state (`step_fit.RUN_STATE`)."""
     path = Path(ckpt_path)
@@ -68,6 +71,8 @@ def check_resume(config: Mapping, ckpt_path: str, output_dir: Path, epochs: int,
             raise ValueError(f"ckpt_path={ckpt_path} was made with other settings than this resume: {shown}"
                              f"{' ...' if len(differ) > 8 else ''}; resume with the run's own settings (its "
                              ".hydra/config.yaml) or start a new run")
+    if runtime is not None:
+        _check_numerics(runtime, _saved_runtime(checkpoint, in_recovery, output_dir), ckpt_path)
     results = output_dir / "results.json"
     if results.is_file():
         try:
@@ -82,6 +87,49 @@ def check_resume(config: Mapping, ckpt_path: str, output_dir: Path, epochs: int,
     check = getattr(recovery, "check_resume", None)
     if check is not None and not in_recovery and rounds_done(checkpoint):  # (a step-budget resume rebuilds it)  # the recovery set itself up in round 1
         check(output_dir)
+    return None
+
+
+# the runtime settings a resume may not change: each makes the resumed steps compute something other
+# than the uninterrupted run's (more or fewer examples per optimizer step, weights and activations in
+# another dtype); (results.json `runtime` key, the settings that set it, how a change is shown)
+NUMERICS = (("accumulate_grad_batches", "trainer.accumulate_grad_batches", "{!r} -> {!r}"),
+            ("precision", "trainer.precision", "{!r} -> {!r}"),
+            ("world_size", "trainer.devices / trainer.strategy", "world size {} -> {} processes"))
+
+
+def _check_numerics(runtime, saved: dict | None, ckpt_path: str) -> None:
+    """Refuse a resume whose trainer settings change the numerics of the remaining steps (`NUMERICS`),
+    naming each setting. What may change: where the files are, the progress bar, the number of data
+    workers (docs/guide_resume.md)."""
+    if not saved:
+        return  # a checkpoint of a run that recorded no runtime (before results.json had one)
+    differ = [f"{name} ({shown.format(saved[key], getattr(runtime, key))})" for key, name, shown in NUMERICS
+              if key in saved and saved[key] != getattr(runtime, key)]
+    if differ:
+        raise ValueError(f"ckpt_path={ckpt_path} was trained with other numerics than this resume: {', '.join(differ)}; "
+                         "the remaining steps would not compute what the uninterrupted run computes, and results.json "
+                         "would describe neither: resume with the run's own trainer settings (its results.json "
+                         "`runtime`, .hydra/config.yaml) or start a new run")
+
+
+def _saved_runtime(checkpoint: dict, in_recovery: bool, output_dir: Path) -> dict | None:
+    """The runtime the checkpoint's run recorded (results.json `runtime`): in the checkpoint's pruning
+    state, else (checkpoints written before it was there) in the run dir's results.json."""
+    if in_recovery:
+        state = checkpoint[RUN_STATE]["pruner"]
+        if isinstance(state.get("runtime"), dict):
+            return state["runtime"]
+    for state in (checkpoint.get("callbacks") or {}).values():
+        if isinstance(state, dict) and isinstance(state.get("runtime"), dict):
+            return state["runtime"]
+    results = output_dir / "results.json"
+    if results.is_file():
+        try:
+            saved = json.loads(results.read_text()).get("runtime")
+        except (json.JSONDecodeError, AttributeError):
+            return None
+        return saved if isinstance(saved, dict) else None
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import logging.handlers
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -64,3 +65,36 @@ def check_writable(output_dir: Path) -> None:
     except OSError as err:
         raise PermissionError(f"the run dir {output_dir} (hydra.run.dir / paths.output_dir) cannot be written: "
                               f"{err.strerror}; allowed: a folder you can create files in") from None
+
+
+def retire_old_export(output_dir: Path, resuming: bool, overwrite: bool) -> None:
+    """`overwrite=true` (a new run, not a resume) over a folder holding an earlier run's export/: the
+    export goes before the new run writes its first results.json, so the folder never holds a
+    results.json beside an export it does not describe (a rerun dying before its own export left the
+    old, differently pruned export/ beside the new results). Renamed aside in one step, then removed.
+    Rank 0 only."""
+    export = output_dir / "export"
+    if resuming or not overwrite or not is_rank_zero() or not export.exists():
+        return
+    aside = output_dir / f".export.{os.getpid()}.retired"
+    os.replace(export, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+    logging.getLogger(__name__).info("overwrite=true: the earlier run's export %s was removed", export)
+
+
+def creation_problem(output_dir: Path) -> str:
+    """Why `output_dir` cannot be created (or written, when it exists), or '': the nearest existing
+    folder on its path must take new entries (a read-only file system or a folder without write
+    permission does not). For the check before Hydra creates the run dir itself."""
+    path = Path(output_dir).absolute()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is None:
+        return ""
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        return f"{existing} does not take new files ({err.strerror})"
+    return ""

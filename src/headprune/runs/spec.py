@@ -59,6 +59,7 @@ class PruningSpec:
     rearrange: bool = False
     dense_device: str = "run"  # run or cpu (engine.offload.DENSE_DEVICES); checked with the budget
     model_device: str = "run"  # run or cpu (engine.offload.MODEL_DEVICES); checked with the budget and training
+    verify_surgery: bool = True  # each physical removal checked by one tiny forward against the masked model
 
     def __post_init__(self) -> None:
         _check_types(self, "pruning.")

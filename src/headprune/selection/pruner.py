@@ -175,7 +175,8 @@ class Pruner:
                 "sensitivity": self.sensitivity, "last_good": None if self.last_good is None else self.last_good.tolist(),
                 "costs": None if self.costs is None else self.costs.to_json(), "budget": self.results.data.get("budget"),
                 "awaiting_finetune": self.awaiting_finetune,
-                "config": self.results.data.get("config")}  # what a resume is checked against
+                "config": self.results.data.get("config"),  # what a resume is checked against
+                "runtime": self.results.data.get("runtime")}  # (the numerics: runs.resume.NUMERICS)
 
     def load_state_dict(self, state: dict) -> None:
         self.results.data["baseline"], self.results.data["rounds"] = state["baseline"], state["rounds"]
