@@ -1,13 +1,13 @@
-"""deploy/coverage.py: the coverage table generated from transformers' auto mappings. A sample of
+"""tools/coverage.py: the coverage table generated from transformers' auto mappings. A sample of
 model types is checked here (a pass, a refusal with its reason, an image model, a failure the checks
 must catch); docs/coverage.md is the rendering of docs/coverage.json, and both agree with the
-adapters registered now. The full run is `python -m headprune.deploy.coverage --out
+adapters registered now. The full run is `python -m tools.coverage --out
 docs/coverage.json --markdown docs/coverage.md` (about 4 minutes on two cores)."""
 import json
 
 import pytest
 
-from headprune.deploy import coverage
+from tools import coverage
 from headprune.heads import adapters
 from tests.helpers import REPO
 

@@ -1,6 +1,6 @@
 """The families added for issue 39 (tests/helpers.py MORE_FAMILIES): for each, one build per attention
 implementation runs every check the parametrized tests of test_surgery / test_hf make for the
-first families (headprune.deploy.coverage.check_model): removal equals masking to 1e-5 under eager
+first families (tools.coverage.check_model): removal equals masking to 1e-5 under eager
 and sdpa with a layer left without heads, a partly kept KV group and a whole one; greedy generate()
 with the KV cache equals the masked model's; save_pruned / load_pruned reload equal; a uniform
 whole-group layout reloads with plain from_pretrained where the config can say it. Then what sets
@@ -13,7 +13,7 @@ import torch
 import transformers as tf
 
 from headprune import HeadMask, count_params, load_pruned, prune_heads, save_pruned
-from headprune.deploy.coverage import check_model
+from tools.coverage import check_model
 from headprune.heads.adapters import get_adapter
 from tests.helpers import D, HEADS, HIDDEN, MORE_FAMILIES, PRUNE, inputs, tiny
 
@@ -211,7 +211,7 @@ def test_output_gated_attention_prunes_exactly(model_type):
     """AFMoE and Beam multiply each head's context by a sigmoid gate (gate_proj rows per head; Beam
     adds a per-head gate bias): the gate rows go with their heads and are zero-padded like the
     queries in a partly kept KV group. Their tiny models come from coverage.tiny_config."""
-    from headprune.deploy.coverage import check_model_type
+    from tools.coverage import check_model_type
 
     row = check_model_type(model_type, ["causal_lm"])
     assert row["status"] == "passes", row
@@ -290,7 +290,7 @@ def test_more_vision_encoders_pass_the_coverage_check(model_type):
     """ViT's layout (DINOv2 with registers, ViT-MSN, I-JEPA), CLIP's vision tower (MetaCLIP 2, SigLIP 2 with
     its NaFlex patches, one image padded) and BEiT (its tiny config with per-layer relative position bias
     tables, Data2Vec-Vision the same in BERT's layout) from coverage.tiny_config."""
-    from headprune.deploy.coverage import check_model_type
+    from tools.coverage import check_model_type
 
     row = check_model_type(model_type, ["image_classification"])
     assert row["status"] == "passes", row
