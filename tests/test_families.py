@@ -295,3 +295,40 @@ def test_more_vision_encoders_pass_the_coverage_check(model_type):
     row = check_model_type(model_type, ["image_classification"])
     assert row["status"] == "passes", row
     assert row["checks"]["eager"] == row["checks"]["sdpa"] == row["checks"]["reload"] == "passes"
+
+
+def _cohere_qk_norm(attn: str = "eager"):
+    """A tiny Cohere with `use_qk_norm`: q_norm / k_norm are LayerNorms with a weight row per query /
+    KV head ((heads, head_dim)), drawn so that every head's row differs."""
+    from tools.coverage import _builder
+
+    model = _builder("cohere", "causal_lm", {"use_qk_norm": True})(attn)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=generator))
+    return model
+
+
+def test_per_head_norm_weights_go_with_their_heads(tmp_path):
+    """Cohere's q/k norms under `use_qk_norm` hold a (heads, head_dim) weight: the kept query slots
+    keep their rows (a zero query padded into a partly kept KV group gets a kept head's row, as the
+    sinks do), the kept KV heads theirs; removal equals masking (eager, sdpa, generate), reloads, and
+    a uniform layout loads with plain from_pretrained (the config's head counts size the norms)."""
+    from headprune.heads.surgery import Sliced
+
+    model = _cohere_qk_norm()
+    attn = [layer.self_attn for layer in model.model.layers]
+    dense = [(a.q_norm.weight.detach().clone(), a.k_norm.weight.detach().clone()) for a in attn]
+    assert dense[0][0].shape == (4, 16) and dense[0][1].shape == (2, 16)  # coverage.SIZES: 4 heads, 2 KV heads
+    sliced: list[Sliced] = []
+    prune_heads(model, {1: [1], 2: [2, 3]}, sliced=sliced)
+    torch.testing.assert_close(attn[1].q_norm.weight, dense[1][0][[0, 0, 2, 3]])  # head 0, padding, 2, 3
+    torch.testing.assert_close(attn[1].k_norm.weight, dense[1][1])
+    torch.testing.assert_close(attn[2].q_norm.weight, dense[2][0][[0, 1]])
+    torch.testing.assert_close(attn[2].k_norm.weight, dense[2][1][[0]])
+    assert [s.index.tolist() for s in sliced if s.new is attn[2].k_norm.weight] == [[0]]
+    result = check_model(_cohere_qk_norm, "causal_lm", tmp=tmp_path)
+    assert result["status"] == "passes", result
+    assert result["checks"]["plain"] == result["checks"]["generate (sdpa)"] == "passes"

@@ -120,15 +120,20 @@ OVERRIDES["beit"] = OVERRIDES["data2vec-vision"] = {"use_relative_position_bias"
 
 
 # -- tiny configs ------------------------------------------------------------------------------------
-def tiny_config(model_type: str, config_class=None):
+def tiny_config(model_type: str, config_class=None, variant: dict | None = None):
     """The config class of `model_type` (or `config_class`: the text config a composite's causal-LM
     class is built from) with the small `SIZES` it has fields for, nested sub-configs (`text_config`,
-    `vision_config`, `attn_config`, ...) shrunk the same way, and `OVERRIDES` by model type."""
+    `vision_config`, `attn_config`, ...) shrunk the same way, `OVERRIDES` by model type, and last
+    `variant`'s fields (a config variant, tools/config_variants.py; a dict under a sub-config's name
+    sets that sub-config's fields)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = config_class or CONFIG_MAPPING[model_type]
-    return cls(**{**_tiny_kwargs(cls), **OVERRIDES.get(cls.model_type or model_type, {}),
-                  **OVERRIDES.get(model_type, {})})
+    kwargs = {**_tiny_kwargs(cls), **OVERRIDES.get(cls.model_type or model_type, {}), **OVERRIDES.get(model_type, {})}
+    for name, value in (variant or {}).items():
+        nested = isinstance(value, dict) and isinstance(kwargs.get(name), dict) and name in (getattr(cls, "sub_configs", None) or {})
+        kwargs[name] = {**kwargs[name], **value} if nested else value
+    return cls(**kwargs)
 
 
 def _fields(cls) -> set[str]:
@@ -372,9 +377,9 @@ def check_model(build, task: str, attn_implementations=("eager", "sdpa"), tmp: P
     return result
 
 
-def _builder(model_type: str, task: str):
-    """build(attn) for the tiny `model_type` under `task`'s auto class, the same weights each call;
-    or raises (not built)."""
+def _builder(model_type: str, task: str, variant: dict | None = None):
+    """build(attn) for the tiny `model_type` under `task`'s auto class (its config with `variant`'s
+    fields, `tiny_config`), the same weights each call; or raises (not built)."""
     import transformers
     from transformers.utils import logging as hf_logging
 
@@ -391,7 +396,7 @@ def _builder(model_type: str, task: str):
 
     own = getattr(cls, "config_class", None)
     subs = (getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or {}).values()
-    config = tiny_config(model_type, own if own is not None and any(own is sub for sub in subs) else None)
+    config = tiny_config(model_type, own if own is not None and any(own is sub for sub in subs) else None, variant)
     with torch.device("meta"):
         meta = cls._from_config(config)
     n = sum(p.numel() for p in meta.parameters())
@@ -406,9 +411,11 @@ def _builder(model_type: str, task: str):
     return build
 
 
-def check_model_type(model_type: str, mappings: list[str], probe: bool = False, timeout: int = 120) -> dict:
+def check_model_type(model_type: str, mappings: list[str], probe: bool = False, timeout: int = 120,
+                     variants: bool = True) -> dict:
     """One row of the table: {"model_type", "mappings", "task", "status", "reason", "adapter",
-    "checks", "seconds"}."""
+    "checks", "seconds"}, and for a type that passes on its default config (with `variants`) its
+    config variants checked the same way (`check_variants`: "variants", "not_varied")."""
     from headprune.heads import adapters
 
     task = mappings[0]
@@ -441,6 +448,9 @@ def check_model_type(model_type: str, mappings: list[str], probe: bool = False, 
                            adapter=row.get("adapter"), checks=row.get("checks", {}))
     except _Timeout as err:
         row.update(status="fails", reason=f"timeout: {err}", adapter=row.get("adapter"), checks=row.get("checks", {}))
+    try:
+        if variants and row["status"] == "passes":
+            row.update(check_variants(model_type, task, build("eager"), timeout))
     finally:
         if probed:
             del adapters.ADAPTERS[built_type]
@@ -448,6 +458,43 @@ def check_model_type(model_type: str, mappings: list[str], probe: bool = False, 
     if probed:
         row["probed"] = "llama"
     return row
+
+
+def check_variants(model_type: str, task: str, model: nn.Module, timeout: int = 120) -> dict:
+    """{"variants": [one entry per config variant of `model` (the tiny default, which passed) that
+    reaches its attention: {"variant", "fields", "status", "reason", "checks"}, checked as the default
+    by `check_model`], "not_varied": {field: why}} (tools/config_variants.py). A variant whose config
+    cannot be built, or whose unpruned model the inputs do not run, or whose config class does not
+    keep the fields set, is "not built"."""
+    from headprune.heads.adapters import get_adapter
+    from tools.config_variants import applied, config_variants
+
+    adapter = get_adapter(model)
+    found, skipped = config_variants(model, adapter)
+    out = []
+    for name, fields in found.items():
+        entry = {"variant": name, "fields": fields, "status": "passes", "reason": "", "checks": {}}
+        variant = {adapter.sub_config: fields} if adapter.sub_config else fields
+        try:
+            with _time_limit(timeout):
+                try:
+                    build = _builder(model_type, task, variant)
+                    why = applied(adapter.config_of(build("eager").config), fields)
+                except _Timeout:
+                    raise
+                except Exception as err:  # noqa: BLE001 - recorded in the table
+                    why = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+                if why:
+                    entry.update(status="not built", reason=why)
+                else:
+                    result = check_model(build, task)
+                    entry.update(status=result["status"], reason=result["reason"], checks=result["checks"])
+        except _Timeout as err:
+            entry.update(status="fails", reason=f"timeout: {err}")
+        except Exception as err:  # noqa: BLE001 - a check that crashed: recorded in the table
+            entry.update(status="fails", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200])
+        out.append(entry)
+    return {"variants": out, "not_varied": skipped}
 
 
 def _looks_like_llama(model: nn.Module) -> bool:

@@ -137,6 +137,12 @@ class ArchAdapter:
     per query slot (a zero query padded into a partly kept KV group gets a kept head's entry; its
     context is dropped before the output projection).
 
+    `head_norms` names norms of the core, as (path, "q" or "k"), whose weight (and bias) may hold a row
+    per query head ("q", one per query slot, padded slots getting a kept head's row as `head_params`)
+    or per KV head ("k") along dim 0: Cohere's q_norm / k_norm under `use_qk_norm`, LayerNorms of shape
+    (heads, head_dim). A norm whose weight is one vector over head_dim, shared by every head (Qwen3's,
+    Gemma 3's), or a path the layer does not have, is left alone.
+
     `gates` names projections (from the attention module) whose outputs hold head_dim features per
     query head, in the query heads' order, that multiply each head's context before the output
     projection (AFMoE's and Beam's `gate_proj`, a sigmoid output gate): their rows go with the
@@ -193,6 +199,7 @@ class ArchAdapter:
     projection_norms: tuple[str, str] | None = None  # (q norm, k norm) over the whole projection (OLMo 2)
     sub_config: str = ""  # the sub-config holding the head counts (CLIP's vision_config), "" for the config itself
     head_params: tuple[str, ...] = ()  # the core's parameters with one entry per query head (attention sinks)
+    head_norms: tuple[tuple[str, str], ...] = ()  # (norm path, "q"|"k"): a weight row per query / KV head (Cohere)
     gates: tuple[str, ...] = ()  # projections with head_dim outputs per query head gating its context (AFMoE)
     position_projections: tuple[str, ...] = ()  # per-head projections of relative positions (DeBERTa-v2)
     head_vectors: tuple[str, ...] = ()  # the core's parameters with head_dim entries per head (DeBERTa's q_bias)
@@ -220,6 +227,8 @@ class ArchAdapter:
         for name, quantity in (*self.size_attrs, *self.config_attrs):
             if quantity not in quantities:
                 raise ValueError(f"ArchAdapter {self.name!r}: {name} has quantity {quantity!r}; allowed: {quantities}")
+        if any(part not in ("q", "k") for _, part in self.head_norms):
+            raise ValueError(f"ArchAdapter {self.name!r}: head_norms={self.head_norms!r}; each part must be 'q' or 'k'")
         if (self.head_vectors or self.head_columns) and self.kv_heads_attr is not None:
             raise ValueError(f"ArchAdapter {self.name!r}: head_vectors / head_columns are per head, without "
                              "grouped-query attention (kv_heads_attr must be None)")

@@ -42,10 +42,14 @@ LLAMA_LAYOUT_TYPES = (
     # encoders with the same layout (bidirectional attention)
     "eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "ultrabert",
 )
+# q_norm / k_norm with a weight row per head (Cohere's under use_qk_norm: (heads, head_dim)) go with their
+# heads; the per-head norms shared over heads (a vector over head_dim: Qwen3, Gemma 3) are left alone.
+PER_HEAD_NORMS = (("q_norm", "q"), ("k_norm", "k"))
 register_adapter(ArchAdapter(
     name="llama", model_types=LLAMA_LAYOUT_TYPES, layers_path="layers",
     attn_path="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
     kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),), config_head_dim=True,
+    head_norms=PER_HEAD_NORMS,
 ))
 # The same layout where a config with fewer heads is not the pruned model (Helium's config derives
 # what its head_dim field says otherwise): uniform layouts too are saved with their layout file.
