@@ -103,8 +103,9 @@ def config_variants(model: nn.Module, adapter) -> tuple[dict[str, dict], dict[st
                 skipped[name] = f"a string field ({value!r}) without alternatives in ENUMS"
     heads = adapter.num_heads(config)
     hidden = getattr(config, "hidden_size", None)
-    if "head_dim" in read and "head_dim" in fields and getattr(config, "head_dim", None) and hidden:
-        double = 2 * config.head_dim if 2 * config.head_dim != hidden // heads else 4 * config.head_dim
+    if "head_dim" in read and hidden:  # a field, or read with getattr and a default (Cohere): a checkpoint may set it
+        now = getattr(config, "head_dim", None) or hidden // heads
+        double = 2 * now if 2 * now != hidden // heads else 4 * now
         variants[f"head_dim={double}"] = {"head_dim": double}  # apart from hidden / heads
     if "attn_logit_softcapping" in read and "attn_logit_softcapping" in fields:
         on = config.attn_logit_softcapping is None
@@ -120,6 +121,9 @@ def config_variants(model: nn.Module, adapter) -> tuple[dict[str, dict], dict[st
         fields_set = {"layer_types": mixed, "sliding_window": config.sliding_window or 4}
         if "use_sliding_window" in fields:  # Qwen2 / Qwen3: no window at all unless it is set
             fields_set["use_sliding_window"] = True
+        rope = getattr(config, "rope_parameters", None)
+        if isinstance(rope, dict) and FULL in rope and SLIDING not in rope:  # rotary parameters by layer type
+            fields_set["rope_parameters"] = {**rope, SLIDING: rope[FULL]}
         variants[name] = fields_set
     elif "sliding_window" in read and "sliding_window" in fields and "layer_types" not in fields:
         window = None if config.sliding_window else 4
@@ -136,7 +140,7 @@ def applied(config, fields: dict) -> str:
     not (a config class that recomputes it: the variant is then not what the table would claim)."""
     for name, want in fields.items():
         got = getattr(config, name, None)
-        if name == "rope_parameters" and isinstance(got, dict):
+        if name == "rope_parameters" and isinstance(got, dict) and "partial_rotary_factor" in want:
             got, want = got.get("partial_rotary_factor", 1.0), want["partial_rotary_factor"]
         if isinstance(got, tuple):
             got = list(got)

@@ -16,6 +16,12 @@ config class with small sizes (no download), and `check_model_type` records one 
 - ``not built``: the tiny model could not be built from its config class here, or the checks'
   inputs do not run it unpruned (not a judgement on headprune).
 
+A type that passes is checked again in each config variant that reaches its attention
+(tools/config_variants.py: per-head q/k norms, attention and output biases, partial rotary, logit
+soft-capping, sliding-window layers and `layer_types`, a `head_dim` apart from hidden / heads, and
+every other boolean its attention classes read from the config): `check_variants`, one entry per
+variant in the row's "variants", with the same statuses.
+
 A composite config (vision- or audio-language) is built with its sub-configs (`text_config`,
 `vision_config`, `attn_config`, ...) shrunk too; where the causal-LM class is the text model
 alone (Qwen3.5, Llama 4), from that text config.
@@ -519,7 +525,9 @@ def run(only: list[str] | None = None, probe: bool = False, timeout: int = 120, 
         row = check_model_type(model_type, mappings, probe=probe, timeout=timeout)
         rows.append(row)
         if log:
-            log(f"{model_type:32s} {row['status']:10s} {row['seconds']:6.1f}s {row['reason'][:100]}")
+            bad = [f"{v['variant']}: {v['status']}" for v in row.get("variants", []) if v["status"] != "passes"]
+            log(f"{model_type:32s} {row['status']:10s} {row['seconds']:6.1f}s variants {_variants_cell(row):5s} "
+                f"{row['reason'][:100]} {'; '.join(bad)}")
     return {"transformers_version": transformers.__version__, "torch_version": torch.__version__.split("+")[0],
             "mappings": {name: attr for name, attr in MAPPINGS.items()}, "atol": ATOL, "rows": rows}
 
@@ -558,6 +566,52 @@ def counts(doc: dict, mapping: str | None = None) -> dict[str, int]:
     return {status: sum(r["status"] == status for r in rows) for status in STATUSES}
 
 
+def variant_counts(doc: dict) -> dict[str, int]:
+    """{status: how many config variants have it} over every row (only passing types are varied)."""
+    found = [v["status"] for r in doc["rows"] for v in r.get("variants", [])]
+    return {status: found.count(status) for status in STATUSES if status != "refused"}
+
+
+def _variants_cell(row: dict) -> str:
+    found = row.get("variants", [])
+    return f"{sum(v['status'] == 'passes' for v in found)}/{len(found)}" if found else "–"
+
+
+def _escaped(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _variant_lines(doc: dict) -> list[str]:
+    """The section of the config variants: one row per type x variant, then the fields that reach an
+    attention module and are not varied, with why."""
+    rows = [(r, v) for r in doc["rows"] for v in r.get("variants", [])]
+    c = variant_counts(doc)
+    lines = [f"## Config variants ({len(rows)})", "",
+             "Each passing type is checked again in each config variant that reaches its attention "
+             "(`tools/config_variants.py`: the fields its attention classes read from the config; each boolean "
+             "flipped, each enum's other values, `head_dim` doubled, soft-capping on or off, layers alternating "
+             "sliding and full attention or the sliding window on or off, partial rotary on or off), with every "
+             f"check of the default: {c['passes']} pass, {c['fails']} fail, {c['not built']} not built. A variant is "
+             "`not built` when its config cannot be built, the config class does not keep the value set, or the "
+             "checks' inputs do not run its unpruned model (the note says which).", "",
+             "| model type | variant | " + " | ".join(CHECK_COLUMNS) + " | note |",
+             "|---|---|" + "---|" * len(CHECK_COLUMNS) + "---|"]
+    for r, v in rows:
+        cells = [_cell(v["checks"].get(name)) for name in CHECK_COLUMNS]
+        note = "" if v["status"] == "passes" else f"{v['status']}: {_escaped(v['reason'])}"
+        lines.append(f"| {r['model_type']} | `{v['variant']}` | " + " | ".join(cells) + f" | {note} |")
+    skipped: dict[tuple[str, str], list[str]] = {}
+    for r in doc["rows"]:
+        for field, why in r.get("not_varied", {}).items():
+            skipped.setdefault((field, why), []).append(r["model_type"])
+    if skipped:
+        lines += ["", "Fields that reach an attention module and are not varied:", "",
+                  "| field | why | model types |", "|---|---|---|"]
+        for (field, why), types in sorted(skipped.items()):
+            lines.append(f"| `{field}` | {_escaped(why)} | {', '.join(types)} |")
+    return lines + [""]
+
+
 def render_markdown(doc: dict) -> str:
     """The table docs/coverage.md shows, from the JSON `run` writes (a test re-renders it)."""
     lines = [
@@ -569,8 +623,10 @@ def render_markdown(doc: dict) -> str:
         f"head masking to {doc['atol']:g} of the outputs' largest magnitude (at least 1) (a layer left without heads, an uneven KV group, a whole KV group; eager "
         "and sdpa attention), greedy `generate()` with the KV cache equals the masked model's (causal LMs), "
         "`save_pruned` / `load_pruned` reload equal, and a uniform whole-group layout reloads with plain "
-        "`from_pretrained` where the config can say it (`layout file`: `load_pruned` is needed). A model type is "
-        "listed once, under the first of its mappings in the order below (`task`).",
+        "`from_pretrained` where the config can say it (`layout file`: `load_pruned` is needed); then the same "
+        "checks in each config variant that reaches the type's attention (`variants`: passing / checked; "
+        "[Config variants](#config-variants)). A model type is listed once, under the first of its mappings in "
+        "the order below (`task`).",
         "",
         "| task | passes | refused | fails | not built |",
         "|---|---|---|---|---|",
@@ -579,7 +635,10 @@ def render_markdown(doc: dict) -> str:
         c = counts(doc, mapping)
         lines.append(f"| {mapping} | {c['passes']} | {c['refused']} | {c['fails']} | {c['not built']} |")
     c = counts(doc)
+    v = variant_counts(doc)
     lines += [f"| all | {c['passes']} | {c['refused']} | {c['fails']} | {c['not built']} |", "",
+              f"Config variants of the passing types: {sum(v.values())} checked, {v['passes']} pass, {v['fails']} "
+              f"fail, {v['not built']} not built.", "",
               "`n/a`: transformers offers no such attention for the family; `–`: does not apply.", ""]
     for status in STATUSES:
         rows = [r for r in doc["rows"] if r["status"] == status]
@@ -587,18 +646,17 @@ def render_markdown(doc: dict) -> str:
             continue
         lines += [f"## {status} ({len(rows)})", ""]
         if status == "passes":
-            lines += ["| model type | task | adapter | " + " | ".join(CHECK_COLUMNS) + " |",
-                      "|---|---|---|" + "---|" * len(CHECK_COLUMNS)]
+            lines += ["| model type | task | adapter | " + " | ".join(CHECK_COLUMNS) + " | variants |",
+                      "|---|---|---|" + "---|" * (len(CHECK_COLUMNS) + 1)]
             for r in rows:
-                cells = [_cell(r["checks"].get(name)) for name in CHECK_COLUMNS]
+                cells = [_cell(r["checks"].get(name)) for name in CHECK_COLUMNS] + [_variants_cell(r)]
                 lines.append(f"| {r['model_type']} | {r['task']} | {r['adapter']} | " + " | ".join(cells) + " |")
         else:
             lines += ["| model type | task | reason |", "|---|---|---|"]
             for r in rows:
-                reason = r["reason"].replace("|", "\\|").replace("\n", " ")
-                lines.append(f"| {r['model_type']} | {r['task']} | {reason} |")
+                lines.append(f"| {r['model_type']} | {r['task']} | {_escaped(r['reason'])} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + _variant_lines(doc))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -154,7 +154,8 @@ class ArchAdapter:
     projections whole (the statistic still sees every head) and hands only the kept heads'
     features to attention and the KV cache. Exact, at a cost: the Q and K projections' parameters
     and FLOPs do not shrink (V, O, the attention itself and the KV cache do). Per-head norms (over
-    head_dim, Qwen3's and Gemma 3's) need nothing: slicing heads leaves them alone.
+    head_dim, Qwen3's and Gemma 3's) need nothing: slicing heads leaves them alone; with a weight row
+    per head (Cohere's) they are `head_norms`.
 
     `position_projections` names projections (from the attention module) that map the relative
     position embeddings to head_dim features per query head, in the heads' order, whose products

@@ -27,9 +27,10 @@ register_adapter(ArchAdapter(
 # The Llama layout: blocks `model.layers`, attention `self_attn` with separate q_proj / k_proj / v_proj /
 # o_proj Linears, a forward that reshapes with -1 heads and reads only `num_key_value_groups`. Every
 # model type listed here passes the coverage check (mask == removal == reload, generate; see
-# tools/coverage.py and docs/coverage.md): their differences (per-head q_norm / k_norm over
-# head_dim, head_dim apart from hidden / heads, query_pre_attn_scalar, soft-capping, sliding-window
-# or rotary-less layers, multipliers, MoE feed-forwards) are all outside the heads' slices.
+# tools/coverage.py and docs/coverage.md), in each config variant that reaches its attention: their
+# differences (per-head q_norm / k_norm over head_dim, head_dim apart from hidden / heads,
+# query_pre_attn_scalar, soft-capping, sliding-window or rotary-less layers, multipliers, MoE
+# feed-forwards) are all outside the heads' slices, but for norm weights with a row per head (below).
 LLAMA_LAYOUT_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "mixtral", "smollm3", "granite",
     # decoders found by `python -m tools.coverage --probe` (transformers 5.24)
