@@ -128,6 +128,8 @@ def config_variants(model: nn.Module, adapter) -> tuple[dict[str, dict], dict[st
     elif "sliding_window" in read and "sliding_window" in fields and "layer_types" not in fields:
         window = None if config.sliding_window else 4
         variants[f"sliding_window={window}"] = {"sliding_window": window}
+        if window and "use_sliding_window" in fields:  # Qwen3-MoE: no window at all unless it is set
+            variants[f"sliding_window={window}"]["use_sliding_window"] = True
     rope = getattr(config, "rope_parameters", None)
     if isinstance(rope, dict) and "rope_type" in rope and _names_partial_rotary(model, config):
         factor = 0.5 if rope.get("partial_rotary_factor", 1.0) == 1.0 else 1.0
