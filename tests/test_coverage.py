@@ -63,6 +63,8 @@ def test_unknown_types_and_bad_sizes_are_named():
         coverage.run(["no_such_model"])
     row = coverage.check_model_type("gpt2", ["causal_lm"])
     assert row["status"] == "passes" and row["checks"]["plain"].startswith("layout file")
+    row = coverage.check_model_type("cvt", ["image_classification"])  # a config the sizes do not build
+    assert row["status"] == "not built" and row["seconds"] >= 0 and "variants" not in row
 
 
 def test_the_committed_markdown_is_the_rendering_of_the_json(committed):

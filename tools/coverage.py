@@ -432,29 +432,29 @@ def check_model_type(model_type: str, mappings: list[str], probe: bool = False, 
     start = time.perf_counter()
     probed = False
     try:
-        with _time_limit(timeout):
-            try:
-                build = _builder(model_type, task)
-            except _Timeout:
-                raise
-            except Exception as err:  # noqa: BLE001 - recorded in the table
-                row.update(status="not built", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200],
-                           adapter=None, checks={})
-                return row
-            built_type = build("eager").config.model_type if probe else model_type  # llama4 builds llama4_text
-            if probe and built_type not in adapters.ADAPTERS and _looks_like_llama(build("eager")):
-                adapters.ADAPTERS[built_type] = adapters.ADAPTERS["llama"]
-                probed = True
-            try:
-                row.update(check_model(build, task))
-            except _Timeout:
-                raise
-            except Exception as err:  # noqa: BLE001 - a check that crashed: recorded in the table
-                row.update(status="fails", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200],
-                           adapter=row.get("adapter"), checks=row.get("checks", {}))
-    except _Timeout as err:
-        row.update(status="fails", reason=f"timeout: {err}", adapter=row.get("adapter"), checks=row.get("checks", {}))
-    try:
+        try:
+            with _time_limit(timeout):
+                try:
+                    build = _builder(model_type, task)
+                except _Timeout:
+                    raise
+                except Exception as err:  # noqa: BLE001 - recorded in the table
+                    row.update(status="not built", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200],
+                               adapter=None, checks={})
+                    return row
+                built_type = build("eager").config.model_type if probe else model_type  # llama4 builds llama4_text
+                if probe and built_type not in adapters.ADAPTERS and _looks_like_llama(build("eager")):
+                    adapters.ADAPTERS[built_type] = adapters.ADAPTERS["llama"]
+                    probed = True
+                try:
+                    row.update(check_model(build, task))
+                except _Timeout:
+                    raise
+                except Exception as err:  # noqa: BLE001 - a check that crashed: recorded in the table
+                    row.update(status="fails", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200],
+                               adapter=row.get("adapter"), checks=row.get("checks", {}))
+        except _Timeout as err:
+            row.update(status="fails", reason=f"timeout: {err}", adapter=row.get("adapter"), checks=row.get("checks", {}))
         if variants and row["status"] == "passes":
             row.update(check_variants(model_type, task, build("eager"), timeout))
     finally:
