@@ -66,7 +66,7 @@ FAMILIES = {  # name -> (config, task)
 DECODERS = [name for name, (_, task) in FAMILIES.items() if task == "lm"]
 # The families added since (issue 39), each with what sets it apart switched on. Every check the
 # parametrized tests above make runs once per family in tests/test_families.py (one build per
-# attention implementation: headprune.deploy.coverage.check_model), to keep the suite quick.
+# attention implementation: tools.coverage.check_model), to keep the suite quick.
 HD = dict(GQA, head_dim=16)  # head_dim apart from hidden / heads (64-wide attention, hidden 32)
 MORE_FAMILIES = {  # name -> (config, task); "mlm": masked LM, "image": an image classifier of 32 x 32 pixels
     "qwen3": (lambda: tf.Qwen3Config(**HD), "lm"),  # per-head q_norm / k_norm

@@ -1,4 +1,4 @@
-"""docs/configuration.md is what `python -m headprune.apps.config_reference` generates from conf/
+"""docs/configuration.md is what `python -m tools.config_reference` generates from conf/
 and the typed schemas: current, naming every option file, the defaults Hydra composes, and the
 ranges the code refuses (quoted from the errors the option classes raise)."""
 import re
@@ -6,7 +6,7 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from headprune.apps import config_reference
+from tools import config_reference
 from headprune.apps.config_paths import config_dir
 
 
@@ -20,7 +20,7 @@ def rendered() -> str:
 def test_the_committed_page_is_current(rendered):
     """Fails after any change to conf/ or to a schema until the page is regenerated."""
     assert config_reference.page_path().read_text() == rendered, \
-        "docs/configuration.md is stale: run python -m headprune.apps.config_reference"
+        "docs/configuration.md is stale: run python -m tools.config_reference"
 
 
 def test_check_exits_1_on_a_stale_page_and_writing_makes_it_current(tmp_path, monkeypatch):

@@ -1,13 +1,13 @@
-"""deploy/coverage.py: the coverage table generated from transformers' auto mappings. A sample of
+"""tools/coverage.py: the coverage table generated from transformers' auto mappings. A sample of
 model types is checked here (a pass, a refusal with its reason, an image model, a failure the checks
 must catch); docs/coverage.md is the rendering of docs/coverage.json, and both agree with the
-adapters registered now. The full run is `python -m headprune.deploy.coverage --out
-docs/coverage.json --markdown docs/coverage.md` (about 4 minutes on two cores)."""
+adapters registered now. The full run is `python -m tools.coverage --out
+docs/coverage.json --markdown docs/coverage.md` (32 minutes with the config variants on two shared cores)."""
 import json
 
 import pytest
 
-from headprune.deploy import coverage
+from tools import coverage
 from headprune.heads import adapters
 from tests.helpers import REPO
 
@@ -66,6 +66,8 @@ def test_unknown_types_and_bad_sizes_are_named():
         coverage.run(["no_such_model"])
     row = coverage.check_model_type("gpt2", ["causal_lm"])
     assert row["status"] == "passes" and row["checks"]["plain"].startswith("layout file")
+    row = coverage.check_model_type("cvt", ["image_classification"])  # a config the sizes do not build
+    assert row["status"] == "not built" and row["seconds"] >= 0 and "variants" not in row
 
 
 def test_the_committed_markdown_is_the_rendering_of_the_json(committed):
@@ -92,3 +94,74 @@ def test_the_committed_table_agrees_with_the_registered_adapters(committed):
     in_mappings = [t for t in adapters.ADAPTERS if t in rows]
     assert all(rows[t]["status"] == "passes" for t in in_mappings), [t for t in in_mappings
                                                                       if rows[t]["status"] != "passes"]
+
+
+def test_config_variants_are_the_fields_the_attention_reads():
+    """Each type's variants come from the config fields its attention classes read: booleans flipped
+    (Cohere's per-head q/k norms, biases, GPT-2's scaling flags), head_dim apart from hidden / heads,
+    soft-capping off, sliding and full layers alternating, partial rotary; fields not varied say why."""
+    from headprune.heads.adapters import get_adapter
+    from tools.config_variants import config_variants
+
+    def names(model_type, task="causal_lm"):
+        model = coverage._builder(model_type, task)("eager")
+        found, skipped = config_variants(model, get_adapter(model))
+        return set(found), skipped
+
+    assert names("cohere")[0] == {"attention_bias=True", "use_qk_norm=True", "head_dim=32"}
+    assert {"attention_bias=True", "head_dim=32", "layer_types=sliding,full,sliding"} <= names("qwen3")[0]
+    assert {"attn_logit_softcapping=None", "layer_types=full,full,full"} <= names("gemma2")[0]
+    assert {"qk_layernorm=True", "partial_rotary_factor=1.0"} <= names("phi")[0]
+    assert {"reorder_and_upcast_attn=True", "scale_attn_weights=False"} <= names("gpt2")[0]
+    found, skipped = names("bert")
+    assert "is_decoder=True" in found and "cross-attention" in skipped["add_cross_attention"]
+
+
+def test_a_variant_that_goes_wrong_is_a_failure_of_that_variant(monkeypatch):
+    """The row of a type whose default passes records each variant's own result: Cohere without the
+    per-head norm slicing (`head_norms`) passes on its default config and fails under use_qk_norm."""
+    import dataclasses
+
+    monkeypatch.setitem(adapters.ADAPTERS, "cohere", dataclasses.replace(adapters.ADAPTERS["cohere"], head_norms=()))
+    row = coverage.check_model_type("cohere", ["causal_lm"])
+    variants = {v["variant"]: v for v in row["variants"]}
+    assert row["status"] == "passes" and variants["attention_bias=True"]["status"] == "passes"
+    assert variants["use_qk_norm=True"]["status"] == "fails"
+    assert variants["use_qk_norm=True"]["reason"].startswith("eager: RuntimeError")
+    assert "| cohere | `use_qk_norm=True` | **no** |" in coverage.render_markdown({**coverage.run(["gpt2"]),
+                                                                                  "rows": [row]})
+
+
+def test_a_variant_the_config_class_does_not_keep_is_not_built():
+    """Qwen3's config drops sliding_window unless use_sliding_window is set: a variant that set only the
+    window would check the default again, so `applied` names the field and the variant is not built."""
+    from transformers import Qwen3Config
+
+    from tools.config_variants import applied
+
+    config = Qwen3Config(sliding_window=4, use_sliding_window=False)
+    assert applied(config, {"sliding_window": 4}) == "the config class turns sliding_window=4 into None"
+    assert applied(Qwen3Config(sliding_window=4, use_sliding_window=True), {"sliding_window": 4}) == ""
+
+
+def test_the_committed_table_checks_the_variants(committed):
+    """Every passing type of the committed table was checked in its config variants, none of them fails,
+    and the per-head norm variant that was once left unsliced (Cohere's use_qk_norm) is among them."""
+    passing = [r for r in committed["rows"] if r["status"] == "passes"]
+    assert all("variants" in r and "not_varied" in r for r in passing)
+    failing = [(r["model_type"], v["variant"], v["reason"]) for r in passing for v in r["variants"]
+               if v["status"] == "fails"]
+    assert failing == []
+    cohere = {v["variant"]: v["status"] for v in next(r for r in passing if r["model_type"] == "cohere")["variants"]}
+    assert cohere["use_qk_norm=True"] == "passes"
+    assert coverage.variant_counts(committed)["passes"] > len(passing)
+
+
+def test_the_tooling_is_not_in_the_package():
+    """The coverage harness and the config-reference generator are repository tooling (tools/), not
+    shipped in the wheel (which packages src/headprune only)."""
+    import importlib.util
+
+    assert importlib.util.find_spec("headprune.deploy.coverage") is None
+    assert importlib.util.find_spec("headprune.apps.config_reference") is None
+    assert REPO / "tools" / "coverage.py" == REPO / coverage.__file__.split("/")[-2] / "coverage.py"

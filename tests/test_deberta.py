@@ -13,7 +13,7 @@ import torch
 import transformers as tf
 
 from headprune import HeadMask, count_params, load_pruned, prune_heads, save_pruned
-from headprune.deploy.coverage import check_model
+from tools.coverage import check_model
 from headprune.heads.adapters import get_adapter
 from headprune.heads.optimizer_state import head_parameter_slices
 from headprune.scoring import METRICS

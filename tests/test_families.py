@@ -1,6 +1,6 @@
 """The families added for issue 39 (tests/helpers.py MORE_FAMILIES): for each, one build per attention
 implementation runs every check the parametrized tests of test_surgery / test_hf make for the
-first families (headprune.deploy.coverage.check_model): removal equals masking to 1e-5 under eager
+first families (tools.coverage.check_model): removal equals masking to 1e-5 under eager
 and sdpa with a layer left without heads, a partly kept KV group and a whole one; greedy generate()
 with the KV cache equals the masked model's; save_pruned / load_pruned reload equal; a uniform
 whole-group layout reloads with plain from_pretrained where the config can say it. Then what sets
@@ -13,7 +13,7 @@ import torch
 import transformers as tf
 
 from headprune import HeadMask, count_params, load_pruned, prune_heads, save_pruned
-from headprune.deploy.coverage import check_model
+from tools.coverage import check_model
 from headprune.heads.adapters import get_adapter
 from tests.helpers import D, HEADS, HIDDEN, MORE_FAMILIES, PRUNE, inputs, tiny
 
@@ -211,7 +211,7 @@ def test_output_gated_attention_prunes_exactly(model_type):
     """AFMoE and Beam multiply each head's context by a sigmoid gate (gate_proj rows per head; Beam
     adds a per-head gate bias): the gate rows go with their heads and are zero-padded like the
     queries in a partly kept KV group. Their tiny models come from coverage.tiny_config."""
-    from headprune.deploy.coverage import check_model_type
+    from tools.coverage import check_model_type
 
     row = check_model_type(model_type, ["causal_lm"])
     assert row["status"] == "passes", row
@@ -290,8 +290,45 @@ def test_more_vision_encoders_pass_the_coverage_check(model_type):
     """ViT's layout (DINOv2 with registers, ViT-MSN, I-JEPA), CLIP's vision tower (MetaCLIP 2, SigLIP 2 with
     its NaFlex patches, one image padded) and BEiT (its tiny config with per-layer relative position bias
     tables, Data2Vec-Vision the same in BERT's layout) from coverage.tiny_config."""
-    from headprune.deploy.coverage import check_model_type
+    from tools.coverage import check_model_type
 
     row = check_model_type(model_type, ["image_classification"])
     assert row["status"] == "passes", row
     assert row["checks"]["eager"] == row["checks"]["sdpa"] == row["checks"]["reload"] == "passes"
+
+
+def _cohere_qk_norm(attn: str = "eager"):
+    """A tiny Cohere with `use_qk_norm`: q_norm / k_norm are LayerNorms with a weight row per query /
+    KV head ((heads, head_dim)), drawn so that every head's row differs."""
+    from tools.coverage import _builder
+
+    model = _builder("cohere", "causal_lm", {"use_qk_norm": True})(attn)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape, generator=generator))
+    return model
+
+
+def test_per_head_norm_weights_go_with_their_heads(tmp_path):
+    """Cohere's q/k norms under `use_qk_norm` hold a (heads, head_dim) weight: the kept query slots
+    keep their rows (a zero query padded into a partly kept KV group gets a kept head's row, as the
+    sinks do), the kept KV heads theirs; removal equals masking (eager, sdpa, generate), reloads, and
+    a uniform layout loads with plain from_pretrained (the config's head counts size the norms)."""
+    from headprune.heads.surgery import Sliced
+
+    model = _cohere_qk_norm()
+    attn = [layer.self_attn for layer in model.model.layers]
+    dense = [(a.q_norm.weight.detach().clone(), a.k_norm.weight.detach().clone()) for a in attn]
+    assert dense[0][0].shape == (4, 16) and dense[0][1].shape == (2, 16)  # coverage.SIZES: 4 heads, 2 KV heads
+    sliced: list[Sliced] = []
+    prune_heads(model, {1: [1], 2: [2, 3]}, sliced=sliced)
+    torch.testing.assert_close(attn[1].q_norm.weight, dense[1][0][[0, 0, 2, 3]])  # head 0, padding, 2, 3
+    torch.testing.assert_close(attn[1].k_norm.weight, dense[1][1])
+    torch.testing.assert_close(attn[2].q_norm.weight, dense[2][0][[0, 1]])
+    torch.testing.assert_close(attn[2].k_norm.weight, dense[2][1][[0]])
+    assert [s.index.tolist() for s in sliced if s.new is attn[2].k_norm.weight] == [[0]]
+    result = check_model(_cohere_qk_norm, "causal_lm", tmp=tmp_path)
+    assert result["status"] == "passes", result
+    assert result["checks"]["plain"] == result["checks"]["generate (sdpa)"] == "passes"

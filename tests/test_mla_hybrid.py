@@ -1,7 +1,7 @@
 """Multi-head latent attention (heads/latent.py) and hybrid decoders (heads/hybrid.py), on tiny models
 built from their configs (no download).
 
-Each family runs every check of the coverage table (headprune.deploy.coverage.check_model): removal
+Each family runs every check of the coverage table (tools.coverage.check_model): removal
 equals masking to 1e-5 under eager and sdpa with a layer left without heads, an uneven layer and
 a whole KV group; greedy generate() with the KV cache equals the masked model's; save_pruned /
 load_pruned reload equal. Then what sets them apart: MLA's per-head rows in q_b_proj / q_proj,
@@ -17,7 +17,7 @@ import torch
 import transformers as tf
 
 from headprune import HeadMask, load_pruned, prune_heads, save_pruned
-from headprune.deploy.coverage import check_model
+from tools.coverage import check_model
 from headprune.heads.adapters import get_adapter, head_layout
 
 V = 100

@@ -339,7 +339,7 @@ def test_the_coverage_check_passes(model_type):
     """The coverage table's check (coverage.check_model_type): its own tiny config, every stack pruned
     (a layer without heads, one head, the last group), eager and sdpa, generate, reload. BART's family
     shares Whisper's layout; Switch Transformers T5's (transformers offers it eager attention only)."""
-    from headprune.deploy.coverage import check_model_type, model_types
+    from tools.coverage import check_model_type, model_types
 
     row = check_model_type(model_type, model_types()[model_type])
     assert row["status"] == "passes", row
@@ -356,7 +356,7 @@ def test_the_coverage_check_passes(model_type):
 def test_coverage_rows_are_updated_in_place():
     """`--update`: the rows of the types checked again replace theirs, the others stay; a table of
     another transformers version is refused (the table names one)."""
-    from headprune.deploy.coverage import updated
+    from tools.coverage import updated
 
     old = {"transformers_version": "5.24.0", "torch_version": "2.13.0", "atol": 1e-5,
            "rows": [{"model_type": "a", "status": "passes"}, {"model_type": "t5", "status": "refused"}]}

@@ -1,4 +1,5 @@
-"""Where the attention heads live in each supported architecture.
+"""The adapter type: where the attention heads live in an architecture, and the registry that
+finds a model's adapter (`get_adapter`, `head_layout`).
 
 An adapter answers, for one model family: which module is each layer's attention, which
 module is its output projection (whose input is the concatenation of the heads' contexts),
@@ -6,7 +7,8 @@ how many query / key-value heads of what size the config declares, and which row
 columns of which weights belong to each head (`head_rows`, in the family's own weight layout:
 GPT-2's fused `c_attn` included). Head gating (`mask.py`), scoring, physical removal
 (`surgery.py`) and optimizer-state surgery only talk to adapters, so adding a family means
-adding one `register_adapter(ArchAdapter(...))` entry here (docs/adding_an_architecture.md).
+adding one `register_adapter(ArchAdapter(...))` entry to families.py (docs/adding_an_architecture.md);
+the reasons a checked type is refused are in refusals.py.
 
 Two facts live here and nowhere else: which KV head a query head reads (`ArchAdapter.kv_head`,
 and `kv_groups` built on it), and how a projection stores its weight (Linear (out, in), GPT-2's
@@ -22,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
+
+from headprune.heads.refusals import REFUSED
 
 PARTS = ("q", "k", "v", "o")
 
@@ -133,6 +137,12 @@ class ArchAdapter:
     per query slot (a zero query padded into a partly kept KV group gets a kept head's entry; its
     context is dropped before the output projection).
 
+    `head_norms` names norms of the core, as (path, "q" or "k"), whose weight (and bias) may hold a row
+    per query head ("q", one per query slot, padded slots getting a kept head's row as `head_params`)
+    or per KV head ("k") along dim 0: Cohere's q_norm / k_norm under `use_qk_norm`, LayerNorms of shape
+    (heads, head_dim). A norm whose weight is one vector over head_dim, shared by every head (Qwen3's,
+    Gemma 3's), or a path the layer does not have, is left alone.
+
     `gates` names projections (from the attention module) whose outputs hold head_dim features per
     query head, in the query heads' order, that multiply each head's context before the output
     projection (AFMoE's and Beam's `gate_proj`, a sigmoid output gate): their rows go with the
@@ -144,7 +154,8 @@ class ArchAdapter:
     projections whole (the statistic still sees every head) and hands only the kept heads'
     features to attention and the KV cache. Exact, at a cost: the Q and K projections' parameters
     and FLOPs do not shrink (V, O, the attention itself and the KV cache do). Per-head norms (over
-    head_dim, Qwen3's and Gemma 3's) need nothing: slicing heads leaves them alone.
+    head_dim, Qwen3's and Gemma 3's) need nothing: slicing heads leaves them alone; with a weight row
+    per head (Cohere's) they are `head_norms`.
 
     `position_projections` names projections (from the attention module) that map the relative
     position embeddings to head_dim features per query head, in the heads' order, whose products
@@ -189,6 +200,7 @@ class ArchAdapter:
     projection_norms: tuple[str, str] | None = None  # (q norm, k norm) over the whole projection (OLMo 2)
     sub_config: str = ""  # the sub-config holding the head counts (CLIP's vision_config), "" for the config itself
     head_params: tuple[str, ...] = ()  # the core's parameters with one entry per query head (attention sinks)
+    head_norms: tuple[tuple[str, str], ...] = ()  # (norm path, "q"|"k"): a weight row per query / KV head (Cohere)
     gates: tuple[str, ...] = ()  # projections with head_dim outputs per query head gating its context (AFMoE)
     position_projections: tuple[str, ...] = ()  # per-head projections of relative positions (DeBERTa-v2)
     head_vectors: tuple[str, ...] = ()  # the core's parameters with head_dim entries per head (DeBERTa's q_bias)
@@ -216,6 +228,8 @@ class ArchAdapter:
         for name, quantity in (*self.size_attrs, *self.config_attrs):
             if quantity not in quantities:
                 raise ValueError(f"ArchAdapter {self.name!r}: {name} has quantity {quantity!r}; allowed: {quantities}")
+        if any(part not in ("q", "k") for _, part in self.head_norms):
+            raise ValueError(f"ArchAdapter {self.name!r}: head_norms={self.head_norms!r}; each part must be 'q' or 'k'")
         if (self.head_vectors or self.head_columns) and self.kv_heads_attr is not None:
             raise ValueError(f"ArchAdapter {self.name!r}: head_vectors / head_columns are per head, without "
                              "grouped-query attention (kv_heads_attr must be None)")
@@ -358,236 +372,6 @@ def register_adapter(adapter: ArchAdapter) -> ArchAdapter:
     return adapter
 
 
-_BERT_TYPES = ("bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie", "xlm_roberta",
-               "data2vec-text", "roberta-prelayernorm", "megatron-bert", "xlm-roberta-xl", "bert-generation", "roc_bert",
-               "rembert", "roformer")
-register_adapter(ArchAdapter(
-    name="bert", model_types=_BERT_TYPES, layers_path="encoder.layer", attn_path="attention",
-    q="self.query", k="self.key", v="self.value", o="output.dense",
-    core="self", size_attrs=(("num_attention_heads", "heads"), ("all_head_size", "width")),
-))
-register_adapter(ArchAdapter(
-    name="distilbert", model_types=("distilbert",), layers_path="transformer.layer",
-    attn_path="attention", q="q_lin", k="k_lin", v="v_lin", o="out_lin", heads_attr="n_heads",
-    size_attrs=(("n_heads", "heads"),),
-))
-register_adapter(ArchAdapter(
-    name="gpt2", model_types=("gpt2",), layers_path="h", attn_path="attn",
-    q="c_attn", k="c_attn", v="c_attn", o="c_proj", heads_attr="n_head",
-    size_attrs=(("num_heads", "heads"), ("split_size", "width")),
-))
-# The Llama layout: blocks `model.layers`, attention `self_attn` with separate q_proj / k_proj / v_proj /
-# o_proj Linears, a forward that reshapes with -1 heads and reads only `num_key_value_groups`. Every
-# model type listed here passes the coverage check (mask == removal == reload, generate; see
-# headprune.heads.coverage and docs/coverage.md): their differences (per-head q_norm / k_norm over
-# head_dim, head_dim apart from hidden / heads, query_pre_attn_scalar, soft-capping, sliding-window
-# or rotary-less layers, multipliers, MoE feed-forwards) are all outside the heads' slices.
-LLAMA_LAYOUT_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "mixtral", "smollm3", "granite",
-    # decoders found by `python -m headprune.deploy.coverage --probe` (transformers 5.24)
-    "apertus", "apertus1p5_text", "arcee", "aria_text", "cohere", "cohere2", "cohere2_moe", "cwm", "dots1",
-    "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "gemma", "glm", "glm4", "glm4_moe", "granitemoe",
-    "granitemoeshared", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder",
-    "jais2", "kolibri1", "mellum", "minimax_m3_vl_text", "ministral", "ministral3", "nanochat", "nemotron", "olmo",
-    "phimoe", "qwen2_moe", "sarvam_moe", "seed_oss", "solar_open", "starcoder2", "vaultgemma",
-    "cohere_compass_text", "emu3_text_model",  # (emu3's causal LM is its text model alone)
-    # encoders with the same layout (bidirectional attention)
-    "eurobert", "gte", "jina_embeddings_v3", "nomic_bert", "ultrabert",
-)
-register_adapter(ArchAdapter(
-    name="llama", model_types=LLAMA_LAYOUT_TYPES, layers_path="layers",
-    attn_path="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
-    kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),), config_head_dim=True,
-))
-# The same layout where a config with fewer heads is not the pruned model (Helium's config derives
-# what its head_dim field says otherwise): uniform layouts too are saved with their layout file.
-register_adapter(ArchAdapter(
-    name="llama_layout_file", model_types=("helium",), layers_path="layers",
-    attn_path="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
-    kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),),
-))
-# The Llama layout plus one attention-sink logit per query head (`sinks`).
-register_adapter(ArchAdapter(
-    name="llama_sinks", model_types=("gpt_oss", "granite_swa", "granitemoe_swa", "flint"),
-    layers_path="layers", attn_path="self_attn", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
-    kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),), config_head_dim=True,
-    head_params=("sinks",),
-))
-# The Llama layout with a sigmoid output gate per query head (gate_proj; Beam's with a per-head bias).
-register_adapter(ArchAdapter(
-    name="llama_gated", model_types=("afmoe", "beam"), layers_path="layers", attn_path="self_attn",
-    q="q_proj", k="k_proj", v="v_proj", o="o_proj", kv_heads_attr="num_key_value_heads",
-    size_attrs=(("num_key_value_groups", "groups"),), config_head_dim=True, gates=("gate_proj",),
-    head_params=("gate_bias",),
-))
-# Phi-3 / Phi-4-mini: one fused qkv_proj [all q | all k | all v]; the forward splits it at
-# config.num_attention_heads * head_dim and reads num_key_value_heads from the module.
-register_adapter(ArchAdapter(
-    name="phi3", model_types=("phi3",), layers_path="layers", attn_path="self_attn",
-    q="qkv_proj", k="qkv_proj", v="qkv_proj", o="o_proj", kv_heads_attr="num_key_value_heads",
-    size_attrs=(("num_key_value_groups", "groups"), ("num_key_value_heads", "kv_heads")),
-    config_attrs=(("num_attention_heads", "heads"),), config_head_dim=True,
-))
-# OLMo 2: the Llama layout, but q_norm / k_norm are RMSNorms over the whole projection.
-register_adapter(ArchAdapter(
-    name="olmo2", model_types=("olmo2", "olmo3", "olmoe", "flex_olmo", "minimax_m2"), layers_path="layers",
-    attn_path="self_attn",
-    q="q_proj", k="k_proj", v="v_proj", o="o_proj", kv_heads_attr="num_key_value_heads",
-    size_attrs=(("num_key_value_groups", "groups"),), projection_norms=("q_norm", "k_norm"),
-))
-# GPT-NeoX / Pythia: fused query_key_value viewed (B, T, H, 3 * D), i.e. [q_h | k_h | v_h] per head.
-register_adapter(ArchAdapter(
-    name="gpt_neox", model_types=("gpt_neox",), layers_path="layers", attn_path="attention",
-    q="query_key_value", k="query_key_value", v="query_key_value", o="dense", qkv_layout="per_head",
-))
-
-
-# Older decoders whose forward reads the head count from the attention module (`num_heads`).
-register_adapter(ArchAdapter(
-    name="phi", model_types=("phi",), layers_path="layers", attn_path="self_attn", q="q_proj", k="k_proj",
-    v="v_proj", o="dense", kv_heads_attr="num_key_value_heads", size_attrs=(("num_key_value_groups", "groups"),),
-))
-register_adapter(ArchAdapter(
-    name="opt", model_types=("opt", "xglm", "biogpt"), layers_path=("decoder.layers", "layers"), attn_path="self_attn",
-    q="q_proj", k="k_proj", v="v_proj", o="out_proj", size_attrs=(("num_heads", "heads"), ("embed_dim", "width")),
-))
-register_adapter(ArchAdapter(
-    name="gptj", model_types=("gptj",), layers_path="h", attn_path="attn", q="q_proj", k="k_proj", v="v_proj",
-    o="out_proj", heads_attr="n_head", size_attrs=(("num_attention_heads", "heads"),),
-))
-register_adapter(ArchAdapter(
-    name="gpt_neo", model_types=("gpt_neo",), layers_path="h", attn_path="attn.attention", q="q_proj", k="k_proj",
-    v="v_proj", o="out_proj", heads_attr="num_heads", size_attrs=(("num_heads", "heads"),),
-))
-# Persimmon: GPT-NeoX's per-head fused query_key_value, viewed (B, T, H, 3, D).
-register_adapter(ArchAdapter(
-    name="persimmon", model_types=("persimmon",), layers_path="layers", attn_path="self_attn",
-    q="query_key_value", k="query_key_value", v="query_key_value", o="dense", qkv_layout="per_head",
-    size_attrs=(("num_heads", "heads"),),
-))
-# ModernBERT: fused Wqkv viewed (..., 3, H, D), i.e. [all q | all k | all v]; alternating local
-# (sliding-window) and global layers; its decoder variant has separate q/k/v projections.
-register_adapter(ArchAdapter(
-    name="modernbert", model_types=("modernbert",), layers_path="layers", attn_path="attn",
-    q="Wqkv", k="Wqkv", v="Wqkv", o="Wo",
-))
-register_adapter(ArchAdapter(
-    name="modernbert_decoder", model_types=("modernbert-decoder",), layers_path="layers", attn_path="attn",
-    q="q_proj", k="k_proj", v="v_proj", o="Wo",
-))
-# DeBERTa-v2 / v3: BERT's layout (attention.self, attention.output.dense) with disentangled attention:
-# the relative position embeddings go through query_proj / key_proj (share_att_key) or through
-# pos_key_proj (c2p) / pos_query_proj (p2c), each viewed per head by the forward with the layer's
-# num_attention_heads, so their rows go with the heads. The score scale sqrt(head_dim x (1 + number of
-# pos_att_type terms)) does not depend on the head count.
-register_adapter(ArchAdapter(
-    name="deberta_v2", model_types=("deberta-v2",), layers_path="encoder.layer", attn_path="attention",
-    q="self.query_proj", k="self.key_proj", v="self.value_proj", o="output.dense", core="self",
-    size_attrs=(("num_attention_heads", "heads"), ("all_head_size", "width")),
-    position_projections=("self.pos_key_proj", "self.pos_query_proj"),
-))
-# DeBERTa (v1): fused in_proj viewed (B, T, H, 3 * D), i.e. [q_h | k_h | v_h] per head, without bias; the
-# forward adds q_bias / v_bias (head_dim entries per head) and projects the relative positions per head
-# with pos_proj (c2p) / pos_q_proj (p2c).
-register_adapter(ArchAdapter(
-    name="deberta", model_types=("deberta",), layers_path="encoder.layer", attn_path="attention",
-    q="self.in_proj", k="self.in_proj", v="self.in_proj", o="output.dense", core="self", qkv_layout="per_head",
-    size_attrs=(("num_attention_heads", "heads"), ("all_head_size", "width")),
-    position_projections=("self.pos_proj", "self.pos_q_proj"), head_vectors=("q_bias", "v_bias"),
-    refused_settings=(("talking_head", "talking-head attention mixes every head's attention logits and weights "
-                                       "(head_logits_proj / head_weights_proj), so removing a head changes the kept "
-                                       "heads (not done)"),),
-))
-# Vision encoders (transformers 5 gives ViT, DeiT and DINOv2 the q_proj..o_proj layout too; DINOv2 with
-# registers, ViT-MSN and I-JEPA share it).
-register_adapter(ArchAdapter(
-    name="vit", model_types=("vit", "deit", "dinov2", "dinov2_with_registers", "vit_msn", "ijepa"),
-    layers_path=("layers", "encoder.layers", "encoder.layer"),
-    attn_path="attention", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
-    size_attrs=(("num_attention_heads", "heads"),),
-))
-# BEiT (and its look-alikes): ViT's layout, with a relative position bias table per layer that the block
-# adds to the attention mask ((distances, heads): each layer keeps its heads' columns); a table shared by
-# every layer (use_shared_relative_position_bias) is refused.
-register_adapter(ArchAdapter(
-    name="beit", model_types=("beit",), layers_path=("layers", "encoder.layers", "encoder.layer"),
-    attn_path="attention", q="q_proj", k="k_proj", v="v_proj", o="o_proj",
-    size_attrs=(("num_attention_heads", "heads"),),
-    head_columns=("relative_position_bias.relative_position_bias_table",),
-    refused_settings=(("use_shared_relative_position_bias",
-                       "one relative position bias table shared by every layer: a column could go only when every "
-                       "layer has lost that head, and each layer would pick its own heads' maps from it (not done)"),),
-))
-# Data2Vec-Vision: BEiT's model in BERT's layout (attention.attention.query .. attention.output.dense), its
-# per-layer table inside the self-attention.
-register_adapter(ArchAdapter(
-    name="data2vec_vision", model_types=("data2vec-vision",), layers_path="encoder.layer", attn_path="attention",
-    q="attention.query", k="attention.key", v="attention.value", o="output.dense", core="attention",
-    size_attrs=(("num_attention_heads", "heads"), ("all_head_size", "width")),
-    head_columns=("attention.attention.relative_position_bias.relative_position_bias_table",),
-    refused_settings=(("use_shared_relative_position_bias",
-                       "one relative position bias table shared by every layer: a column could go only when every "
-                       "layer has lost that head, and each layer would pick its own heads' maps from it (not done)"),),
-))
-# SigLIP / CLIP vision towers (their image classifiers and vision models; a two-tower model's vision
-# tower: the text tower is not pruned).
-register_adapter(ArchAdapter(
-    name="clip_vision", model_types=("clip", "clip_vision_model", "siglip", "siglip_vision_model", "siglip2",
-                                     "siglip2_vision_model", "metaclip_2"),
-    layers_path=("vision_model.encoder.layers", "encoder.layers"), attn_path="self_attn",
-    q="q_proj", k="k_proj", v="v_proj", o="out_proj", size_attrs=(("num_heads", "heads"),), sub_config="vision_config",
-))
-
-
-# Model types checked and refused, with what stands in the way (the coverage table lists them too).
-_HYBRID = ("a hybrid: some layers are linear-attention or state-space mixers with no softmax heads; headprune prunes "
-           "the attention layers of the hybrids in heads/hybrid.py (Qwen3-Next / Qwen3.5, Granite-4 hybrid, OLMo "
-           "hybrid), and this family's attention layers have not been checked with one of their layouts (not done)")
-_MLA = ("multi-head latent attention of its own layout: headprune prunes DeepSeek-V2/V3-style MLA (heads/latent.py: "
-        "q_b_proj rows, kv_b_proj rows and o_proj columns per head), and this family's attention differs (not done)")
-_INDEXER = "multi-head latent attention with a sparse token indexer inside the attention (DeepSeek sparse attention): "
-
-_STACKS = ("several attention stacks (encoder self-attention, decoder self- and cross-attention) laid out unlike "
-           "Whisper's, BART's and T5's, which heads/stacks.py prunes: no stacked adapter says where this family's "
-           "heads and per-head terms are (not done)")
-_SINKS = ("per-head attention sinks (`sinks`, one logit per query head, read inside the attention kernel) are not "
-          "sliced with the heads (not done)")
-REFUSED: dict[str, str] = {
-    **dict.fromkeys(("bamba", "falcon_h1", "jamba", "kimi_linear", "bailing_hybrid", "lfm2", "lfm2_moe", "lfm3",
-                     "qwen4_exp_text",
-                     "minimax", "nemotron_h", "zamba", "zamba2", "recurrent_gemma"), _HYBRID),
-    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"),
-                    "a state-space / recurrent model: no attention heads"),
-    **dict.fromkeys(("deepseek_v4", "longcat_flash", "axk2", "hy_v4"), _MLA),
-    "deepseek_v32": _INDEXER + ("with the MLA layout its removal equals masking in one forward, but greedy generate() "
-                                "with the cache gave other tokens than the masked model's (not done)"),
-    "glm_moe_dsa": _INDEXER + ("its attention returns the indexer's output as a third value, which a layer left "
-                               "without heads does not give (not done)"),
-    **dict.fromkeys(("mvp", "prophetnet", "bigbird_pegasus", "longt5", "trocr", "moshi", "musicgen",
-                     "musicgen_melody", "musicgen_decoder", "musicgen_melody_decoder"), _STACKS),
-    **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), _SINKS),
-    "laguna": "head counts that vary per layer (num_attention_heads_per_layer) and a per-head output gate (not done)",
-    "dory": "an RMSNorm over the concatenated heads' contexts (attn_sub_norm) before o_proj (not done)",
-    "bloom": "ALiBi: each head's position bias slope is computed from the head count, so removing heads would change "
-             "the kept heads' biases (not done)",
-    "mpt": "ALiBi: each head's position bias slope is computed from the head count, so removing heads would change "
-           "the kept heads' biases (not done)",
-    "bitnet": "an RMSNorm over the concatenated heads' contexts (attn_sub_norm) before o_proj: removing a head changes "
-              "the statistic the kept heads are divided by (not done)",
-    "diffllama": "differential attention: heads are used in pairs whose softmax maps are subtracted (not done)",
-    "doge": "dynamic mask attention: per-head dt_proj / A computed from the value states (not done)",
-    "stablelm": "per-head LayerNorms as a list (q_layernorm / k_layernorm with qk_layernorm) applied by position: "
-                "not sliced with the heads (not done)",
-    "inkling_text": "per-head relative-position projections (r_proj) and separate sliding-window head counts "
-                    "(not done)",
-    "mimo_v2_flash": "values of their own head size (v_head_dim apart from head_dim): V rows and O columns per head "
-                     "are not Q's (not done)",
-    **dict.fromkeys(("gemma4_text", "gemma4_unified_text"),
-                    "head_dim and head counts vary per layer (per-layer config attributes; not done)"),
-    "big_bird": "block-sparse attention reshapes with the config's head count (not done)",
-}
-
-
 def get_adapter(model: nn.Module) -> ArchAdapter:
     """The adapter for `model`'s family, or an error saying what is missing for this one (what its
     attention looks like) and listing the supported families."""
@@ -652,8 +436,8 @@ def missing(model: nn.Module) -> str:
     where = f"its attention `{name}` ({type(attn).__name__})"
     if {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(linears):
         return (f"{where} has Llama's q_proj / k_proj / v_proj / o_proj, but this type has not been checked with "
-                f"that layout: `python -m headprune.deploy.coverage --only {model_type} --probe` checks it, and "
-                "LLAMA_LAYOUT_TYPES in headprune/heads/adapters.py lists the types that pass")
+                f"that layout: `python -m tools.coverage --only {model_type} --probe` (in a headprune checkout) checks it, and "
+                "LLAMA_LAYOUT_TYPES in headprune/heads/families.py lists the types that pass")
     return (f"{where} has projections {linears or 'none'}: no adapter says which of their rows and columns belong "
             "to each head")
 
@@ -683,5 +467,6 @@ def model_shape(model: nn.Module) -> tuple[int, int]:
     return len(adapter.blocks(model)), adapter.num_heads(model.config)
 
 
-# The encoder-decoder families (several attention stacks) register themselves from their own module.
-from headprune.heads import stacks as _stacks  # noqa: E402,F401
+# The families register themselves from their own modules: the single-stack ones (families.py), the
+# encoder-decoder ones with several attention stacks (stacks.py).
+from headprune.heads import families as _families, stacks as _stacks  # noqa: E402,F401

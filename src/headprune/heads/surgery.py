@@ -236,6 +236,8 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
             _keep(module, torch.tensor(sorted(index), dtype=torch.long), outputs, sliced)
         if adapter.head_params:
             _keep_head_params(model, adapter, core, layer_heads(model, layer), after, sliced)
+        if adapter.head_norms:
+            _keep_head_norms(model, adapter, core, layer_heads(model, layer), after, sliced)
         if adapter.head_vectors:
             _keep_head_vectors(adapter, core, layer_heads(model, layer), after, d, sliced)
         if adapter.head_columns and after:  # a layer left without heads keeps its tables (BEiT's block reads them)
@@ -272,10 +274,10 @@ def _prune_layer(model: nn.Module, adapter: ArchAdapter, layer: int, after: list
         core._headprune_hooks += _pad_queries([(queries, width), *((g, d) for g in gates)], o, at, slots, d)
 
 
-def _keep_head_params(model: nn.Module, adapter: ArchAdapter, core: nn.Module, before: list[int], after: list[int],
-                      sliced: list[Sliced] | None) -> None:
-    """Keep the entries of the core's per-head parameters (`ArchAdapter.head_params`) that the query
-    slots of `after` read: a kept head's own, and for a padded slot the first kept head of its group."""
+def _slot_index(model: nn.Module, adapter: ArchAdapter, before: list[int], after: list[int]) -> torch.Tensor:
+    """(query slots of `after`,) the position, among the query slots of `before`, of the head each slot
+    reads its per-head entries from: a kept head's own, and for a padded slot the first kept head of
+    its group."""
     held, _ = adapter.query_slots(model.config, before)  # where each head of `before` sits now
     at, n_slots = adapter.query_slots(model.config, after)
     groups = adapter.kv_groups(model.config, after)
@@ -283,15 +285,46 @@ def _keep_head_params(model: nn.Module, adapter: ArchAdapter, core: nn.Module, b
     source = [members[0] for members in groups.values() for _ in range(per_group)]  # padded slots
     for pos, head in enumerate(after):
         source[at[pos]] = head
-    index = torch.tensor([held[before.index(head)] for head in source], dtype=torch.long)
+    return torch.tensor([held[before.index(head)] for head in source], dtype=torch.long)
+
+
+def _keep_rows(owner: nn.Module, name: str, index: torch.Tensor, sliced: list[Sliced] | None) -> None:
+    """Replace parameter `owner.<name>` by its rows `index` (dim 0)."""
+    old = getattr(owner, name)
+    new = nn.Parameter(old.detach().index_select(0, index.to(old.device)), requires_grad=old.requires_grad)
+    setattr(owner, name, new)
+    if sliced is not None:
+        sliced.append(Sliced(old, new, 0, index))
+
+
+def _keep_head_params(model: nn.Module, adapter: ArchAdapter, core: nn.Module, before: list[int], after: list[int],
+                      sliced: list[Sliced] | None) -> None:
+    """Keep the entries of the core's per-head parameters (`ArchAdapter.head_params`) that the query
+    slots of `after` read (`_slot_index`)."""
+    index = _slot_index(model, adapter, before, after)
     for name in adapter.head_params:
-        old = getattr(core, name, None)
-        if old is None:  # a layer without it (MiMo-V2-Flash's sinks: some layers only)
+        if getattr(core, name, None) is None:  # a layer without it (MiMo-V2-Flash's sinks: some layers only)
             continue
-        new = nn.Parameter(old.detach().index_select(0, index.to(old.device)), requires_grad=old.requires_grad)
-        setattr(core, name, new)
-        if sliced is not None:
-            sliced.append(Sliced(old, new, 0, index))
+        _keep_rows(core, name, index, sliced)
+
+
+def _keep_head_norms(model: nn.Module, adapter: ArchAdapter, core: nn.Module, before: list[int], after: list[int],
+                     sliced: list[Sliced] | None) -> None:
+    """Keep the rows of per-head norm weights and biases (`ArchAdapter.head_norms`, Cohere's (heads,
+    head_dim) q_norm / k_norm) that the query slots of `after` ("q") or its kept KV heads ("k") read; a
+    norm shared by every head (a vector over head_dim) is left alone."""
+    kv_before = list(adapter.kv_groups(model.config, before))
+    index = {"q": _slot_index(model, adapter, before, after),
+             "k": torch.tensor([kv_before.index(g) for g in adapter.kv_groups(model.config, after)], dtype=torch.long)}
+    for path, part in adapter.head_norms:
+        try:
+            norm = core.get_submodule(path)
+        except AttributeError:  # a layer or a config without it (Cohere without use_qk_norm)
+            continue
+        for name in ("weight", "bias"):
+            param = getattr(norm, name, None)
+            if isinstance(param, nn.Parameter) and param.dim() >= 2:  # (heads, head_dim): a row per head
+                _keep_rows(norm, name, index[part], sliced)
 
 
 def _keep_head_vectors(adapter: ArchAdapter, core: nn.Module, before: list[int], after: list[int], d: int,

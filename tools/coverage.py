@@ -16,13 +16,19 @@ config class with small sizes (no download), and `check_model_type` records one 
 - ``not built``: the tiny model could not be built from its config class here, or the checks'
   inputs do not run it unpruned (not a judgement on headprune).
 
+A type that passes is checked again in each config variant that reaches its attention
+(tools/config_variants.py: per-head q/k norms, attention and output biases, partial rotary, logit
+soft-capping, sliding-window layers and `layer_types`, a `head_dim` apart from hidden / heads, and
+every other boolean its attention classes read from the config): `check_variants`, one entry per
+variant in the row's "variants", with the same statuses.
+
 A composite config (vision- or audio-language) is built with its sub-configs (`text_config`,
 `vision_config`, `attn_config`, ...) shrunk too; where the causal-LM class is the text model
 alone (Qwen3.5, Llama 4), from that text config.
 
-Run it (3 min 43 s on this project's two shared cores, load ~5) and render the Markdown table from its JSON:
+Run it (31 min 51 s with the variants at 6a294fb, nice, on this project's two shared cores at load 6-12) and render the Markdown table from its JSON:
 
-    python -m headprune.deploy.coverage --out docs/coverage.json --markdown docs/coverage.md
+    python -m tools.coverage --out docs/coverage.json --markdown docs/coverage.md
 
 `--only TYPE ...` checks some types (with `--update docs/coverage.json`: their rows replaced in the
 committed table, the others kept); `--probe` also tries the Llama layout (`LLAMA_LAYOUT_TYPES`)
@@ -120,15 +126,20 @@ OVERRIDES["beit"] = OVERRIDES["data2vec-vision"] = {"use_relative_position_bias"
 
 
 # -- tiny configs ------------------------------------------------------------------------------------
-def tiny_config(model_type: str, config_class=None):
+def tiny_config(model_type: str, config_class=None, variant: dict | None = None):
     """The config class of `model_type` (or `config_class`: the text config a composite's causal-LM
     class is built from) with the small `SIZES` it has fields for, nested sub-configs (`text_config`,
-    `vision_config`, `attn_config`, ...) shrunk the same way, and `OVERRIDES` by model type."""
+    `vision_config`, `attn_config`, ...) shrunk the same way, `OVERRIDES` by model type, and last
+    `variant`'s fields (a config variant, tools/config_variants.py; a dict under a sub-config's name
+    sets that sub-config's fields)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = config_class or CONFIG_MAPPING[model_type]
-    return cls(**{**_tiny_kwargs(cls), **OVERRIDES.get(cls.model_type or model_type, {}),
-                  **OVERRIDES.get(model_type, {})})
+    kwargs = {**_tiny_kwargs(cls), **OVERRIDES.get(cls.model_type or model_type, {}), **OVERRIDES.get(model_type, {})}
+    for name, value in (variant or {}).items():
+        nested = isinstance(value, dict) and isinstance(kwargs.get(name), dict) and name in (getattr(cls, "sub_configs", None) or {})
+        kwargs[name] = {**kwargs[name], **value} if nested else value
+    return cls(**kwargs)
 
 
 def _fields(cls) -> set[str]:
@@ -372,9 +383,9 @@ def check_model(build, task: str, attn_implementations=("eager", "sdpa"), tmp: P
     return result
 
 
-def _builder(model_type: str, task: str):
-    """build(attn) for the tiny `model_type` under `task`'s auto class, the same weights each call;
-    or raises (not built)."""
+def _builder(model_type: str, task: str, variant: dict | None = None):
+    """build(attn) for the tiny `model_type` under `task`'s auto class (its config with `variant`'s
+    fields, `tiny_config`), the same weights each call; or raises (not built)."""
     import transformers
     from transformers.utils import logging as hf_logging
 
@@ -391,7 +402,7 @@ def _builder(model_type: str, task: str):
 
     own = getattr(cls, "config_class", None)
     subs = (getattr(CONFIG_MAPPING[model_type], "sub_configs", None) or {}).values()
-    config = tiny_config(model_type, own if own is not None and any(own is sub for sub in subs) else None)
+    config = tiny_config(model_type, own if own is not None and any(own is sub for sub in subs) else None, variant)
     with torch.device("meta"):
         meta = cls._from_config(config)
     n = sum(p.numel() for p in meta.parameters())
@@ -406,9 +417,11 @@ def _builder(model_type: str, task: str):
     return build
 
 
-def check_model_type(model_type: str, mappings: list[str], probe: bool = False, timeout: int = 120) -> dict:
+def check_model_type(model_type: str, mappings: list[str], probe: bool = False, timeout: int = 120,
+                     variants: bool = True) -> dict:
     """One row of the table: {"model_type", "mappings", "task", "status", "reason", "adapter",
-    "checks", "seconds"}."""
+    "checks", "seconds"}, and for a type that passes on its default config (with `variants`) its
+    config variants checked the same way (`check_variants`: "variants", "not_varied")."""
     from headprune.heads import adapters
 
     task = mappings[0]
@@ -419,28 +432,31 @@ def check_model_type(model_type: str, mappings: list[str], probe: bool = False, 
     start = time.perf_counter()
     probed = False
     try:
-        with _time_limit(timeout):
-            try:
-                build = _builder(model_type, task)
-            except _Timeout:
-                raise
-            except Exception as err:  # noqa: BLE001 - recorded in the table
-                row.update(status="not built", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200],
-                           adapter=None, checks={})
-                return row
-            built_type = build("eager").config.model_type if probe else model_type  # llama4 builds llama4_text
-            if probe and built_type not in adapters.ADAPTERS and _looks_like_llama(build("eager")):
-                adapters.ADAPTERS[built_type] = adapters.ADAPTERS["llama"]
-                probed = True
-            try:
-                row.update(check_model(build, task))
-            except _Timeout:
-                raise
-            except Exception as err:  # noqa: BLE001 - a check that crashed: recorded in the table
-                row.update(status="fails", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200],
-                           adapter=row.get("adapter"), checks=row.get("checks", {}))
-    except _Timeout as err:
-        row.update(status="fails", reason=f"timeout: {err}", adapter=row.get("adapter"), checks=row.get("checks", {}))
+        try:
+            with _time_limit(timeout):
+                try:
+                    build = _builder(model_type, task)
+                except _Timeout:
+                    raise
+                except Exception as err:  # noqa: BLE001 - recorded in the table
+                    row.update(status="not built", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200],
+                               adapter=None, checks={})
+                    return row
+                built_type = build("eager").config.model_type if probe else model_type  # llama4 builds llama4_text
+                if probe and built_type not in adapters.ADAPTERS and _looks_like_llama(build("eager")):
+                    adapters.ADAPTERS[built_type] = adapters.ADAPTERS["llama"]
+                    probed = True
+                try:
+                    row.update(check_model(build, task))
+                except _Timeout:
+                    raise
+                except Exception as err:  # noqa: BLE001 - a check that crashed: recorded in the table
+                    row.update(status="fails", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200],
+                               adapter=row.get("adapter"), checks=row.get("checks", {}))
+        except _Timeout as err:
+            row.update(status="fails", reason=f"timeout: {err}", adapter=row.get("adapter"), checks=row.get("checks", {}))
+        if variants and row["status"] == "passes":
+            row.update(check_variants(model_type, task, build("eager"), timeout))
     finally:
         if probed:
             del adapters.ADAPTERS[built_type]
@@ -448,6 +464,43 @@ def check_model_type(model_type: str, mappings: list[str], probe: bool = False, 
     if probed:
         row["probed"] = "llama"
     return row
+
+
+def check_variants(model_type: str, task: str, model: nn.Module, timeout: int = 120) -> dict:
+    """{"variants": [one entry per config variant of `model` (the tiny default, which passed) that
+    reaches its attention: {"variant", "fields", "status", "reason", "checks"}, checked as the default
+    by `check_model`], "not_varied": {field: why}} (tools/config_variants.py). A variant whose config
+    cannot be built, or whose unpruned model the inputs do not run, or whose config class does not
+    keep the fields set, is "not built"."""
+    from headprune.heads.adapters import get_adapter
+    from tools.config_variants import applied, config_variants
+
+    adapter = get_adapter(model)
+    found, skipped = config_variants(model, adapter)
+    out = []
+    for name, fields in found.items():
+        entry = {"variant": name, "fields": fields, "status": "passes", "reason": "", "checks": {}}
+        variant = {adapter.sub_config: fields} if adapter.sub_config else fields
+        try:
+            with _time_limit(timeout):
+                try:
+                    build = _builder(model_type, task, variant)
+                    why = applied(adapter.config_of(build("eager").config), fields)
+                except _Timeout:
+                    raise
+                except Exception as err:  # noqa: BLE001 - recorded in the table
+                    why = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+                if why:
+                    entry.update(status="not built", reason=why)
+                else:
+                    result = check_model(build, task)
+                    entry.update(status=result["status"], reason=result["reason"], checks=result["checks"])
+        except _Timeout as err:
+            entry.update(status="fails", reason=f"timeout: {err}")
+        except Exception as err:  # noqa: BLE001 - a check that crashed: recorded in the table
+            entry.update(status="fails", reason=f"{type(err).__name__}: {err}".splitlines()[0][:200])
+        out.append(entry)
+    return {"variants": out, "not_varied": skipped}
 
 
 def _looks_like_llama(model: nn.Module) -> bool:
@@ -472,7 +525,9 @@ def run(only: list[str] | None = None, probe: bool = False, timeout: int = 120, 
         row = check_model_type(model_type, mappings, probe=probe, timeout=timeout)
         rows.append(row)
         if log:
-            log(f"{model_type:32s} {row['status']:10s} {row['seconds']:6.1f}s {row['reason'][:100]}")
+            bad = [f"{v['variant']}: {v['status']}" for v in row.get("variants", []) if v["status"] != "passes"]
+            log(f"{model_type:32s} {row['status']:10s} {row['seconds']:6.1f}s variants {_variants_cell(row):5s} "
+                f"{row['reason'][:100]} {'; '.join(bad)}")
     return {"transformers_version": transformers.__version__, "torch_version": torch.__version__.split("+")[0],
             "mappings": {name: attr for name, attr in MAPPINGS.items()}, "atol": ATOL, "rows": rows}
 
@@ -511,19 +566,67 @@ def counts(doc: dict, mapping: str | None = None) -> dict[str, int]:
     return {status: sum(r["status"] == status for r in rows) for status in STATUSES}
 
 
+def variant_counts(doc: dict) -> dict[str, int]:
+    """{status: how many config variants have it} over every row (only passing types are varied)."""
+    found = [v["status"] for r in doc["rows"] for v in r.get("variants", [])]
+    return {status: found.count(status) for status in STATUSES if status != "refused"}
+
+
+def _variants_cell(row: dict) -> str:
+    found = row.get("variants", [])
+    return f"{sum(v['status'] == 'passes' for v in found)}/{len(found)}" if found else "–"
+
+
+def _escaped(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _variant_lines(doc: dict) -> list[str]:
+    """The section of the config variants: one row per type x variant, then the fields that reach an
+    attention module and are not varied, with why."""
+    rows = [(r, v) for r in doc["rows"] for v in r.get("variants", [])]
+    c = variant_counts(doc)
+    lines = [f"## Config variants ({len(rows)})", "",
+             "Each passing type is checked again in each config variant that reaches its attention "
+             "(`tools/config_variants.py`: the fields its attention classes read from the config; each boolean "
+             "flipped, each enum's other values, `head_dim` doubled, soft-capping on or off, layers alternating "
+             "sliding and full attention or the sliding window on or off, partial rotary on or off), with every "
+             f"check of the default: {c['passes']} pass, {c['fails']} fail, {c['not built']} not built. A variant is "
+             "`not built` when its config cannot be built, the config class does not keep the value set, or the "
+             "checks' inputs do not run its unpruned model (the note says which).", "",
+             "| model type | variant | " + " | ".join(CHECK_COLUMNS) + " | note |",
+             "|---|---|" + "---|" * len(CHECK_COLUMNS) + "---|"]
+    for r, v in rows:
+        cells = [_cell(v["checks"].get(name)) for name in CHECK_COLUMNS]
+        note = "" if v["status"] == "passes" else f"{v['status']}: {_escaped(v['reason'])}"
+        lines.append(f"| {r['model_type']} | `{v['variant']}` | " + " | ".join(cells) + f" | {note} |")
+    skipped: dict[tuple[str, str], list[str]] = {}
+    for r in doc["rows"]:
+        for field, why in r.get("not_varied", {}).items():
+            skipped.setdefault((field, why), []).append(r["model_type"])
+    if skipped:
+        lines += ["", "Fields that reach an attention module and are not varied:", "",
+                  "| field | why | model types |", "|---|---|---|"]
+        for (field, why), types in sorted(skipped.items()):
+            lines.append(f"| `{field}` | {_escaped(why)} | {', '.join(types)} |")
+    return lines + [""]
+
+
 def render_markdown(doc: dict) -> str:
     """The table docs/coverage.md shows, from the JSON `run` writes (a test re-renders it)."""
     lines = [
         "# Coverage: which transformers model types headprune prunes exactly",
         "",
-        f"Generated by `python -m headprune.deploy.coverage` from transformers {doc['transformers_version']} "
+        f"Generated by `python -m tools.coverage` from transformers {doc['transformers_version']} "
         f"(torch {doc['torch_version']}); raw results in `docs/coverage.json`. Each model type of transformers' "
         "auto mappings is built tiny from its config class (no download) and checked: physical removal equals "
         f"head masking to {doc['atol']:g} of the outputs' largest magnitude (at least 1) (a layer left without heads, an uneven KV group, a whole KV group; eager "
         "and sdpa attention), greedy `generate()` with the KV cache equals the masked model's (causal LMs), "
         "`save_pruned` / `load_pruned` reload equal, and a uniform whole-group layout reloads with plain "
-        "`from_pretrained` where the config can say it (`layout file`: `load_pruned` is needed). A model type is "
-        "listed once, under the first of its mappings in the order below (`task`).",
+        "`from_pretrained` where the config can say it (`layout file`: `load_pruned` is needed); then the same "
+        "checks in each config variant that reaches the type's attention (`variants`: passing / checked; "
+        "[Config variants](#config-variants)). A model type is listed once, under the first of its mappings in "
+        "the order below (`task`).",
         "",
         "| task | passes | refused | fails | not built |",
         "|---|---|---|---|---|",
@@ -532,7 +635,10 @@ def render_markdown(doc: dict) -> str:
         c = counts(doc, mapping)
         lines.append(f"| {mapping} | {c['passes']} | {c['refused']} | {c['fails']} | {c['not built']} |")
     c = counts(doc)
+    v = variant_counts(doc)
     lines += [f"| all | {c['passes']} | {c['refused']} | {c['fails']} | {c['not built']} |", "",
+              f"Config variants of the passing types: {sum(v.values())} checked, {v['passes']} pass, {v['fails']} "
+              f"fail, {v['not built']} not built.", "",
               "`n/a`: transformers offers no such attention for the family; `–`: does not apply.", ""]
     for status in STATUSES:
         rows = [r for r in doc["rows"] if r["status"] == status]
@@ -540,22 +646,21 @@ def render_markdown(doc: dict) -> str:
             continue
         lines += [f"## {status} ({len(rows)})", ""]
         if status == "passes":
-            lines += ["| model type | task | adapter | " + " | ".join(CHECK_COLUMNS) + " |",
-                      "|---|---|---|" + "---|" * len(CHECK_COLUMNS)]
+            lines += ["| model type | task | adapter | " + " | ".join(CHECK_COLUMNS) + " | variants |",
+                      "|---|---|---|" + "---|" * (len(CHECK_COLUMNS) + 1)]
             for r in rows:
-                cells = [_cell(r["checks"].get(name)) for name in CHECK_COLUMNS]
+                cells = [_cell(r["checks"].get(name)) for name in CHECK_COLUMNS] + [_variants_cell(r)]
                 lines.append(f"| {r['model_type']} | {r['task']} | {r['adapter']} | " + " | ".join(cells) + " |")
         else:
             lines += ["| model type | task | reason |", "|---|---|---|"]
             for r in rows:
-                reason = r["reason"].replace("|", "\\|").replace("\n", " ")
-                lines.append(f"| {r['model_type']} | {r['task']} | {reason} |")
+                lines.append(f"| {r['model_type']} | {r['task']} | {_escaped(r['reason'])} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + _variant_lines(doc))
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m headprune.deploy.coverage", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.coverage", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the JSON here")
     parser.add_argument("--markdown", type=Path, help="write the Markdown table here")
     parser.add_argument("--only", nargs="+", help="check only these model types")
