@@ -5,6 +5,8 @@ metric, and the runners split every committed sample where kvpress's protocol do
 import json
 import shutil
 
+import pytest
+
 from headprune.report import stale
 from tests.helpers import EXPERIMENTS, experiment_script
 
@@ -12,6 +14,7 @@ HERE = EXPERIMENTS / "peers_kvpress"
 SAMPLES = HERE / "samples" / "smollm2_4096.jsonl"
 
 
+@pytest.mark.slow  # lm-eval's import: ~3 s of CPU
 def test_a_changed_raw_answer_changes_the_table(tmp_path):
     """The committed table rendered from a copy of the raw files whose dense answer to one scored
     sample is emptied: the table differs (the score comes from the raw answers, not a cache)."""
@@ -29,6 +32,7 @@ def test_a_changed_raw_answer_changes_the_table(tmp_path):
     assert stale(copy, collect.render(copy)) == ["results.md"]
 
 
+@pytest.mark.slow
 def test_score_is_lm_evals_ruler_metric():
     """collect.score equals lm-eval's own process_results for the task's doc (string_match_all)."""
     from lm_eval.tasks.ruler.common_utils import process_results

@@ -133,7 +133,7 @@ def dense_check(runs: dict[str, dict]) -> list[str]:
     return [f"- dense in kvpress's venv (transformers {va}) against dense in headprune's (transformers {vb}), "
             f"{len(keys)} samples: the same greedy answer token for token on {same_answer}, the same first answer token "
             f"on {same_first}; largest gap between the first answer token's top-5 logits (where both rank the same 5 "
-            f"tokens): {number(gap, '.2e')}"]
+            f"tokens; the raw files keep them to 5 decimals): {number(gap, '.2e')}"]
 
 
 def table_lines(runs: dict[str, dict], memory: dict, expected: dict, samples: Path, with_targets: bool) -> list[str]:
@@ -155,8 +155,27 @@ def table_lines(runs: dict[str, dict], memory: dict, expected: dict, samples: Pa
     if left:
         lines += ["", f"Left out of the mean (dense below {MIN_DENSE:.0%}): {', '.join(left)}."]
     if with_targets:
-        lines += ["", "Targets (issue 53):", "", *targets(table), "", "Dense check:", "", *dense_check(runs)]
+        lines += ["", "Targets (issue 53):", "", *targets(table), "", "Checks:", "", *dense_check(runs),
+                  *shared_check(runs, memory)]
     return lines + [""]
+
+
+def shared_check(runs: dict[str, dict], memory: dict[str, dict]) -> list[str]:
+    """Each config run alone (the memory runs: `with press(model)`, its own prefill) against the same
+    config in the shared-prefill run, on the samples both answered: the same greedy answer?"""
+    lines = []
+    for name, alone in memory.items():
+        shared = runs.get(name)
+        if shared is None:
+            continue
+        mine = {(r["task"], r["index"]): r for r in shared["results"]}
+        pairs = [(r, mine[(r["task"], r["index"])]) for r in alone["results"] if (r["task"], r["index"]) in mine]
+        same = sum(a["generated_ids"] == b["generated_ids"] for a, b in pairs)
+        lines.append(f"{name} {same}/{len(pairs)}")
+    if not lines:
+        return []
+    return ["- each config run alone in its own process (raw/<set>_memory/) against its row here, the same greedy "
+            "answer token for token on: " + ", ".join(lines)]
 
 
 def render(directory: Path = HERE) -> dict[str, str]:
