@@ -24,6 +24,7 @@ RENDERED = {
     "llm_kv_modes": {"results.md", "answers.md"},
     "llm_uneven": {"results.md", "targets.md", "summary.md", "answers.md", "llm_uneven.csv"},
     "scale/model_device": {"results.md"},
+    "peers_kvpress": {"results.md"},
 }
 # experiment -> {page that quotes tables (relative to the repo): the rendered files it quotes}
 QUOTED = {

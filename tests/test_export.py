@@ -181,7 +181,9 @@ def test_a_bfloat16_model_is_exported_and_checked_in_float32(tmp_path, monkeypat
 
 
 # -- export targets checked before any work (issue 42) --------------------------------------------------
-OPTIONS = {"--gguf": "m.gguf", "--onnx": "m.onnx", "--onnx-decode": "d.onnx", "--vllm-deci": "deci"}
+OPTIONS = {"--gguf": "m.gguf", "--onnx": "m.onnx", "--onnx-decode": "d.onnx", "--vllm-deci": "deci",
+           "--vllm-anymodel": "anymodel"}
+FOLDERS = {"--vllm-deci": "a DeciLM checkpoint", "--vllm-anymodel": "an AnyModel checkpoint"}  # folder outputs
 
 
 @pytest.fixture
@@ -230,7 +232,7 @@ def test_a_target_inside_the_model_folder_is_refused_before_any_work(option, tmp
     run = _run_dir(tmp_path, bpe)
     before = files(run)
     _no_work(monkeypatch)
-    target = run / "export" / ("model.safetensors" if option != "--vllm-deci" else "deci")
+    target = run / "export" / ("model.safetensors" if option not in FOLDERS else "deci")
     err = _refused([run, option, target], capsys)
     assert f"{option} {target}: inside {run / 'export'}" in err and "the model being exported" in err
     assert files(run) == before and not (run / "export" / "deci").exists()
@@ -246,14 +248,14 @@ def test_an_existing_file_of_another_format_is_refused_before_any_work(option, t
     _no_work(monkeypatch)
     err = _refused([run, option, run / "results.json"], capsys)
     kind = {"--gguf": "a GGUF file", "--onnx": "an ONNX graph", "--onnx-decode": "an ONNX graph",
-            "--vllm-deci": "a folder"}[option]
+            "--vllm-deci": "a folder", "--vllm-anymodel": "a folder"}[option]
     assert f"{option} {run / 'results.json'}: exists and is not {kind}" in err
     assert (run / "results.json").read_bytes() == results
-    if option == "--vllm-deci":  # a folder of something else is not replaced either
+    if option in FOLDERS:  # a folder of something else is not replaced either
         (tmp_path / "notes").mkdir()
         (tmp_path / "notes" / "a.txt").write_text("mine")
         err = _refused([run, option, tmp_path / "notes"], capsys)
-        assert "exists and is not a DeciLM checkpoint" in err and (tmp_path / "notes" / "a.txt").read_text() == "mine"
+        assert f"exists and is not {FOLDERS[option]}" in err and (tmp_path / "notes" / "a.txt").read_text() == "mine"
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -271,7 +273,7 @@ def test_an_unwritable_target_folder_is_refused_before_any_work(option, nested, 
     assert f"{option} {target}: {folder} cannot be written" in err
 
 
-@pytest.mark.parametrize("other", ["--onnx", "--onnx-decode", "--vllm-deci"])
+@pytest.mark.parametrize("other", ["--onnx", "--onnx-decode", "--vllm-deci", "--vllm-anymodel"])
 def test_the_same_path_for_two_outputs_is_refused_before_any_work(other, tmp_path, bpe, monkeypatch, capsys):
     """--gguf and --onnx-decode with one path: the GGUF was written, then the ONNX publish read it as
     the old graph and failed (DecodeError), losing the new ONNX. Refused before any work."""

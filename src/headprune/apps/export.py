@@ -6,6 +6,7 @@
     headprune-export <folder> --onnx model.onnx --onnx-decode decode.onnx
     headprune-export <run dir or folder> --gguf model.gguf [--gguf-weights f16|f32|q8_0]
     headprune-export <run dir or folder> --vllm-deci deci/      # vLLM DeciLMForCausalLM checkpoint
+    headprune-export <run dir or folder> --vllm-anymodel any/   # vLLM AnyModel checkpoint (per-layer KV heads)
 
 --gguf (Llama-family causal LMs) writes a GGUF file llama.cpp serves (deploy/gguf_export.py):
 architecture `llama` when every layer keeps the same heads, `deci` when layers differ (0 heads:
@@ -14,13 +15,15 @@ layout with sink 0: llama.cpp sliding-window layers; per-head windows and sinks 
 the vocabulary and chat template are copied from the GGUF the dense
 model came from (model=smollm2) or written from the folder's tokenizer. --vllm-deci writes vLLM's
 DeciLMForCausalLM checkpoint (deploy/vllm_deci.py: layers keeping all their KV groups or none) in
-the model's dtype, with the folder's tokenizer. A layout or model a format cannot express exits 2
-with the reason before anything is written.
+the model's dtype, with the folder's tokenizer. --vllm-anymodel writes vLLM's AnyModel checkpoint
+(deploy/vllm_anymodel.py: Llama / Mistral / Qwen2 / Qwen3 removal layouts, per-layer query and KV
+heads, attention-free layers as no-op attention) in the model's dtype, with the folder's tokenizer.
+A layout or model a format cannot express exits 2 with the reason before anything is written.
 
 Every target is checked before any work, exit 2 with the reason: a path inside the model folder
 being exported (a run without training keeps no other copy of the pruned model), an existing file
-or folder that is not what the option writes (an earlier GGUF, ONNX graph or --vllm-deci
-checkpoint is replaced; results.json is not), a folder that cannot be written, the same path for
+or folder that is not what the option writes (an earlier GGUF, ONNX graph, --vllm-deci or
+--vllm-anymodel checkpoint is replaced; results.json is not), a folder that cannot be written, the same path for
 two outputs. A staging file or folder a killed export left beside a target (`.<name>.*.tmp`) is
 removed by the next export to that target (atomic.py).
 
@@ -94,6 +97,7 @@ def _no_export(run: Path) -> str:
 
 # option -> (what it writes, an example file name): the outputs, in the order they are written
 OUTPUTS = {"--gguf": ("a GGUF file", "model.gguf"), "--vllm-deci": ("a DeciLM checkpoint folder", "deci"),
+           "--vllm-anymodel": ("an AnyModel checkpoint folder", "anymodel"),
            "--onnx": ("an ONNX graph", "model.onnx"), "--onnx-decode": ("an ONNX graph", "decode.onnx")}
 
 
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-deci", type=Path,
                         help="Llama causal LMs whose layers keep all KV groups or none: the vLLM DeciLMForCausalLM "
                              "checkpoint folder to write (config.json, model.safetensors, tokenizer)")
+    parser.add_argument("--vllm-anymodel", type=Path,
+                        help="Llama / Mistral / Qwen2 / Qwen3 causal LMs with removed heads (per-layer KV heads, "
+                             "attention-free layers): the vLLM AnyModel checkpoint folder to write (config.json, "
+                             "model.safetensors, tokenizer)")
     args = parser.parse_args(argv)
     problem = argument_problem(args)
     if problem:
@@ -159,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--gguf {args.gguf}: {err}")
     if args.vllm_deci is not None:
         write_vllm_deci(folder, model, args.vllm_deci)
+    if args.vllm_anymodel is not None:
+        write_vllm_anymodel(folder, model, args.vllm_anymodel)
     if args.onnx is None and args.onnx_decode is None:
         return 0
     from headprune.deploy.onnx_files import publish, staged_onnx
@@ -208,7 +218,7 @@ def argument_problem(args: argparse.Namespace) -> str | None:
     given = [option for option in OUTPUTS if _target(args, option) is not None]
     if not given:
         return ("nothing to write: give --onnx PATH (full-sequence graph), --onnx-decode PATH (causal LMs' decode "
-                "graph), --gguf PATH (llama.cpp), --vllm-deci FOLDER (vLLM) or several")
+                "graph), --gguf PATH (llama.cpp), --vllm-deci FOLDER or --vllm-anymodel FOLDER (vLLM) or several")
     for name, value in (("--tolerance", args.tolerance), ("--rel-tolerance", args.rel_tolerance)):
         if not math.isfinite(value) or value < 0:
             return f"{name} {value}: allowed: a finite number >= 0"
@@ -234,7 +244,7 @@ def target_problem(option: str, path: Path | None, folder: Path) -> str | None:
         return None
     what, example = OUTPUTS[option]
     where = f"{option} {path}"
-    folder_is_output = option == "--vllm-deci"
+    folder_is_output = option in FOLDER_OUTPUTS
     if path.is_dir() and not folder_is_output:
         return f"{where}: is a folder; allowed: a file path (e.g. {path / example})"
     for parent in path.parents:
@@ -257,12 +267,13 @@ def target_problem(option: str, path: Path | None, folder: Path) -> str | None:
 def _not_of_kind(option: str, path: Path) -> str | None:
     """What an existing `path` would have to be for `option` to replace it, with what to do, when it
     is something else (None: nothing there, an empty file or folder, or an earlier output of the kind)."""
-    if option == "--vllm-deci":
+    if option in FOLDER_OUTPUTS:
+        what, architecture = FOLDER_OUTPUTS[option]
         if path.exists() and not path.is_dir():
-            return "a folder; allowed: a new or empty folder, or an earlier --vllm-deci checkpoint to replace"
-        if path.is_dir() and any(path.iterdir()) and not _is_deci_checkpoint(path):
-            return ("a DeciLM checkpoint (no config.json with architectures DeciLMForCausalLM); allowed: a new or "
-                    "empty folder, or an earlier --vllm-deci checkpoint to replace")
+            return f"a folder; allowed: a new or empty folder, or an earlier {option} checkpoint to replace"
+        if path.is_dir() and any(path.iterdir()) and not _is_checkpoint_of(path, architecture):
+            return (f"{what} (no config.json with architectures {architecture}); allowed: a new or "
+                    f"empty folder, or an earlier {option} checkpoint to replace")
         return None
     if not path.is_file() or path.stat().st_size == 0:
         return None
@@ -284,9 +295,14 @@ def _not_of_kind(option: str, path: Path) -> str | None:
     return None
 
 
-def _is_deci_checkpoint(path: Path) -> bool:
+# the options that write a folder: (what it is, the architecture its config.json names)
+FOLDER_OUTPUTS = {"--vllm-deci": ("a DeciLM checkpoint", "DeciLMForCausalLM"),
+                  "--vllm-anymodel": ("an AnyModel checkpoint", "AnyModel")}
+
+
+def _is_checkpoint_of(path: Path, architecture: str) -> bool:
     try:
-        return "DeciLMForCausalLM" in (json.loads((path / "config.json").read_text()).get("architectures") or [])
+        return architecture in (json.loads((path / "config.json").read_text()).get("architectures") or [])
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -320,6 +336,12 @@ def model_refusals(args: argparse.Namespace, model) -> list[str]:
         reason = deci_refusal(model)
         if reason:
             out.append(f"--vllm-deci {args.vllm_deci}: {reason}")
+    if args.vllm_anymodel is not None:
+        from headprune.deploy.vllm_anymodel import anymodel_refusal
+
+        reason = anymodel_refusal(model)
+        if reason:
+            out.append(f"--vllm-anymodel {args.vllm_anymodel}: {reason}")
     return out
 
 
@@ -365,6 +387,24 @@ def write_vllm_deci(folder: Path, model, path: Path) -> None:
                       "export_s": round(time.perf_counter() - start, 1),
                       "attention_free_layers": [i for i, (heads, _, _) in enumerate(blocks) if not heads],
                       "kv_heads": [kv for _, kv, _ in blocks],
+                      "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file())}, indent=2))
+
+
+def write_vllm_anymodel(folder: Path, model, path: Path) -> None:
+    """The --vllm-anymodel export of `folder`'s model (checked by `model_refusals`), with its tokenizer."""
+    from headprune.deploy.vllm_anymodel import layer_heads, save_anymodel
+    from headprune.heads.adapters import head_layout
+
+    start = time.perf_counter()
+    save_anymodel(model, path, overwrite=True, tokenizer=_tokenizer(folder))
+    config = json.loads((path / "config.json").read_text())
+    heads = layer_heads(model)
+    kept = sum(len(layer) for layer in head_layout(model))
+    print(json.dumps({"source": str(folder), "vllm_anymodel": str(path), "dtype": config.get("dtype"),
+                      "base_architecture": config["base_architecture"], "export_s": round(time.perf_counter() - start, 1),
+                      "attention_free_layers": [i for i, (_, kv) in enumerate(heads) if not kv],
+                      "heads": [q for q, _ in heads], "kv_heads": [kv for _, kv in heads],
+                      "padded_heads": sum(q for q, _ in heads) - kept,
                       "bytes": sum(f.stat().st_size for f in path.iterdir() if f.is_file())}, indent=2))
 
 

@@ -314,7 +314,7 @@ def permute_rotary(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.reshape(heads, 2, d // 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
-def _padded(rows: torch.Tensor, slots: list[int], total: int, d: int, dim: int) -> torch.Tensor:
+def pad_heads(rows: torch.Tensor, slots: list[int], total: int, d: int, dim: int) -> torch.Tensor:
     """`rows` (kept heads along `dim`, d features each) placed at head slots `slots` of `total`, zeros elsewhere."""
     if len(slots) == total:
         return rows
@@ -339,15 +339,15 @@ def _layer_tensors(model: nn.Module, layer: int, layout: GGUFLayout) -> dict[str
         slots = [g * per_group + t for g, members in enumerate(groups.values()) for t in range(len(members))]
         q, k, v, o = (attn.get_submodule(p) for p in (adapter.q, adapter.k, adapter.v, adapter.o))
         out["attn_norm.weight"] = block.input_layernorm.weight
-        out["attn_q.weight"] = permute_rotary(_padded(q.weight, slots, n_q, d, 0), n_q)
+        out["attn_q.weight"] = permute_rotary(pad_heads(q.weight, slots, n_q, d, 0), n_q)
         out["attn_k.weight"] = permute_rotary(k.weight, n_kv)
         if layout.arch in OWN_ARCH:  # rotate_half rotary as transformers': rows unpermuted, per-head norms
-            out["attn_q.weight"], out["attn_k.weight"] = _padded(q.weight, slots, n_q, d, 0), k.weight
+            out["attn_q.weight"], out["attn_k.weight"] = pad_heads(q.weight, slots, n_q, d, 0), k.weight
             out["attn_q_norm.weight"], out["attn_k_norm.weight"] = attn.q_norm.weight, attn.k_norm.weight
         out["attn_v.weight"] = v.weight
-        out["attn_output.weight"] = _padded(o.weight, slots, n_q, d, 1)
+        out["attn_output.weight"] = pad_heads(o.weight, slots, n_q, d, 1)
         if q.bias is not None:
-            out["attn_q.bias"] = permute_rotary(_padded(q.bias, slots, n_q, d, 0), n_q)
+            out["attn_q.bias"] = permute_rotary(pad_heads(q.bias, slots, n_q, d, 0), n_q)
         if k.bias is not None:
             out["attn_k.bias"] = permute_rotary(k.bias, n_kv)
         if v.bias is not None:
