@@ -39,6 +39,10 @@ KV_MODES = {
     "measured_retrieval_clamped": ["kv_modes=given",
                                    "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_layout.json"],
     "measured_retrieval_last": ["kv_modes=measured", "kv_modes.retrieval_blocks=1", "kv_modes.removal=last"],
+    # kv_modes.granularity=layer (issue 54): configs ready, not run yet
+    "layer": ["kv_modes.granularity=layer"],
+    "layer_85": ["kv_modes.granularity=layer", "budget.target=0.15"],
+    "layer_sink0": ["kv_modes.granularity=layer", "kv_modes.sink=0", "kv_modes.window=512"],
     "measured_retrieval_8192": ["kv_modes=measured", "kv_modes.retrieval_blocks=1", "kv_modes.removal=last",
                                 "budget.seq=8192", "data.block_size=8192", "evaluation.perplexity_seqs=[8192]",
                                 "evaluation.perplexity_tokens=16384", "evaluation.passkey_lengths=[8192]"],

@@ -305,7 +305,7 @@ def test_help_lists_group_choices():
     proc = train_cli("--help")
     assert proc.returncode == 0
     for line in ("layer_policy: attention_drop, depth_prior, global, measured, sensitivity, uniform",
-                 "schedule: cubic, iterative, one_shot, until_threshold", "model: bert_base, minilm, smollm2, tiny_bert, tiny_gpt2"):
+                 "schedule: cubic, iterative, one_shot, until_threshold", "model: bert_base, gemma3_270m, minilm, qwen25_coder_1p5b, smollm2, tiny_bert, tiny_gpt2"):
         assert line in proc.stdout
 
 

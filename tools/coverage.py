@@ -625,7 +625,7 @@ def render_markdown(doc: dict) -> str:
         "`save_pruned` / `load_pruned` reload equal, and a uniform whole-group layout reloads with plain "
         "`from_pretrained` where the config can say it (`layout file`: `load_pruned` is needed); then the same "
         "checks in each config variant that reaches the type's attention (`variants`: passing / checked; "
-        "[Config variants](#config-variants)). A model type is listed once, under the first of its mappings in "
+        "[Config variants](#config-variants-296)). A model type is listed once, under the first of its mappings in "
         "the order below (`task`).",
         "",
         "| task | passes | refused | fails | not built |",

@@ -32,6 +32,7 @@ from transformers.cache_utils import (DummyLayer, DynamicLayer, DynamicSlidingWi
                                       StaticSlidingWindowLayer, get_layer_types_and_kwargs)
 
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
+from headprune.heads.headless import HeadlessCacheLayer
 from headprune.heads.windows import FULL, KV_LAYOUT_ATTR, MODES, REMOVED, WINDOW, WindowedCacheLayer
 
 SLIDING_TYPES = ("sliding_attention", "chunked_attention", "hybrid_sliding")  # layer_types a cache windows
@@ -129,7 +130,8 @@ def model_bytes(model: nn.Module, context: int, batch: int = 1, modes: list[list
     return [layer_bytes(m, context, d, width, batch, sink, window, natives[l], static) for l, m in enumerate(modes)]
 
 
-PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer)  # keys, values
+PLAIN_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, StaticLayer, StaticSlidingWindowLayer,
+                HeadlessCacheLayer)  # keys, values (an attention-free layer's: empty)
 
 
 def cache_layer_bytes(layer) -> int:

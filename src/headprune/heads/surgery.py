@@ -32,7 +32,7 @@ from headprune.heads.adapters import (LAYOUT_ATTR, ArchAdapter, feature_dim, get
                                       set_num_features)
 from headprune.heads.headless import HeadlessAttention
 from headprune.heads.stacks import StackedAdapter, to_rows
-from headprune.heads.verify import Probe, wanted
+from headprune.heads.verify import SurgeryProbe, wanted
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def prune_heads(model: nn.Module, heads: HeadSpec, sliced: list[Sliced] | None =
     request = _validated(to_rows(model, heads), len(blocks), n_heads)
     layout = head_layout(model)
     removing = {layer: remove & set(layout[layer]) for layer, remove in request.items()}
-    probe = Probe(model, adapter, removing) if any(removing.values()) and wanted(model, verify) else None
+    probe = SurgeryProbe(model, adapter, removing) if any(removing.values()) and wanted(model, verify) else None
     if probe is not None:
         probe.before(model)
     for layer, remove in request.items():

@@ -144,7 +144,7 @@ def _differ(got: torch.Tensor, want: torch.Tensor, tolerance: float) -> str:
     return "" if diff <= allowed else f"max |pruned - masked| {diff:.3g} > {allowed:.3g}"
 
 
-class Probe:
+class SurgeryProbe:
     """One verification: `before(model, request)` runs the masked forward (the heads of `request`,
     rows -> head ids, gated to zero) and notes each pruned layer's attention parameters; `after(model)`
     runs the pruned forward and raises `SurgeryError` when it fails or differs."""
