@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, DummyLayer, StaticLayer, StaticSlidi
 
 from headprune.costs.kv_bytes import native_windows
 from headprune.heads.adapters import get_adapter, model_shape
-from headprune.heads.windowed_attention import EMPTY_SLOT, HeadSplit
+from headprune.heads.windowed_attention import EMPTY_SLOT, HeadSplit, first_keys
 from headprune.heads.windows import KV_LAYOUT_ATTR, KVWindows, WindowedCacheLayer
 
 
@@ -38,6 +38,15 @@ class StaticWindowedLayer(WindowedCacheLayer):
 
     chunked = True  # a long prefill's windowed heads attend chunk by chunk
     is_compileable = True
+
+    def see(self, mask: torch.Tensor | None) -> None:
+        """The serving bench's batches are unpadded, so every row's sinks start at slot 0 (`first`
+        stays None: one ring for all rows). A left-padded batch is refused: its rows' sinks would
+        start at their first real token, which this one shared ring does not keep apart."""
+        first = first_keys(mask) if self.length == 0 else None
+        if first is not None and bool((first > 0).any()):
+            raise ValueError("the static windowed cache serves unpadded batches; a left-padded batch needs the "
+                             "dynamic cache (heads.windows.WindowedCacheLayer), which keeps each row's sinks")
     is_sliding = False
 
     def __init__(self, windowed: list[bool], sink: int, window: int, max_len: int):
@@ -122,7 +131,9 @@ class StaticWindowedLayer(WindowedCacheLayer):
         self.length, self.armed, self.step = 0, False, None
 
     def _rows(self, pick) -> None:
+        slots = self.slots  # (S,): one ring shared by every row (unpadded batches, `see`), not per row
         super()._rows(pick)  # new buffers (outside decode: `repeat_rows`)
+        self.slots = slots
         if self.is_initialized and not torch.compiler.is_compiling():
             for t in (self.keys, self.values, self.window_keys, self.window_values):
                 torch._dynamo.mark_static_address(t)

@@ -65,6 +65,8 @@ def check_resume(config: Mapping, ckpt_path: str, output_dir: Path, epochs: int,
         if "kv_modes" not in saved:  # a checkpoint from before kv_modes existed: it ran without them
             now = {k: v for k, v in now.items() if not k.startswith("kv_modes.") or k == "kv_modes.choice"}
             before.setdefault("kv_modes.choice", "none")
+            if now.get("kv_modes.choice") is None:  # no kv_modes node at all: none
+                now["kv_modes.choice"] = "none"
         differ = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
         if differ:
             shown = ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in differ[:8])
