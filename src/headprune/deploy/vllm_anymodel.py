@@ -49,13 +49,12 @@ one step (atomic.py). Loading needs a vLLM with AnyModel (the PR above); it is n
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from headprune.atomic import staged_folder
+from headprune.deploy.vllm_deci import check_target, write_checkpoint
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.windows import windows_refusal
 from headprune.tasks import CAUSAL_LM, task_of
@@ -181,31 +180,13 @@ def save_anymodel(model: nn.Module, directory: str | Path, overwrite: bool = Fal
     given: vLLM reads the tokenizer from the model folder) into `directory`, in the model's own dtype
     (config.json `dtype` says which). A folder holding files is refused unless `overwrite`; it is
     replaced in one step (atomic.py), so a failure leaves it as it was."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     config = anymodel_config(model)
-    if directory.exists() and not directory.is_dir():
-        raise NotADirectoryError(f"save_anymodel: {directory} exists and is not a folder")
-    if directory.is_dir() and any(directory.iterdir()) and not overwrite:
-        raise FileExistsError(f"save_anymodel: {directory} is not empty; pass overwrite=True to replace it")
+    check_target(directory, overwrite, "save_anymodel")
     adapter = get_adapter(model)
     d = int(config["head_dim"])
     heads = layer_heads(model)
-    drop = [f"model.layers.{i}." + part for i, (_, n_kv) in enumerate(heads) if not n_kv
-            for part in (f"{adapter.attn_path}.", "input_layernorm.")]
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith(tuple(drop))}
-    for i, (n_q, n_kv) in enumerate(heads):
-        if n_kv:
-            prefix = f"model.layers.{i}.{adapter.attn_path}."
-            state.update({prefix + k: v.detach().contiguous() for k, v in _layer_state(model, i, n_q, n_kv, d).items()})
-    if config.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)
-    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in state.values() if v.is_floating_point()})
-    config["dtype"] = dtypes[0] if len(dtypes) == 1 else config.get("dtype")
-    with staged_folder(directory) as staging:
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-    return directory
+    replaced = {f"model.layers.{i}.{adapter.attn_path}.{k}": v for i, (n_q, n_kv) in enumerate(heads) if n_kv
+                for k, v in _layer_state(model, i, n_q, n_kv, d).items()}
+    return write_checkpoint(model, directory, config, [i for i, (_, n_kv) in enumerate(heads) if not n_kv],
+                            replaced, tokenizer)

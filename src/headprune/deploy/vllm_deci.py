@@ -112,18 +112,33 @@ def save_deci(model: nn.Module, directory: str | Path, overwrite: bool = False, 
     given: vLLM reads the tokenizer from the model folder) into `directory`, in the model's own
     dtype (config.json `dtype` says which). A folder holding files is refused unless `overwrite`;
     it is replaced in one step (atomic.py), so a failure leaves it as it was."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     config = deci_config(model)
+    check_target(directory, overwrite, "save_deci")
+    headless = [i for i, kept in enumerate(head_layout(model)) if not kept]
+    return write_checkpoint(model, directory, config, headless, {}, tokenizer)
+
+
+def check_target(directory: Path, overwrite: bool, who: str) -> None:
+    """A vLLM checkpoint's folder: refused when it is a file, or holds files and not `overwrite`."""
     if directory.exists() and not directory.is_dir():
-        raise NotADirectoryError(f"save_deci: {directory} exists and is not a folder")
+        raise NotADirectoryError(f"{who}: {directory} exists and is not a folder")
     if directory.is_dir() and any(directory.iterdir()) and not overwrite:
-        raise FileExistsError(f"save_deci: {directory} is not empty; pass overwrite=True to replace it")
+        raise FileExistsError(f"{who}: {directory} is not empty; pass overwrite=True to replace it")
+
+
+def write_checkpoint(model: nn.Module, directory: Path, config: dict, headless: list[int],
+                     replaced: dict, tokenizer=None) -> Path:
+    """The model's state dict as a vLLM checkpoint folder (config.json, model.safetensors, the
+    tokenizer's files), published in one step: layers in `headless` lose their attention and input
+    norm (no-op attention), `replaced` entries (name -> tensor) replace the model's own, a tied
+    output head is left to the embedding, and config.json `dtype` says the weights' dtype."""
+    from safetensors.torch import save_file
+
     adapter = get_adapter(model)
-    drop = [f"model.layers.{i}." + part for i, kept in enumerate(head_layout(model)) if not kept
-            for part in (f"{adapter.attn_path}.", "input_layernorm.")]
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith(tuple(drop))}
+    drop = tuple(f"model.layers.{i}." + part for i in headless for part in (f"{adapter.attn_path}.", "input_layernorm."))
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not k.startswith(drop)}
+    state.update({k: v.detach().contiguous() for k, v in replaced.items()})
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in state.values() if v.is_floating_point()})
