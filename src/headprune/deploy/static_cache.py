@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, DummyLayer, StaticLayer, StaticSlidi
 
 from headprune.costs.kv_bytes import native_windows
 from headprune.heads.adapters import get_adapter, model_shape
-from headprune.heads.windowed_attention import EMPTY_SLOT, HeadSplit, first_keys
+from headprune.heads.windowed_attention import EMPTY_SLOT, first_keys
 from headprune.heads.windows import KV_LAYOUT_ATTR, KVWindows, WindowedCacheLayer
 
 
@@ -55,12 +55,7 @@ class StaticWindowedLayer(WindowedCacheLayer):
         self.position = torch.zeros((), dtype=torch.long)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if key_states.shape[1] != len(self.windowed):
-            raise ValueError(f"the cache layer was made for {len(self.windowed)} KV heads, the attention gave "
-                             f"{key_states.shape[1]}")
-        self.device = key_states.device
-        self.heads = HeadSplit.of(self.windowed, self.device)
-        self.full_heads, self.window_heads = self.heads.full, self.heads.window
+        self.split_heads(key_states)
         b, d, dv = key_states.shape[0], key_states.shape[-1], value_states.shape[-1]
         ring = min(self.sink + self.window, self.max_cache_len)  # a shorter cache never wraps: slot = entry
         self.keys = key_states.new_zeros(b, len(self.full_heads), self.max_cache_len, d)  # (B, F, L, D)

@@ -305,13 +305,18 @@ class WindowedCacheLayer(DynamicLayer):
         if first is not None:
             self.first = first if self.first is None else torch.minimum(self.first, first)
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def split_heads(self, key_states: torch.Tensor) -> None:
+        """The layer's full and windowed KV heads on the device of its first keys (B, H, T, D),
+        refused when the attention gives another number of KV heads than the layout names."""
         if key_states.shape[1] != len(self.windowed):
             raise ValueError(f"the cache layer was made for {len(self.windowed)} KV heads, the attention gave "
                              f"{key_states.shape[1]}")
         self.device = key_states.device
         self.heads = HeadSplit.of(self.windowed, self.device)
         self.full_heads, self.window_heads = self.heads.full, self.heads.window
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.split_heads(key_states)
         b, _, _, d = key_states.shape
         self.keys = key_states.new_zeros(b, len(self.full_heads), 0, d)  # (B, F, 0, D)
         self.values = value_states.new_zeros(b, len(self.full_heads), 0, value_states.shape[-1])
