@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_press import cache_bytes, decode, round_robin, split_prompt  # noqa: E402
+from run_press import cache_bytes, decode, load_samples, split_prompt  # noqa: E402
 
 
 def layout_of(path: Path):
@@ -55,16 +55,7 @@ def main() -> None:
     if len(args.name) != len(args.layout):
         parser.error(f"{len(args.layout)} --layout but {len(args.name)} --name: allowed: one name per layout")
     layouts = [None if spec == "dense" else layout_of(Path(spec)) for spec in args.layout]
-    samples = [json.loads(line) for line in args.samples.read_text().splitlines() if line.strip()]
-    if args.tasks:
-        samples = [s for s in samples if s["task"] in args.tasks]
-    if args.limit is not None:
-        per_task: dict[str, int] = {}
-        samples = [s for s in samples if per_task.setdefault(s["task"], 0) < args.limit
-                   and not per_task.__setitem__(s["task"], per_task[s["task"]] + 1)]
-    samples = round_robin(samples)
-    for sample in samples:
-        split_prompt(sample)
+    samples = load_samples(args.samples, args.tasks, args.limit)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
     from transformers.utils import logging as hf_logging

@@ -234,6 +234,26 @@ def round_robin(samples: list[dict]) -> list[dict]:
     return out
 
 
+def load_samples(path: Path, tasks, limit: int | None) -> list[dict]:
+    """The samples file's samples of `tasks` (all when empty), the first `limit` of each task (all
+    when None), in `round_robin` order; every sample's prompt split (`split_prompt`) before any work."""
+    samples = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if tasks:
+        samples = [s for s in samples if s["task"] in tasks]
+    if limit is not None:
+        taken: dict[str, int] = {}
+        kept = []
+        for sample in samples:
+            if taken.get(sample["task"], 0) < limit:
+                taken[sample["task"]] = taken.get(sample["task"], 0) + 1
+                kept.append(sample)
+        samples = kept
+    samples = round_robin(samples)
+    for sample in samples:
+        split_prompt(sample)
+    return samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--press", nargs="+", required=True, choices=PRESSES,
@@ -255,16 +275,7 @@ def main() -> None:
     configs = list(dict.fromkeys(sorted(configs, key=lambda c: c[0] == "dense")))  # dense last, once
     if any(press != "dense" and kept == 1.0 for press, kept in configs):
         parser.error("a press at --kept 1 removes nothing: give shares below 1")
-    samples = [json.loads(line) for line in args.samples.read_text().splitlines() if line.strip()]
-    if args.tasks:
-        samples = [s for s in samples if s["task"] in args.tasks]
-    if args.limit is not None:
-        per_task: dict[str, int] = {}
-        samples = [s for s in samples if per_task.setdefault(s["task"], 0) < args.limit
-                   and not per_task.__setitem__(s["task"], per_task[s["task"]] + 1)]
-    samples = round_robin(samples)
-    for sample in samples:
-        split_prompt(sample)  # every sample checked before any work
+    samples = load_samples(args.samples, args.tasks, args.limit)
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
