@@ -143,7 +143,7 @@ def evaluate(path: Path, which: list[str] | None = None, redo: bool = False, ove
     data = read_run(run)
     settings = settings_of(data["config"], list(overrides), run / RESULTS)
     export = Path(data.get("final", {}).get("export_dir") or run / "export")
-    if not export.is_absolute() and not export.is_dir():
+    if not export.is_dir():  # the run dir was moved or copied: its export/ beside results.json
         export = run / "export"
     wanted = plan(data, settings, which, redo, run / RESULTS, has_export=(export / "config.json").is_file())
     tokenizer, datamodule = _data(data["config"])
