@@ -104,7 +104,10 @@ def test_the_kv_budget_prices_sliding_layers_as_their_window():
     table = kv_costs(model, 1, 4096)
     assert [layer[1] for layer in table.cost] == [per_unit * 512, per_unit * 4096, per_unit * 512]
     modes = kv_mode_costs(model, 1, 4096, sink=4, window=60)
-    assert modes.cost[0][(1, 1)] == per_unit * (512 + 64) and modes.cost[1][(0, 1)] == per_unit * 64
+    assert modes.cost[1][(1, 1)] == per_unit * (4096 + 64) and modes.cost[1][(0, 1)] == per_unit * 64
+    # a sliding layer's units are already windowed: kept full (its window) or removed, never windowed again
+    assert sorted(modes.cost[0]) == sorted(modes.cost[2]) == [(0, 0), (1, 0), (2, 0)]
+    assert modes.cost[0][(2, 0)] == 2 * per_unit * 512
     _, info = KVBudget(batch=1, seq=4096).measure(model)
     assert info == {"native_windows": {"0": 512, "2": 512}}
     _, plain = KVBudget(batch=1, seq=4096).measure(llama())

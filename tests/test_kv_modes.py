@@ -1,5 +1,8 @@
 """Per-unit KV modes (heads/windows.py): windowed KV groups see only their sinks and recent window,
 under eager and sdpa attention, equal to attention computed by hand."""
+import json
+import re
+
 import pytest
 import torch
 import transformers as tf
@@ -160,6 +163,21 @@ def test_bad_layouts_refused_by_name():
     model.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="allowed: eager, sdpa"):
         KVWindows(KVLayout.uniform(model, "window", sink=1, window=2)).attach(model)
+
+
+@pytest.mark.parametrize("field,value,allowed", [("sink", "2", ">= 0"), ("window", 0, ">= 1"), ("sink", True, ">= 0")])
+def test_a_layout_files_bad_field_is_refused_naming_the_file_and_field(field, value, allowed, tmp_path):
+    """The values are the file's, not the user's settings: the refusal names the file and the field."""
+    from headprune.selection.kv_modes import read_kv_layout
+
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps({"modes": [["full", "window"], ["full", "full"]], "sink": 2, "window": 4, field: value}))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: field '{field}' is {re.escape(repr(value))}; "
+                                         rf"allowed: an integer {allowed}"):
+        read_kv_layout(str(path))
+    path.write_text(json.dumps({"modes": [["full", "sliding"]], "sink": 2, "window": 4}))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: kv_modes layer 0 unit 1: mode 'sliding'"):
+        read_kv_layout(str(path))
 
 
 # -- costs at a stated context, and the knapsack over (full, windowed) options ---------------------

@@ -10,10 +10,11 @@ attention a whole KV group), for the cost budgets of `selection.budgets`.
   multi-head latent attention (`heads.latent`) a layer's latent (kv_lora_rank + qk_rope_head_dim
   per token) whatever heads it keeps, 0 once it keeps none (its FLOPs: `latent_attention_flops`);
 - per-unit KV modes (`heads.windows`): the same two costs with options (units kept full, units
-  windowed): a windowed unit holds min(sink + window, seq) tokens where a full one holds seq
-  (both at most a natively sliding layer's window), so it costs (sink + window) / seq of a full
-  one in KV bytes and in score / weighted-sum FLOPs (its projections cost what a full unit's do;
-  the FLOP tables do not count native windows);
+  windowed): a windowed unit holds min(sink + window, seq) tokens where a full one holds seq,
+  so it costs (sink + window) / seq of a full one in KV bytes and in score / weighted-sum FLOPs
+  (its projections cost what a full unit's do; the FLOP tables do not count native windows); a
+  natively sliding layer's units have no windowed option (`mode_options`): they are already
+  windowed, kept full (priced at their window) or removed;
 - latency: the measured time of one attention layer with k units (`costs.latency`); the dense
   forward minus every layer's dense attention is the part no head choice changes (`fixed`).
 """
@@ -99,8 +100,12 @@ def kv_costs(model: nn.Module, batch: int, seq: int) -> LayerCosts:
     return LayerCosts(cost, sum(layer[n_units] for layer in cost), unit="bytes")
 
 
-def mode_options(n_units: int) -> list[tuple[int, int]]:
-    """Every (units full, units windowed) a layer of `n_units` units may keep (the rest removed)."""
+def mode_options(n_units: int, native: int | None = None) -> list[tuple[int, int]]:
+    """Every (units full, units windowed) a layer of `n_units` units may keep (the rest removed);
+    a layer with its own sliding window (`native`, heads.sliding) keeps its units full (already
+    windowed by the model) or removes them: no unit of it is windowed again."""
+    if native is not None:
+        return [(full, 0) for full in range(n_units + 1)]
     return [(full, windowed) for full in range(n_units + 1) for windowed in range(n_units + 1 - full)]
 
 
@@ -113,8 +118,9 @@ def kv_mode_costs(model: nn.Module, batch: int, seq: int, sink: int, window: int
     per_token = token_bytes(1, d, value_bytes(model)) * batch
     cost = []
     for native in native_windows(model.config):
-        full, held = (held_tokens(mode, seq, sink, window, native, static=True) for mode in ("full", "window"))
-        cost.append({(f, w): per_token * (f * full + w * held) for f, w in mode_options(n_units)})
+        full = held_tokens("full", seq, native=native, static=True)
+        held = held_tokens("window", seq, sink, window, static=True)
+        cost.append({(f, w): per_token * (f * full + w * held) for f, w in mode_options(n_units, native)})
     return LayerCosts(cost, sum(layer[(n_units, 0)] for layer in cost), unit="bytes")
 
 
@@ -126,7 +132,9 @@ def flops_mode_costs(model: nn.Module, batch: int, seq: int, sink: int, window: 
     held = min(sink + window, seq)
     per = {(f, w): attention_flops(batch, seq, seq, f * group, f, d, hidden)
            + attention_flops(batch, seq, held, w * group, w, d, hidden) for f, w in mode_options(n_units)}
-    return LayerCosts([dict(per) for _ in range(n_layers)], n_layers * per[(n_units, 0)], unit="FLOPs")
+    cost = [{k: c for k, c in per.items() if k in mode_options(n_units, native)}
+            for native in native_windows(model.config)]
+    return LayerCosts(cost, n_layers * per[(n_units, 0)], unit="FLOPs")
 
 
 def _refuse_latent_windows(model: nn.Module) -> None:

@@ -53,6 +53,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from headprune.heads.adapters import get_adapter, layer_heads, model_shape
 from headprune.heads.latent import is_latent
+from headprune.heads.sliding import native_windows
 from headprune.heads.surgery import prune_heads
 from headprune.heads.windowed_attention import (EMPTY_SLOT, ROUTES, BandCall, HeadSplit, SplitCall, arm, disarm,
                                                first_keys, heads_flags, mask_only, per_head_mask)
@@ -102,6 +103,11 @@ class KVLayout:
         if shape != [n_units] * n_layers:
             raise ValueError(f"kv_modes has {len(shape)} layers with {shape} units; the model has {n_layers} layers of "
                              f"{n_units} units (KV groups, or heads without GQA)")
+        for l, native in enumerate(native_windows(model.config)):
+            if native is not None and WINDOW in self.modes[l]:
+                raise ValueError(f"kv_modes layer {l} windows unit {self.modes[l].index(WINDOW)}, but the model's layer {l} "
+                                 f"already slides its own window of {native} tokens (heads.sliding); allowed there: "
+                                 f"{FULL} (what its window keeps) or {REMOVED}")
         return self
 
     def count(self, layer: int, mode: str) -> int:
@@ -123,12 +129,21 @@ class KVLayout:
 
     @classmethod
     def from_json(cls, data: dict, where: str = "kv_modes") -> "KVLayout":
+        """The layout a JSON object holds; `where` (the file) is named in every refusal, with the
+        field, since the values are the file's, not the user's settings."""
         if not isinstance(data, dict) or not {"modes", "sink", "window"} <= set(data):
             raise ValueError(f"{where}: expected an object with modes, sink and window, got {data!r}")
         modes = data["modes"]
         if not isinstance(modes, list) or not all(isinstance(layer, list) for layer in modes):
             raise ValueError(f"{where}: modes must be a list (layers) of lists of modes ({', '.join(MODES)})")
-        return cls(tuple(tuple(layer) for layer in modes), data["sink"], data["window"])
+        for name, least in (("sink", 0), ("window", 1)):
+            value = data[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{where}: field {name!r} is {value!r}; allowed: an integer >= {least}")
+        try:
+            return cls(tuple(tuple(layer) for layer in modes), data["sink"], data["window"])
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
 
 
 def apply_kv_layout(model: nn.Module, layout: KVLayout) -> KVWindows:
