@@ -15,7 +15,7 @@ from tests.test_llm_pipeline import TINY_LM
 
 # fwe: lm-eval's smallest RULER generator, no 6-million-word import; 512 bytes hold its prompt + 50 answer tokens
 RULER_RUN = [*TINY_LM, "+model.config_overrides.n_positions=640", "evaluation.ruler_tasks=[fwe]",
-             "evaluation.ruler_contexts=[512]", "evaluation.ruler_samples=2", "evaluation.ruler_chat_template=false"]
+             "evaluation.ruler_contexts=[512]", "evaluation.ruler_samples=2", "evaluation.ruler_prompt=plain"]
 
 
 @pytest.mark.parametrize("fields,pattern", [
@@ -36,7 +36,8 @@ def test_bad_ruler_settings_are_refused(fields, pattern):
     ("evaluation.ruler_tasks=[nope]", r"evaluation.ruler_tasks=\['nope'\]: unknown"),
     ("evaluation.ruler_contexts=[128]", r"evaluation.ruler_contexts: 128 tokens are too few for RULER's fwe"),
     ("evaluation.ruler_contexts=[1024]", r"evaluation.ruler_contexts: 1024 exceeds the model's 640 positions"),
-    ("evaluation.ruler_chat_template=true", r"evaluation.ruler_chat_template=true, but the tokenizer \(ByteTokenizer\)"),
+    ("evaluation.ruler_prompt=chat", r"evaluation.ruler_prompt=chat, but the tokenizer \(ByteTokenizer\)"),
+    ("evaluation.ruler_prompt=template", r"evaluation.ruler_prompt='template' is not allowed; allowed: auto, chat, plain"),
 ])
 def test_a_run_refuses_ruler_settings_before_any_work(override, pattern, tmp_path, data_dir, monkeypatch):
     import headprune.evaluation.llm_suite as suite
@@ -193,3 +194,15 @@ def test_an_export_with_windows_generates_through_its_windowed_cache(tmp_path, m
     prediction, tokens = ruler.generate(export, tok, sample)
     assert tokens == len(sample["input"]) and isinstance(prediction, str)
     assert installed and set(installed) == set(range(model.config.num_hidden_layers))  # every windowed layer
+
+
+@pytest.mark.parametrize("prompt,template,chat", [("auto", "{{ x }}", True), ("auto", None, False),
+                                                  ("plain", "{{ x }}", False), ("chat", "{{ x }}", True)])
+def test_ruler_prompt_auto_follows_the_tokenizers_chat_template(prompt, template, chat):
+    """auto: an instruct tokenizer's prompts go through its chat template, a base model's (no
+    template, e.g. Gemma-3-270M's) are lm-eval's plain prompt; what was used is recorded."""
+    from types import SimpleNamespace
+
+    options = EvaluationSettings(enabled=True, zero_shot_tasks=[], ruler_tasks=["fwe"], ruler_prompt=prompt)
+    options.check(CAUSAL_LM)
+    assert options.ruler_chat(SimpleNamespace(chat_template=template)) is chat

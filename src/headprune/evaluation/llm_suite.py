@@ -74,7 +74,7 @@ class EvaluationSettings:
     ruler_contexts: List[int] = field(default_factory=lambda: [4096])  # prompt + answer tokens of each sample
     ruler_samples: int = 20  # samples per task and context
     ruler_seed: int = 0  # the samples' seed (the same for the dense model and the export)
-    ruler_chat_template: bool = True  # the prompt as one user turn of the tokenizer's chat template (false: plain)
+    ruler_prompt: str = "auto"  # chat: one user turn of the tokenizer's chat template; plain: lm-eval's base prompt; auto: chat where the tokenizer has a template
 
     def check(self, task: Task) -> None:
         """Refuse, before any work, settings that cannot run: the suite is the causal-LM Task's."""
@@ -120,6 +120,9 @@ class EvaluationSettings:
         from headprune.evaluation.ruler import check_settings
 
         check_settings(self.ruler_tasks, self.ruler_contexts, self.ruler_samples, self.ruler_seed)
+        if self.ruler_prompt not in RULER_PROMPTS:
+            raise ValueError(f"evaluation.ruler_prompt={self.ruler_prompt!r} is not allowed; allowed: "
+                             f"{', '.join(RULER_PROMPTS)}")
 
     def tokens_used(self) -> int:
         """The tokens every window length covers: the largest multiple of the lengths' least common
@@ -184,9 +187,22 @@ class EvaluationSettings:
         from headprune.evaluation.ruler import cached_samples
 
         return cached_samples(tokenizer, self.ruler_tasks, self.ruler_contexts, self.ruler_samples, self.ruler_seed,
-                              data_dir, self.ruler_chat_template)
+                              data_dir, self.ruler_chat(tokenizer))
+
+    def ruler_chat(self, tokenizer) -> bool:
+        """Whether RULER's prompts go through `tokenizer`'s chat template (`ruler_prompt`; auto: an
+        instruct model's tokenizer carries a template, a base model's, e.g. Gemma-3-270M's, none)."""
+        if self.ruler_prompt not in RULER_PROMPTS:
+            raise ValueError(f"evaluation.ruler_prompt={self.ruler_prompt!r} is not allowed; allowed: "
+                             f"{', '.join(RULER_PROMPTS)}")
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if self.ruler_prompt == "chat" and not has_template:
+            raise ValueError(f"evaluation.ruler_prompt=chat, but the tokenizer ({type(tokenizer).__name__}) has no "
+                             "chat_template; allowed: plain (lm-eval's base prompt), auto, or a chat tokenizer")
+        return self.ruler_prompt == "chat" or (self.ruler_prompt == "auto" and has_template)
 
 
+RULER_PROMPTS = ("auto", "chat", "plain")  # evaluation.ruler_prompt
 SOURCES = {"dense": "in_memory_dense", "pruned": "export"}  # evaluation.<which>.source: the model each reads
 
 
@@ -199,7 +215,7 @@ def header(options: EvaluationSettings, datamodule) -> dict:
     if options.ruler_tasks:
         from headprune.evaluation.ruler import header as ruler_header
 
-        head["ruler"] = ruler_header(options.ruler_tasks, options.ruler_chat_template)
+        head["ruler"] = ruler_header(options.ruler_tasks, options.ruler_chat(datamodule.tokenizer))
     if options.other_corpora:
         head["other_corpora"] = {name: str(corpus_file(name, "held_out", datamodule.data_dir, "evaluation.other_corpora"))
                                  for name in options.other_corpora}

@@ -369,8 +369,8 @@ def ruler_samples(tokenizer, tasks: Sequence[str], contexts: Sequence[int], samp
     added special tokens), "gen_prefix" the answer prefix it ends with, "outputs" the gold answers."""
     check_settings(tasks, contexts, samples, seed)
     if chat_template and not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"evaluation.ruler_chat_template=true, but the tokenizer ({type(tokenizer).__name__}) has no "
-                         "chat_template; allowed: false (the plain prompt), or a chat tokenizer")
+        raise ValueError(f"evaluation.ruler_prompt=chat, but the tokenizer ({type(tokenizer).__name__}) has no "
+                         "chat_template; allowed: plain (lm-eval's base prompt), auto, or a chat tokenizer")
     out = []
     for task in tasks:
         config = task_config(task)
