@@ -9,7 +9,9 @@ bytes kept at 4096 as a share of dense (results.json final.cost_share), perplexi
 held-out Tiny Shakespeare and SST-2's sentences against the dense model, the SST-2 change over the
 Tiny Shakespeare change, passkey accuracy at 4096 tokens overall and by depth, the seconds the
 choice took), and the issue's targets, hit or miss; answers.md (the chat answers); the decode tables (decode.json, decode_h200.json); the
-arms run again on a GPU (results_h200/<arm>.json) beside their CPU runs; built with headprune.report (`render`).
+arms run again on a GPU (results_h200/<arm>.json) beside their CPU runs; and the three models of issue 53
+(SmolLM2 from results/, Gemma-3-270M and Qwen2.5-Coder-1.5B from results/<model>/<arm>.json: the default chooser
+and the training-free kv_modes=retrieval at 2/3 and 85% removed, with RULER); built with headprune.report (`render`).
 """
 from __future__ import annotations
 
@@ -30,6 +32,20 @@ ARMS_8192 = ["measured_retrieval_8192"]  # SmolLM2's 8192-token context; dense: 
 # the issue's targets without training, by the share of the KV bytes kept: (ppl rise %, passkey share of dense's)
 TARGETS = {0.67: (1.0, None), 0.34: (3.0, 0.9), 0.15: (8.0, 0.8)}  # None: the issue sets none
 RULER_TARGETS = {0.34: 0.95, 0.15: 0.85}  # issue 53: the RULER mean's share of dense's, by the KV share kept
+# issue 53's models: (preset, name, folder of its raw files under results/ ("": results/ itself), {arm: its role})
+MODELS = [
+    ("smollm2", "SmolLM2-135M-Instruct", "", {
+        "measured_retrieval_clamped_last": "default chooser (kv_modes=given: the layout measured_retrieval_last chose)",
+        "measured_retrieval_clamped_85_last": "default chooser (kv_modes=given: the same rises at 0.15, clamped_layout.py)",
+        "retrieval_uniform": "training-free kv_modes=retrieval", "retrieval_85": "training-free kv_modes=retrieval"}),
+    ("gemma3_270m", "Gemma-3-270M (base)", "gemma3_270m", {
+        "measured_retrieval_last": "default chooser", "measured_retrieval_85_last": "default chooser",
+        "retrieval_uniform": "training-free kv_modes=retrieval", "retrieval_85": "training-free kv_modes=retrieval"}),
+    ("qwen25_coder_1p5b", "Qwen2.5-Coder-1.5B-Instruct", "qwen25_coder_1p5b", {
+        "measured_retrieval_last": "default chooser", "measured_retrieval_85_last": "default chooser",
+        "retrieval_uniform": "training-free kv_modes=retrieval", "retrieval_85": "training-free kv_modes=retrieval"}),
+]
+DENSE_ARM = "retrieval_uniform"  # the arm of each model run with evaluation.dense=true (its dense row)
 
 
 def ppl(block: dict, corpus: str, seq: int = 4096) -> float:
@@ -202,6 +218,8 @@ def render(directory: Path = HERE) -> dict[str, str]:
              "", targets_heading(4096), "",
              *markdown(target_columns(dense_key), table)]
     lines += ruler_section(runs, dense)
+    section, model_runs = models_section(directory)
+    lines += section
     other_runs, other_rows = {}, []
     for seq, arms, kept in ((2048, ARMS_2048, "512 of 2048 tokens"), (8192, ARMS_8192, "512 of 8192 tokens")):
         section, runs_seq, table_seq = context_section(directory, seq, arms, kept)
@@ -239,6 +257,71 @@ def render(directory: Path = HERE) -> dict[str, str]:
     return {"results.md": "\n".join(lines) + "\n", "answers.md": answers(dense, {**runs, **other_runs})}
 
 
+def models_section(directory: Path) -> tuple[list[str], dict[str, dict]]:
+    """(the lines, {model/arm: run}) of issue 53's three models: per model the dense row (its
+    DENSE_ARM run's evaluation.dense) and each arm of MODELS that finished, with perplexity in domain
+    and on SST-2, passkey and the RULER mean over the tasks where dense scores >= 20%, each against
+    dense, and the targets hit or miss; a model none of whose arms finished is listed as not run."""
+    from headprune.evaluation.ruler import floor_means
+
+    out, missing, all_runs = [], [], {}
+    for preset, name, folder, arms in MODELS:
+        runs = load_results(directory / "results" / folder, list(arms))
+        if DENSE_ARM not in runs or "ruler" not in runs[DENSE_ARM]["evaluation"].get("dense", {}):
+            missing.append(f"{name} (`model={preset}`)")
+            continue
+        dense = runs[DENSE_ARM]["evaluation"]["dense"]
+        for arm, data in runs.items():
+            pruned = data["evaluation"]["pruned"]
+            ruler = floor_means(pruned["ruler"], dense["ruler"])["mean_dense_at_least_20"]["4096"] \
+                if "ruler" in pruned else None
+            all_runs[f"{preset}/{arm}"] = data
+            out.append({"model": name, "arm": arm, "chooser": arms[arm], "target": data["budget"]["target"],
+                        "share": data["final"]["cost_share"],
+                        "ts": 100.0 * (ppl(pruned, "tinyshakespeare") / ppl(dense, "tinyshakespeare") - 1.0),
+                        "sst": 100.0 * (ppl(pruned, "sst2") / ppl(dense, "sst2") - 1.0),
+                        "passkey": (pruned["passkey"]["accuracy"], dense["passkey"]["accuracy"]),
+                        "ruler": (ruler, floor_means(dense["ruler"], dense["ruler"])["mean_dense_at_least_20"]["4096"]),
+                        "native": len(data.get("budget", {}).get("native_windows", {}))})
+    if not out:
+        return [], {}
+
+    def hit(ok: bool) -> str:
+        return "hit" if ok else "miss"
+
+    def ppl_target(key: str):
+        return lambda r: f"{r[key]:+.1f}% {hit(r[key] <= TARGETS[r['target']][0])}"
+
+    def passkey(r) -> str:
+        got, base = r["passkey"]
+        need = TARGETS[r["target"]][1]
+        return f"{got:.2f} / {base:.2f}" + ("" if need is None else f" {hit(got >= need * base)}")
+
+    def ruler(r) -> str:
+        got, base = r["ruler"]
+        if got is None or not base:
+            return DASH
+        return f"{got:.3f} / {base:.3f} ({got / base:.0%}) {hit(got >= RULER_TARGETS[r['target']] * base)}"
+
+    columns = [text("model"), text("arm"), text("chooser"), text("KV kept", "target", right=True),
+               Column("KV share", lambda r: number(r["share"], ".4f"), True),
+               text("Tiny Shakespeare ppl vs dense", ppl_target("ts"), right=True),
+               text("SST-2 ppl vs dense", ppl_target("sst"), right=True),
+               text("passkey / dense", passkey, right=True), text("RULER mean / dense (share)", ruler, right=True)]
+    lines = ["", "## Three models at 4096 (issue 53)", "",
+             "Each model's arms from `results/<model>/<arm>.json` (SmolLM2's from `results/<arm>.json`), its dense row",
+             f"the `{DENSE_ARM}` run's `evaluation.dense`. Perplexity at seq 4096 (Tiny Shakespeare held out, SST-2's",
+             "sentences), passkey at 4096 (10 samples), RULER at 4096 (`evaluation.ruler_samples` seeded samples per",
+             "task, the 11 offline tasks; mean over the tasks where dense scores >= 20%). KV share: bytes held at",
+             "4096 over dense's, a natively sliding layer (Gemma 3: 15 of 18) priced at the 512 tokens it holds.",
+             "Targets (issue 53, no training): at 2/3 removed (0.34) <= +3% perplexity in domain and on SST-2, passkey",
+             ">= 90% of dense, RULER mean >= 95% of dense; at 85% removed (0.15) <= +8%, passkey >= 80% (issue 40),",
+             "RULER >= 85%.", "", *markdown(columns, out)]
+    if missing:
+        lines += ["", "Not run yet: " + ", ".join(missing) + "."]
+    return lines, all_runs
+
+
 def ruler_section(runs: dict[str, dict], dense: dict, context: str = "4096") -> list[str]:
     """The RULER table (headprune.evaluation.ruler.table) of the dense model and each arm's export that
     scored it, and issue 53's targets (the RULER mean over the tasks where dense scores >= 20%, as a
@@ -249,11 +332,12 @@ def ruler_section(runs: dict[str, dict], dense: dict, context: str = "4096") -> 
               if "ruler" in data["evaluation"]["pruned"]}
     if not scored:
         return []
-    base = dense.get("ruler")
+    base = dense.get("ruler") or runs.get(DENSE_ARM, {}).get("evaluation", {}).get("dense", {}).get("ruler")
     lines = ["", "## RULER at 4096 (issue 53)", "",
              "lm-eval's RULER task code offline (headprune.evaluation.ruler): the settings each run's",
              "results.json names (`evaluation.settings.ruler_*`; essay variants on Tiny Shakespeare's training",
-             "part), the same seeded samples for dense and every export, greedy, lm-eval's string_match_all.", "",
+             "part), the same seeded samples for dense and every export, greedy, lm-eval's string_match_all; dense:",
+             f"results/dense.json's RULER, else the `{DENSE_ARM}` run's evaluation.dense).", "",
              *table({"dense": base, **scored} if base else scored, base)]
     if base:
         dense_mean = floor_means(base, base)["mean_dense_at_least_20"].get(context)
@@ -345,6 +429,10 @@ def main() -> None:
         finished = gather(args.runs, HERE / "results", lambda data: "pruned" in data.get("evaluation", {}),
                           ARMS + ARMS_2048 + ARMS_8192)
         print("copied:", finished)
+        for preset, _, folder, arms in MODELS:
+            copied = gather(args.runs / preset, HERE / "results" / folder, lambda data: "pruned" in data.get("evaluation", {}),
+                            list(arms))
+            print(f"copied ({preset}):", copied)
     files = render(HERE)
     write(HERE, files)
     print(files["results.md"])
