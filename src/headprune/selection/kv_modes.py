@@ -116,9 +116,10 @@ class KVModes:
             raise ValueError(f"kv_modes.unit_value={self.unit_value!r} is not allowed; allowed: metric (the metric's "
                              "unit score), uniform (1 for every unit)")
         if self.unit_value != SETTINGS["unit_value"] and not self.reads("unit_value"):
+            others = " or ".join(["none", *(n for n in VALUATIONS if n not in readers("unit_value"))])
             raise ValueError(f"kv_modes.unit_value={self.unit_value} sets what a unit full is worth for the attention "
                              f"statistics; kv_modes={self.choice} does not read it; allowed: kv_modes.unit_value=metric "
-                             f"with kv_modes={' or '.join(['none', *(n for n in VALUATIONS if n not in readers('unit_value'))])}")
+                             f"with kv_modes={others}")
         blocks = self.retrieval_blocks
         if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
             raise ValueError(f"kv_modes.retrieval_blocks={blocks!r} must be an integer >= 0")

@@ -194,7 +194,7 @@ class Pruner:
         if state["layout"] is not None:
             apply_layout(self.model, state["layout"])
         self.mask.mask.copy_(state["mask"].to(self.mask.mask.device))
-        if state.get("kv_layout") is not None:  # the KV modes round attached these before its recovery trained
+        if state.get("kv_layout") is not None:  # the round attached these (KV modes) before its recovery trained
             KVWindows(KVLayout.from_json(state["kv_layout"], where="the checkpoint's kv_layout")).attach(self.model)
         self._resume_from = Path(checkpoint)
         log.info("resuming round %d's recovery from %s", state["record"]["round"], checkpoint)
@@ -363,7 +363,7 @@ class Pruner:
                          "val_source": VAL_SOURCE}
         data["final"].update(site_record(self.model, mask))  # several attention stacks: rows named, heads by stack
         self._record_placement()
-        if self.costs is not None:  # every cost budget: the kept layout's share of the dense cost (KV modes: the layout)
+        if self.costs is not None:  # the kept layout's share of the dense cost (with KV modes: the layout too)
             data["final"].update(self.kv_modes.final_record(self.model, self.budget, self.costs, mask.alive()))
         self.results.save()
         if self.results.output_dir is not None and self.results.writer:
