@@ -9,9 +9,9 @@ due after that many training epochs (the baseline record, the last round's metri
 fine-tuning, the next rounds). `run` calls it with no Trainer (every retraining-free run, and
 `finetune` callables); the Lightning callback (`lightning.callbacks.HeadPruning`) calls it at
 each epoch end of a fit, and adds what only a Trainer has (mid-fit physical removal, rollback).
-A round (`step`) scores the heads, picks within the budget and the layer policy (`prune_round`),
-masks them, lets the recovery act (`after_round`, through a `RecoveryContext`) and records the
-round in `results`. After it, `awaiting_finetune` says whether the round's result waits for
+A round (`step`) scores the heads, picks within the budget and the layer policy (`prune_round`;
+with `kv_modes`, each KV unit's mode: `selection.kv_modes`), masks them, lets the recovery act
+(`after_round`, through a `RecoveryContext`) and records the round in `results`. After it, `awaiting_finetune` says whether the round's result waits for
 fine-tuning epochs (`record_finetuned`, which also applies the stopping rule); `finish` writes
 `final`. What the driving code adds at fixed points (physical removal, loggers) it gives as a
 `RunObserver`. The state a run needs to continue (rounds, stop reason, sensitivity profile, last
