@@ -43,6 +43,7 @@ def _page(tmp_path) -> Path:
     return conf
 
 
+@pytest.mark.slow  # a headprune-train run (~3 s)
 def test_the_pages_valuation_chooses_and_records_a_layout(registry, tmp_path, llama_dir, data_dir):
     """Half of the KV bytes at seq 32: a window keeps 8 of 32 keys, so every windowed value is a
     quarter of the unit's full value (the metric's unit score), and the layout is within budget."""
