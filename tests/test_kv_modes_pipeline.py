@@ -12,7 +12,9 @@ from headprune.apps.train import run
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import KVLayout, KVWindows
-from headprune.selection.kv_modes import KVModes, attention_mass, measured_rises
+from headprune.selection.attention_values import attention_mass
+from headprune.selection.kv_modes import KVModes
+from headprune.selection.measured_values import measured_rises
 from tests.helpers import compose_train, kv_modes_cli, llama, tiny_llama_folder
 
 SINK, WINDOW = 2, 6

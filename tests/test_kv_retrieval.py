@@ -10,8 +10,10 @@ import torch
 from headprune.apps.train import run
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
-from headprune.selection.kv_modes import (KVModes, attention_mass, repeated_random_tokens, retrieval_batches,
-                                          retrieval_period, retrieval_scores, with_retrieval)
+from headprune.data.retrieval import repeated_random_tokens, retrieval_batches, retrieval_period
+from headprune.selection.attention_values import attention_mass, retrieval_scores
+from headprune.selection.kv_modes import KVModes
+from headprune.selection.measured_values import with_retrieval
 from tests.helpers import compose_train, kv_modes_cli, llama, tiny_llama_folder
 
 SINK, WINDOW = 2, 6
@@ -66,7 +68,7 @@ def test_a_window_loses_the_larger_of_attention_mass_and_retrieval(monkeypatch):
     the report carries both statistics and the period; attention_mass on the same inputs reads
     the mass alone. The retrieval scores are set (a random tiny model has no retrieval head) so
     that they exceed the mass in some units and not in others."""
-    from headprune.selection import kv_modes
+    from headprune.selection import attention_values
     from headprune.selection.budgets import KVBudget
     from headprune.selection.layer_policies import GlobalPolicy
 
@@ -79,7 +81,7 @@ def test_a_window_loses_the_larger_of_attention_mass_and_retrieval(monkeypatch):
     policy = GlobalPolicy(min_heads_per_layer=0)
     mass = attention_mass(model, loader, units, SINK, WINDOW)
     retrieval = [[0.95, 0.01], [0.01, 0.9]]
-    monkeypatch.setattr(kv_modes, "retrieval_scores", lambda *args, **kw: (retrieval, 16))
+    monkeypatch.setattr(attention_values, "retrieval_scores", lambda *args, **kw: (retrieval, 16))
     _, report = KVModes("retrieval", SINK, WINDOW).choose(model, mask, scores, loader, costs, 0.5, policy)
     values = report["kv_modes"]
     assert _flat(values["mass_beyond_window"]) == pytest.approx(_flat(mass))
@@ -96,7 +98,7 @@ def test_a_window_loses_the_larger_of_attention_mass_and_retrieval(monkeypatch):
 def test_uniform_unit_values_read_only_the_share_a_window_loses(monkeypatch):
     """kv_modes.unit_value=uniform: every unit full is worth 1, windowed 1 - max(mass, retrieval),
     whatever the metric's scores; the knapsack then keeps full the units a window costs most."""
-    from headprune.selection import kv_modes
+    from headprune.selection import attention_values
     from headprune.selection.budgets import KVBudget
     from headprune.selection.layer_policies import GlobalPolicy
 
@@ -106,7 +108,7 @@ def test_uniform_unit_values_read_only_the_share_a_window_loses(monkeypatch):
     scores = torch.tensor([[5.0, 5.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # the metric favours layer 0's unit 0
     costs = KVBudget(target=0.5, batch=1, seq=64).mode_table(model, sink=SINK, window=WINDOW)
     retrieval = [[0.0, 0.0], [0.0, 0.99]]
-    monkeypatch.setattr(kv_modes, "retrieval_scores", lambda *args, **kw: (retrieval, 16))
+    monkeypatch.setattr(attention_values, "retrieval_scores", lambda *args, **kw: (retrieval, 16))
     mass = attention_mass(model, loader, kv_group_heads(model), SINK, WINDOW)
     layouts = {}
     for value in ("metric", "uniform"):
@@ -172,7 +174,7 @@ def test_measured_reads_the_retrieval_blocks_beside_the_calibration(tmp_path, ll
     """kv_modes=measured kv_modes.retrieval_blocks=1: the rises are measured on the calibration
     blocks, then apart on one retrieval block (labels over its repeat only); the report keeps both
     and the mix the knapsack read, which differs from the calibration's alone."""
-    from headprune.selection import kv_modes as module
+    from headprune.selection import measured_values as module
 
     seen = []
     original = module.measured_rises

@@ -42,7 +42,7 @@ def blocks_of_the_experiment():
     from headprune.apps.config_schema import register_schemas
     from headprune.models.build import load_tokenizer
     from headprune.runs.spec import RunSpec
-    from headprune.selection.kv_modes import retrieval_batches
+    from headprune.data.retrieval import retrieval_batches
 
     register_schemas()
     GlobalHydra.instance().clear()

@@ -29,7 +29,8 @@ import transformers
 from headprune.heads.surgery import kv_group_heads
 from headprune.models.gguf import converted, gguf_source
 from headprune.selection.budgets import KVBudget, allocate_modes
-from headprune.selection.kv_modes import mode_choices, with_retrieval
+from headprune.selection.kv_modes import mode_choices
+from headprune.selection.measured_values import with_retrieval
 
 HERE = Path(__file__).resolve().parent
 # arm: (kv_modes.removal, budget.target or None for the measured runs' own 0.34), its layout file

@@ -9,9 +9,9 @@ due after that many training epochs (the baseline record, the last round's metri
 fine-tuning, the next rounds). `run` calls it with no Trainer (every retraining-free run, and
 `finetune` callables); the Lightning callback (`lightning.callbacks.HeadPruning`) calls it at
 each epoch end of a fit, and adds what only a Trainer has (mid-fit physical removal, rollback).
-A round (`step`) scores the heads, picks within the budget and the layer policy (`prune_round`),
-masks them, lets the recovery act (`after_round`, through a `RecoveryContext`) and records the
-round in `results`. After it, `awaiting_finetune` says whether the round's result waits for
+A round (`step`) scores the heads, picks within the budget and the layer policy (`prune_round`;
+with `kv_modes`, each KV unit's mode: `selection.kv_modes`), masks them, lets the recovery act
+(`after_round`, through a `RecoveryContext`) and records the round in `results`. After it, `awaiting_finetune` says whether the round's result waits for
 fine-tuning epochs (`record_finetuned`, which also applies the stopping rule); `finish` writes
 `final`. What the driving code adds at fixed points (physical removal, loggers) it gives as a
 `RunObserver`. The state a run needs to continue (rounds, stop reason, sensitivity profile, last
@@ -37,9 +37,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -51,15 +50,14 @@ from headprune.engine.step_fit import FitPlan
 from headprune.heads.adapters import LAYOUT_ATTR, head_layout
 from headprune.heads.mask import HeadMask
 from headprune.heads.stacks import mask_sites, site_record
-from headprune.heads.surgery import kv_group_heads
 from headprune.heads.windows import KV_LAYOUT_ATTR, KVLayout, KVWindows
 from headprune.recovery import Recovery, make_recovery
 from headprune.recovery.base import AFTER_RECOVERY, RecoveryContext
 from headprune.results import RunResults
 from headprune.selection.budgets import Budget, make_budget
-from headprune.selection.kv_modes import KVModes, kv_modes_round
-from headprune.selection.kv_modes import cost_share as kv_cost_share
+from headprune.selection.kv_modes import KVModes
 from headprune.selection.rounds import prune_round
+from headprune.selection.run_interface import Loaders, RunObserver
 from headprune.tasks import Task, checked_task
 
 log = logging.getLogger(__name__)
@@ -68,24 +66,6 @@ log = logging.getLogger(__name__)
 # physically); a causal-LM run's `evaluation.pruned` block reads the saved export instead
 VAL_SOURCE = "in_memory_masked"
 RECOVERY_DIR = "recovery"  # <run dir>/recovery/last.ckpt: the newest checkpoint of a recovery's step budget
-
-
-@dataclass
-class Loaders:
-    """The examples a round reads: `score` (scoring and calibration), `val` (reported metrics),
-    `select` (the stopping rule's held-out slice, when the schedule reads one), `train` (the
-    training text of a recovery that trains a step budget itself: recovery=lora, distill)."""
-
-    score: Iterable
-    val: Iterable | None = None
-    select: Iterable | None = None
-    train: Iterable | None = None
-
-    @classmethod
-    def of(cls, datamodule, rank: int = 0, world: int = 1, select: bool = False, train: bool = False) -> "Loaders":
-        score = datamodule.score_dataloader(rank, world) if world > 1 else datamodule.score_dataloader()
-        return cls(score, datamodule.val_dataloader(), datamodule.select_dataloader() if select else None,
-                   datamodule.train_dataloader() if train else None)
 
 
 def training_of(schedule, recovery: Recovery) -> str | None:
@@ -98,29 +78,6 @@ def training_of(schedule, recovery: Recovery) -> str | None:
         steps = getattr(recovery, "steps_setting", None) or f"recovery.steps={getattr(recovery, 'steps', None)}"
         return f"the recovery's step budget ({steps})"
     return None
-
-
-class RunObserver:
-    """What the code driving a Pruner adds at fixed points of a run; each method is a no-op here.
-    `baseline(record)`: the unpruned model's metrics are in; `before_round(k)`: round k (0-based)
-    is about to score (earlier rounds are accepted); `pruned(result)`: right after a round's heads are masked, before the recovery (physical
-    removal, optimizer state of the pruned heads); `recorded(record)`: a round's result is in
-    (loggers); `finished(data)`: `final` is written."""
-
-    def baseline(self, baseline: dict) -> None:
-        pass
-
-    def before_round(self, k: int) -> None:
-        pass
-
-    def pruned(self, result) -> None:
-        pass
-
-    def recorded(self, record: dict) -> None:
-        pass
-
-    def finished(self, data: dict) -> None:
-        pass
 
 
 class Pruner:
@@ -237,7 +194,7 @@ class Pruner:
         if state["layout"] is not None:
             apply_layout(self.model, state["layout"])
         self.mask.mask.copy_(state["mask"].to(self.mask.mask.device))
-        if state.get("kv_layout") is not None:  # the KV modes round attached these before its recovery trained
+        if state.get("kv_layout") is not None:  # the round attached these (KV modes) before its recovery trained
             KVWindows(KVLayout.from_json(state["kv_layout"], where="the checkpoint's kv_layout")).attach(self.model)
         self._resume_from = Path(checkpoint)
         log.info("resuming round %d's recovery from %s", state["record"]["round"], checkpoint)
@@ -330,17 +287,11 @@ class Pruner:
         self.observer.before_round(k)
         self.last_good = self.mask.mask.detach().clone().cpu()
         goal = self.budget.goal(self.schedule, k, self.mask.alive(), self.costs)
-        if self.kv_modes.active:  # full / windowed / removed per unit (checked: one round, a cost budget)
-            result = kv_modes_round(self.model, self.mask, self.metric, self.kv_modes, goal.costs, goal.share,
-                                    self.layer_policy, loaders.score, round_no=k + 1, eval_loader=loaders.val,
-                                    max_batches=self.max_batches, task=self.task)
-            self.observer.pruned(result)
-            return self._recover(k, loaders, result.record())
         result = prune_round(self.model, self.mask, self.metric, self.layer_policy, goal.n_prune, loaders.score,
                              round_no=k + 1, eval_loader=loaders.val, sensitivity=self.sensitivity, sync=sync,
                              max_batches=self.max_batches, rearrange=self.rearrange,
                              cost_budget=(goal.costs, goal.share) if goal.share is not None else None,
-                             task=self.task)
+                             task=self.task, kv_modes=self.kv_modes)
         if result.sensitivity is not None:
             self._record_sensitivity(result.sensitivity)
         self.observer.pruned(result)
@@ -412,11 +363,8 @@ class Pruner:
                          "val_source": VAL_SOURCE}
         data["final"].update(site_record(self.model, mask))  # several attention stacks: rows named, heads by stack
         self._record_placement()
-        if self.costs is not None and self.kv_modes.active:  # the KV modes' layout, priced by the mode table
-            data["final"]["cost_share"] = kv_cost_share(self.model, self.costs)
-            data["final"]["kv_layout"] = getattr(self.model, KV_LAYOUT_ATTR).to_json()
-        elif self.costs is not None:  # every cost budget: the kept layout's share of the dense cost
-            data["final"]["cost_share"] = self.budget.cost_share(self.costs, mask.alive(), kv_group_heads(self.model))
+        if self.costs is not None:  # the kept layout's share of the dense cost (with KV modes: the layout too)
+            data["final"].update(self.kv_modes.final_record(self.model, self.budget, self.costs, mask.alive()))
         self.results.save()
         if self.results.output_dir is not None and self.results.writer:
             from headprune.plots import close, head_heatmap
@@ -470,10 +418,7 @@ class Pruner:
 
     def _measure_costs(self) -> None:
         start = time.perf_counter()
-        self.costs, info = self.budget.measure(self.dense if self.dense is not None else self.model)
-        if self.kv_modes.active:  # options (units full, units windowed) per layer
-            self.costs = self.kv_modes.table(self.budget, self.dense if self.dense is not None else self.model)
-            info = {**info, "kv_modes": self.kv_modes.record()}
+        self.costs, info = self.kv_modes.measure(self.budget, self.dense if self.dense is not None else self.model)
         self.results.data["budget"] = {**self.budget.record(), "unit": self.costs.unit, "dense_cost": self.costs.dense,
                                        **info, "seconds": round(time.perf_counter() - start, 3)}
 

@@ -23,11 +23,13 @@ from torch import nn
 
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import kv_group_heads
+from headprune.heads.windows import KVWindows
 from headprune.scoring import metric_name, score
 from headprune.scoring.fisher import fisher_blocks
 from headprune.scoring.reduce import finish_scores
 from headprune.costs.tables import LayerCosts
 from headprune.selection.budgets import allocate
+from headprune.selection.kv_modes import removed_heads
 from headprune.selection.layer_policies import ShortfallError
 from headprune.selection.rearrange import rearrange as rearrange_heads
 from headprune.selection.sensitivity import layer_sensitivity
@@ -70,7 +72,7 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, layer_policy
                 loader, *, round_no: int = 1, eval_loader=None, sensitivity: list[float] | None = None,
                 sync: Callable[[Any], Any] | None = None, max_batches: int | None = None,
                 cost_budget: tuple[LayerCosts, float] | None = None, rearrange: bool = False,
-                task: Task | None = None) -> Round:
+                task: Task | None = None, kv_modes=None) -> Round:
     """Score the heads of `model` on `loader` with `metric`, let `layer_policy` pick `n_prune` of the
     alive ones and zero them in `mask`.
 
@@ -91,6 +93,11 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, layer_policy
     `task`: the run's Task, whose loss and metrics every step computes (the metric when it takes
     one, the sensitivity profile, the measured layouts, the Fisher blocks, `val_before_finetune`);
     None: the model's head's, read once here.
+
+    `kv_modes` (`selection.kv_modes.KVModes`, active, with `cost_budget` on its mode table): the
+    allocation step is its choice of each unit's mode (`KVModes.choose`: a valuation and the
+    three-way knapsack, or a given layout); the layout's removed units are masked and its windows
+    attached to `model` (`model.headprune_kv_layout`); no sensitivity profile is measured.
     """
     task = task_for(model, task)
     start = time.perf_counter()
@@ -102,14 +109,18 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, layer_policy
         scores = score(metric, model, mask, loader, task, **limit)
     score_seconds = time.perf_counter() - start
     measured = None
-    if getattr(layer_policy, "needs_sensitivity", False) and sensitivity is None:
+    modes = cost_budget is not None and kv_modes is not None and kv_modes.active
+    if getattr(layer_policy, "needs_sensitivity", False) and sensitivity is None and not modes:
         sensitivity = layer_sensitivity(model, mask, scores, loader, share=layer_policy.share, max_batches=max_batches,
                                         task=task)
         sensitivity = measured = sync(sensitivity) if sync is not None else sensitivity
     options = {"sensitivity": sensitivity} if sensitivity is not None else {}
-    shortfall, allocation, moved = None, None, None
+    shortfall, allocation, moved, layout = None, None, None, None
     model_units = kv_group_heads(model) if cost_budget is not None else [[h] for h in range(mask.num_heads)]
-    if cost_budget is not None and getattr(layer_policy, "measures_layout", False):  # it measures layouts on `loader`
+    if modes:  # full / windowed / removed per unit, on the budget's mode table
+        layout, allocation = kv_modes.choose(model, mask, scores, loader, *cost_budget, layer_policy, max_batches, task)
+        heads = removed_heads(layout, model, mask)
+    elif cost_budget is not None and getattr(layer_policy, "measures_layout", False):  # it measures layouts on `loader`
         heads, allocation, shortfall = layer_policy.measure_allocation(model, mask, loader, scores, *cost_budget,
                                                                        model_units, max_batches=max_batches, task=task)
         if shortfall:
@@ -131,6 +142,8 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, layer_policy
     if sync is not None:  # one decision, rank 0's, everywhere
         heads = [tuple(h) for h in sync(list(heads))]
     mask.prune(heads)
+    if layout is not None:
+        KVWindows(layout).attach(model)
     val = task.evaluate(model, eval_loader, mask.mask.device, max_batches=max_batches) if eval_loader is not None else None
     result = Round(round_no, mask.sparsity(), len(heads), len(heads) if cost_budget is not None else n_prune,
                    mask.heads_per_layer(), sorted([list(h) for h in heads]), score_seconds, scores, shortfall, measured,
