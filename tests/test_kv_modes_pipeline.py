@@ -311,3 +311,17 @@ def test_a_recovery_declares_whether_it_may_follow_kv_modes():
     for recovery in (Quiet(), Distill(steps=0)):
         with pytest.raises(ValueError, match=r"applies no repair after the modes are chosen"):
             kv.check(*settings, recovery, budget, block_size=32, rearrange=False)
+
+
+def test_the_attention_pass_computes_no_full_logits():
+    """The attention statistics read only the maps: the output head runs on one position (a
+    (B, T, vocab) logits tensor is 4.3 GB for Gemma 3 at 4096 tokens), and the mass is unchanged."""
+    model = _llama()
+    units = kv_group_heads(model)
+    batches = _batches()
+    shapes = []
+    handle = model.lm_head.register_forward_hook(lambda module, args, output: shapes.append(tuple(output.shape)))
+    mass = attention_mass(model, batches, units, SINK, WINDOW)
+    handle.remove()
+    assert shapes == [(1, 1, 64)] * len(batches)
+    assert all(0.0 < m < 1.0 for layer in mass for m in layer)
