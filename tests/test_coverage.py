@@ -113,8 +113,28 @@ def test_config_variants_are_the_fields_the_attention_reads():
     assert {"attn_logit_softcapping=None", "layer_types=full,full,full"} <= names("gemma2")[0]
     assert {"qk_layernorm=True", "partial_rotary_factor=1.0"} <= names("phi")[0]
     assert {"reorder_and_upcast_attn=True", "scale_attn_weights=False"} <= names("gpt2")[0]
+    # BERT's cross-attention reaches the attention through its layer (transformers 5.25's BertLayer
+    # reads add_cross_attention and builds a second BertAttention): named, with why it is not varied
     found, skipped = names("bert")
-    assert "is_decoder=True" in found
+    assert "is_decoder=True" in found and "cross-attention" in skipped["add_cross_attention"]
+
+
+@pytest.mark.slow
+def test_the_committed_variants_are_the_ones_the_harness_finds_now(committed):
+    """The committed table is fresh: for every passing type, the variants it checked and the fields it
+    says are not varied are what tools/config_variants.py finds on the installed transformers."""
+    from headprune.heads.adapters import get_adapter
+    from tools.config_variants import config_variants
+
+    stale = {}
+    for row in committed["rows"]:
+        if row["status"] != "passes":
+            continue
+        model = coverage._builder(row["model_type"], row["task"])("eager")
+        found, skipped = config_variants(model, get_adapter(model))
+        if sorted(found) != sorted(v["variant"] for v in row["variants"]) or skipped != row["not_varied"]:
+            stale[row["model_type"]] = (sorted(found), skipped)
+    assert stale == {}
 
 
 def test_a_variant_that_goes_wrong_is_a_failure_of_that_variant(monkeypatch):

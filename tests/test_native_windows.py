@@ -90,3 +90,22 @@ def test_a_run_exports_a_model_whose_forward_and_generate_run(sliding_dir, tmp_p
         assert torch.allclose(loaded(ids).logits, reference, atol=1e-5)
         out = loaded.generate(ids[:, :12], max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert torch.equal(out, greedy_by_full_forwards(dense, ids[:, :12], 20))
+
+
+@pytest.mark.slow
+def test_a_given_layout_windowing_a_sliding_layer_is_refused_before_any_work(sliding_dir, tmp_path, data_dir):
+    """`kv_modes=given` with a layout file that windows a unit of a natively sliding layer (layer 0 of
+    either family) is refused by headprune-train's config before any work, naming the file, the layer
+    and its own window; the run dir holds nothing."""
+    family, folder = sliding_dir
+    modes = [["full", "full"] for _ in native_windows(CONFIGS[family]())]
+    modes[0][1] = "window"
+    layout_file = tmp_path / "modes.json"
+    layout_file.write_text(json.dumps({"modes": modes, "sink": SINK, "window": WINDOW}))
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=rf"kv_modes.layout={layout_file}: kv_modes layer 0 windows unit 1, but the "
+                                         rf"model's layer 0 already slides its own window of {NATIVE} tokens"):
+        run(compose_train(out, data_dir, *kv_modes_cli(folder, SINK, WINDOW, "kv_modes=given",
+                                                       f"kv_modes.layout={layout_file}", "budget.target=1.0",
+                                                       seq=SEQ)))
+    assert not out.exists() or not any(out.iterdir()), sorted(p.name for p in out.iterdir())

@@ -82,6 +82,23 @@ def test_a_resume_with_other_settings_is_refused_naming_them(finished, tmp_path,
     assert files(tmp_path / "run") == before
 
 
+@pytest.mark.parametrize("change, named", [
+    ("optim.optimizer.lr=0.001", r"optim\.optimizer\.lr \(5e-05 -> 0\.001\)"),
+    ("optim.scheduler.warmup_ratio=0.5", r"optim\.scheduler\.warmup_ratio \(0\.06 -> 0\.5\)"),
+    ("trainer.limit_train_batches=2", r"trainer\.limit_train_batches \(None -> 2\)"),
+])
+def test_a_resume_with_another_optimizer_or_batches_per_epoch_is_refused_naming_it(finished, tmp_path, data_dir, change, named):
+    """The fine-tuning epochs left would step with another learning rate or schedule, or over other
+    batches, than the uninterrupted run (the checkpoint's optimizer state keeps the old rate, while
+    results.json would record the new one): refused like a changed recovery.lr, before anything is
+    written."""
+    last = _copy(finished, tmp_path / "run")
+    before = files(tmp_path / "run")
+    with pytest.raises(ValueError, match=rf"other settings than this resume: .*{named}"):
+        run(compose_train(tmp_path / "run", data_dir, *BASE, change, f"ckpt_path={last}"))
+    assert files(tmp_path / "run") == before
+
+
 def test_a_schedule_without_epochs_resumes_only_from_a_recovery_checkpoint(finished, tmp_path, data_dir):
     """An epoch checkpoint cannot continue a run that trains no epoch: the refusal names the one
     kind it can (a recovery's step-budget checkpoint)."""

@@ -141,3 +141,28 @@ def test_reordered_rows_keep_their_own_sinks():
         runs.append((order, torch.stack(steps, 1)))
     (_, straight), (order, swapped) = runs
     torch.testing.assert_close(swapped, straight[order], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_loaded_export_generates_and_beam_searches_a_left_padded_batch_as_each_prompt_alone(attn, tmp_path):
+    """The export as a user gets it (issue 56, item 2): a layout with a removed unit and windowed ones,
+    `save_pruned`, then `load_pruned` under `attn`; greedy generate() and beam search over a
+    left-padded batch give each row what its prompt gives alone, and the loaded model's tokens equal
+    the model that was saved."""
+    from headprune.deploy.hf import load_pruned, save_pruned
+    from headprune.heads.windows import apply_kv_layout
+
+    model = llama(attn=attn, num_hidden_layers=3, pad_token_id=PAD)
+    apply_kv_layout(model, KVLayout((("full", "removed"), ("window", "full"), ("window", "window")), SINK, WINDOW))
+    save_pruned(model, tmp_path / "export")
+    loaded = load_pruned(tmp_path / "export", attn_implementation=attn).eval()
+    rows = prompts([4, 9], seed=6)
+    ids, mask = left_padded(rows)
+    for settings in (dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD),
+                     dict(max_new_tokens=8, do_sample=False, num_beams=3, num_return_sequences=1, pad_token_id=PAD)):
+        with torch.no_grad():
+            batch = loaded.generate(ids, attention_mask=mask, **settings)
+            assert torch.equal(batch, model.generate(ids, attention_mask=mask, **settings))
+            for i, row in enumerate(rows):
+                alone = loaded.generate(row[None], **settings)
+                assert torch.equal(batch[i, ids.shape[1]:], alone[0, len(row):]), (settings, i)

@@ -4,7 +4,10 @@ attention changes with a config flag is checked again in each such form.
 
 Which fields reach the attention: the fields the attention module's class (and the core's, and their
 transformers base classes) reads from its config, found in their source (`config.<field>`,
-`getattr(config, "<field>")`). Of those:
+`getattr(config, "<field>")`), and the fields with which each block builds its attention modules
+(`block_fields`: the arguments of the attention class's constructor in the block's `__init__` and
+the `if` tests around it; BERT's layer reads `add_cross_attention` and passes `is_cross_attention`).
+Of those:
 
 - every boolean is flipped (per-head q/k norms `use_qk_norm` / `qk_layernorm`, attention and output
   biases `attention_bias` / `qkv_bias` / `attention_out_bias` / `use_bias`, `use_sliding_window`,
@@ -23,10 +26,12 @@ A field that reaches the attention and is not varied is returned with the reason
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import re
 import sys
+import textwrap
 
 from torch import nn
 
@@ -61,9 +66,65 @@ def attention_source(model: nn.Module, adapter) -> str:
     return "\n".join(texts)
 
 
+def _config_field(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """The config field `node` reads: `config.<field>`, or `self.<name>` set from one earlier."""
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        if node.value.id == "config":
+            return node.attr
+        if node.value.id == "self":
+            return aliases.get(node.attr)
+    return None
+
+
+def _fields_in(node: ast.AST, aliases: dict[str, str]) -> set[str]:
+    return {f for n in ast.walk(node) if (f := _config_field(n, aliases))}
+
+
+def block_fields(model: nn.Module, adapter) -> set[str]:
+    """The config fields with which a block builds its attention modules: those passed to an
+    attention class's constructor in the block's `__init__`, and those of the `if` tests that decide
+    whether one is built (BERT's `add_cross_attention` adds a second attention module; transformers
+    5.25's attention classes no longer read it, they are told `is_cross_attention` by the layer)."""
+    names = set()
+    blocks = list(adapter.blocks(model))
+    for block in blocks:
+        attn = adapter.attention(block)
+        names.update(base.__name__ for base in inspect.getmro(type(attn)) if base.__module__.startswith("transformers."))
+    fields: set[str] = set()
+    for cls in {type(block) for block in blocks}:
+        for base in inspect.getmro(cls):
+            init = base.__dict__.get("__init__")
+            if init is None or not base.__module__.startswith("transformers."):
+                continue
+            try:
+                tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+            except (OSError, TypeError, SyntaxError):
+                continue
+            aliases = {t.attr: f for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                       for t in n.targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                       and t.value.id == "self" and (f := _config_field(n.value, {}))}
+
+            def visit(node: ast.AST, tests: tuple[ast.AST, ...]) -> None:
+                if isinstance(node, ast.Call):
+                    func = node.func
+                    callee = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+                    if callee in names:
+                        fields.update(_fields_in(ast.Tuple([*node.args, *(k.value for k in node.keywords)]),
+                                                 aliases))
+                        for test in tests:
+                            fields.update(_fields_in(test, aliases))
+                inner = (*tests, node.test) if isinstance(node, ast.If) else tests
+                for child in ast.iter_child_nodes(node):
+                    visit(child, inner)
+
+            visit(tree, ())
+    return fields
+
+
 def attention_fields(model: nn.Module, adapter) -> set[str]:
-    """The config fields the attention classes of `model` read."""
-    return {a or b for a, b in REFERENCE.findall(attention_source(model, adapter))}
+    """The config fields the attention classes of `model` read, and those with which its blocks
+    build them (`block_fields`)."""
+    return {a or b for a, b in REFERENCE.findall(attention_source(model, adapter))} | block_fields(model, adapter)
 
 
 def _names_partial_rotary(model: nn.Module, config) -> bool:

@@ -3,8 +3,8 @@ headprune's venv (transformers 5.x): the layout of an llm_kv_modes arm put on th
 training (`apply_kv_layout`: removed units physically removed, windowed units restricted), each
 sample's context prefilled into generate()'s kind of cache (its windowed layers keep only sink +
 window), then the question and greedy tokens (run_press.decode). `held_bytes` is what the cache holds
-after the prefill (headprune.heads.windows.held_bytes: full units' keys and values plus the windowed
-units' kept ones), read from the cache, not priced.
+after the prefill (headprune.costs.kv_bytes.cache_bytes, the one counter of the bench and the cost
+tables: full units' keys and values plus the windowed units' kept ones), read from the cache, not priced.
 
     PYTHONPATH=src nice /work/main/.venv/bin/python experiments/peers_kvpress/run_ours.py \\
         --layout experiments/llm_kv_modes/results/measured_retrieval_clamped_last_layout.json \\
@@ -60,7 +60,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
     from transformers.utils import logging as hf_logging
 
-    from headprune.heads.windows import apply_kv_layout, held_bytes
+    from headprune.costs.kv_bytes import cache_bytes as held_bytes
+    from headprune.heads.windows import apply_kv_layout
 
     hf_logging.disable_progress_bar()
     start = time.time()

@@ -22,16 +22,24 @@ from headprune.results import flatten
 log = logging.getLogger(__name__)
 
 # the config keys that define an experiment; a resume must not change any of them
-DEFINING = ("model", "data", "metric", "schedule", "layer_policy", "budget", "recovery", "pruning", "kv_modes", "seed")
+DEFINING = ("model", "data", "metric", "schedule", "layer_policy", "budget", "recovery", "pruning", "kv_modes", "optim",
+            "seed")
 # within those, what may change between the two parts of a run (where files are, how fast it loads,
 # where the dense copy and the pruned model's blocks live, whether training recomputes activations)
 FREE = ("data.data_dir", "data.num_workers", "budget.cache_dir", "pruning.dense_device", "pruning.model_device",
         "model.gradient_checkpointing", "pruning.verify_surgery")
 
 
+# the trainer's fields that change what the remaining steps compute, besides the numerics read from
+# the runtime (NUMERICS): how many batches an epoch trains on, gradient clipping, deterministic kernels
+TRAINER_DEFINING = ("limit_train_batches", "gradient_clip_val", "gradient_clip_algorithm", "deterministic")
+
+
 def experiment(config: dict) -> dict:
     """The defining settings of a resolved config, flattened to dotted keys."""
     flat = flatten({k: config.get(k) for k in DEFINING}, sep=".")
+    trainer = config.get("trainer") or {}
+    flat.update({f"trainer.{k}": trainer[k] for k in TRAINER_DEFINING if k in trainer})
     return {k: v for k, v in flat.items() if k not in FREE}
 
 
