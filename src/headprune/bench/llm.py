@@ -32,6 +32,7 @@ import torch
 from omegaconf import MISSING
 
 from headprune.bench import render
+from headprune.report import Column
 from headprune.bench.decoder import attention_share, decode, prefill
 from headprune.bench.origin import check_export, export_name, load_dense, origin_of
 from headprune.bench.sections import Section, SectionInputs, register
@@ -235,13 +236,13 @@ def table(rows: list[dict]) -> list[str]:
     r0 = rows[0]
     heading = f"## Pretrained decoder {r0['model']} ({r0['new_tokens']} new tokens per round)"
     return render.table(heading, rows, [
-        ("variant", lambda r: r["variant"], False), render.fmt("sparsity", ".2f"), render.fmt("threads", "d"),
+        Column("variant", lambda r: r["variant"], False), render.fmt("sparsity", ".2f"), render.fmt("threads", "d"),
         render.fmt("batch", "d"), render.fmt("prompt_len", "d", "prompt"),
-        ("prefill ms", lambda r: render.ms(r["prefill_ms"], r["prefill_spread_ms"]) if r["prefill_ms"] else "–", True),
+        Column("prefill ms", lambda r: render.ms(r["prefill_ms"], r["prefill_spread_ms"]) if r["prefill_ms"] else "–", True),
         render.timed("per-token ms", "per_token_ms"), render.ratio("per-token x", "per_token_ratio"),
         render.ratio("bound x", "bound"), render.ratio("x / bound", "ratio_to_bound"),
-        ("attention share", lambda r: f"{r['attention_share']:.0%}", True),
-        ("KV MiB", lambda r: f"{r['kv_cache_bytes'] / 2**20:,.1f}", True), render.fmt("kv_ratio", ".4f", "KV ratio")])
+        Column("attention share", lambda r: f"{r['attention_share']:.0%}", True),
+        Column("KV MiB", lambda r: f"{r['kv_cache_bytes'] / 2**20:,.1f}", True), render.fmt("kv_ratio", ".4f", "KV ratio")])
 
 
 def plot(ax, rows: list[dict], block: dict) -> None:
