@@ -229,3 +229,19 @@ def test_outputs_are_published_together_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         main([str(tmp_path / "runs"), "--out", str(out)])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_final_table_rows_each_run_by_label_with_its_drop_and_stop_reason(tmp_path):
+    """The final table through headprune.report: left-aligned cells, the drop in points, DASH for
+    a missing figure, the stop reason last."""
+    from headprune.apps.collect import final_table, load_runs
+
+    _run(tmp_path / "sweep" / "b", ["metric=taylor"], 0.9, [0.85, 0.8125])
+    _run(tmp_path / "sweep" / "a", ["metric=random"], 0.9, [0.7])
+    runs = load_runs([tmp_path / "sweep"])
+    runs[0]["final"]["val"]["acc"] = None
+    assert final_table(runs, ["metric"]).splitlines() == [
+        "| run | baseline acc | final sparsity | final acc | drop (points) | stop reason |",
+        "|---|---|---|---|---|---|",
+        "| metric=random | 90.00 | 0.100 | – | – | target |",
+        "| metric=taylor | 90.00 | 0.200 | 81.25 | 8.75 | target |"]

@@ -159,3 +159,38 @@ def test_a_bad_llm_export_is_named_by_the_setting_it_was_given_in(given, tmp_pat
     with pytest.raises((ValueError, FileNotFoundError), match=rf"bench\.llm\.pruned_dirs\[1\]={bad} {named}"):
         run(compose_bench(tmp_path / "out", *ONLY_LLM, f"bench.llm.pruned_dirs=[{good},{bad}]"))
     assert not (tmp_path / "out" / "bench.json").exists()
+
+
+@pytest.mark.slow  # decode timings of a windowed export: over ~2 s
+def test_llm_section_counts_a_windowed_exports_cache_and_work_as_its_layout_says(folders, tmp_path):
+    """A KV-modes export (full / windowed / removed units, sink 1 + window 3): its prompt cache holds
+    what costs.kv_bytes predicts (a windowed unit sink + window tokens, a removed one none), counted
+    in the live cache; its attention work gives windowed heads sink + window keys. Seen failing
+    before the section was window-aware: the cache could not be cropped back (a windowed cache
+    refuses crop), and kv_exact compared with the kept KV-head share."""
+    from headprune.costs.flops import attention_flops
+    from headprune.heads.windows import KVLayout, apply_kv_layout
+
+    modes = (("window", "full", "removed"), ("full", "window", "window"), ("removed", "full", "window"))
+    model = llama()
+    apply_kv_layout(model, KVLayout(modes, sink=1, window=3))
+    save_pruned(model, tmp_path / "win" / "export", origin=str(folders / "dense"))
+    results = run(compose_bench(tmp_path, *ONLY_LLM, f"bench.llm.pruned_dirs=[{tmp_path / 'win' / 'export'}]",
+                                "bench.llm.batches=[1,2]", "bench.llm.prefill_batches=[1]"))
+    rows = {(r["variant"], r["batch"]): r for r in results["llm"]}
+    per_token = 2 * 8 * 4  # K and V x head_dim x float32, one KV head
+    for batch in (1, 2):
+        win = rows["win", batch]
+        # prompt 8: full units 8 tokens, windowed min(8, 1 + 3) = 4, removed 0
+        assert win["kv_cache_bytes"] == win["kv_predicted_bytes"] == batch * per_token * ((4 + 8) + (8 + 4 + 4) + (8 + 4))
+        assert win["kv_exact"] is True and win["kv_units"] == {"full": 3, "window": 4, "removed": 2}
+    new = rows["win", 1]["new_tokens"]
+
+    def work(full_heads, window_heads, full_units, window_units):
+        return sum(attention_flops(1, 1, 8 + i + 1, full_heads, full_units, 8, 48)
+                   + attention_flops(1, 1, min(8 + i + 1, 4), window_heads, window_units, 8, 48) * bool(window_heads)
+                   for i in range(new))
+    dense = 3 * sum(attention_flops(1, 1, 8 + i + 1, 6, 3, 8, 48) for i in range(new))
+    kept = work(2, 2, 1, 1) + work(2, 4, 1, 2) + work(2, 2, 1, 1)  # 2 query heads per unit
+    assert rows["win", 1]["kept_attention_work"] == pytest.approx(kept / dense)
+    assert "held exactly what the layout predicts" in (tmp_path / "bench.md").read_text()

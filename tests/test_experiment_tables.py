@@ -65,7 +65,7 @@ def _llm_run(ppl: dict, kept: list[float], steps: list[int], dense: dict | None 
     evaluation = {"pruned": block(ppl)}
     if dense:
         evaluation["dense"] = block(dense)
-    return {"rounds": [{"budget": {"predicted_share": k}, "distill": {"steps": n, "tokens": 1024 * n}}
+    return {"config": {"data": {"name": "tinyshakespeare"}}, "rounds": [{"budget": {"predicted_share": k}, "distill": {"steps": n, "tokens": 1024 * n}}
                        for k, n in zip(kept, steps)],
             "evaluation": evaluation, "stages": {"train_and_prune": 100.0}, "wall": {"wall_seconds": 120.5}}
 

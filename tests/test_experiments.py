@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from headprune.run_record import Evaluation
 from tests.helpers import EXPERIMENTS as EXP
 from tests.helpers import REPO, experiment_script
 
@@ -77,7 +78,7 @@ def _llm_run(pruned, ppl2048, recovery="LeastSquares", layers=2, heads=4):
     ev = {"perplexity": {"seq128": {"ppl": 2 * ppl2048}, "seq2048": {"ppl": ppl2048}},
           "zero_shot": {"sst2_local": {"acc": 0.75, "n": 8, "chance": 0.5}},
           "generation": [{"prompt": "Hi?", "answer": f"ppl {ppl2048}"}]}
-    return {"model": {"layers": layers, "heads": heads}, "config": {"recovery": {"_target_": recovery}},
+    return {"model": {"layers": layers, "heads": heads}, "config": {"recovery": {"_target_": recovery}, "data": {"name": "tinyshakespeare"}},
             "rounds": [{"score_seconds": 1.5, "mask_tuning": {"seconds": 2.5, "tokens": 64}}],
             "final": {"pruned": pruned, "heads_per_layer": [heads - sum(p[0] == i for p in pruned) for i in range(layers)]},
             "evaluation": {"dense": dict(ev, perplexity={"seq128": {"ppl": 20.0}, "seq2048": {"ppl": 10.0}}), "pruned": ev}}
@@ -157,7 +158,7 @@ def test_llm_uneven_targets_take_each_allocations_best_repair():
         collect.row("uniform_refit_kl_kv67", chain)
     with pytest.raises(ValueError, match="trained None KL steps"):
         collect.row("attention_drop_refit_kl_kv67", {**old, "rounds": [{**old["rounds"][0], "refit": None}]})
-    dense = {"perplexity": {"seq128": {"ppl": 60.0}, "seq2048": {"ppl": 30.0}}}
+    dense = Evaluation.of({"perplexity": {"seq128": {"ppl": 60.0}, "seq2048": {"ppl": 30.0}}}, "tinyshakespeare")
 
     def run(arm, repair, ppl, trained=False):
         return {"budget": "kv67", "arm": arm, "repair": repair, "ppl2048": ppl, "other2048": None, "trained": trained}

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from headprune.run_record import Evaluation
 from tests.helpers import experiment_script
 
 
@@ -20,7 +21,7 @@ def _run(ppl2048, round_, other=None, word=None, dense=None):
         ev["perplexity_other"] = {"sst2": {"seq2048": {"ppl": other}}}
     if word is not None:
         ev["zero_shot"]["last_word_local"] = {"acc": word, "acc_stderr": 0.01, "n": 200}
-    res = {"model": {"layers": 1, "heads": 3}, "rounds": [round_],
+    res = {"config": {"data": {"name": "tinyshakespeare"}}, "model": {"layers": 1, "heads": 3}, "rounds": [round_],
            "final": {"pruned": [[0, 2]], "heads_per_layer": [2]}, "evaluation": {"pruned": ev}}
     if dense is not None:
         res["evaluation"]["dense"] = dense
@@ -42,7 +43,7 @@ def test_a_chain_counts_every_stage_and_shows_the_validation_after_each(tmp_path
     table = collect.recoveries(tmp_path, tmp_path / "none")
     assert "| kv67 | Fisher + rearrangement + refit of O, then KL to dense, every weight | 80.00 " \
            "| 40.00 (refit) -> 33.00 (distill) | 3 | 14 |" in table
-    summary = collect.summary(dense, [row])
+    summary = collect.summary(Evaluation.of(dense, "tinyshakespeare"), [row])
     assert "| 2 of 3 KV groups kept | training | Fisher + rearrangement + refit of O, then KL to dense" in summary
 
 

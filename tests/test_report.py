@@ -19,6 +19,7 @@ def test_cells_format_scale_and_mark_what_is_missing():
     assert change(12.0, 10.0) == "+20.0%" and change(9.0, 10.0, 2) == "-10.00%" and change(None, 1.0) == DASH
     assert spread([0.5]) == "0.50" and spread([0.5, None]) == "0.50" and spread([None]) == DASH
     assert spread([0.8, 0.9], scale=100) == "85.00 ± 7.07"  # sample standard deviation
+    assert spread([0.8, 0.9], scale=100, count=True) == "85.00 ± 7.07 (n=2)" and spread([0.5], count=True) == "0.50"
 
 
 def test_a_table_is_its_columns_applied_to_each_row():

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from headprune.report import DASH, column, gather, markdown, text, write
+from headprune.run_record import Evaluation, dense_of, record, records
 
 HERE = Path(__file__).resolve().parent
 ALLOCATIONS = {"uniform": "uniform (Fisher + rearrangement)", "attention_drop": "attention drop (He et al. 2024)"}
@@ -61,16 +62,12 @@ def load(results: Path) -> dict[str, dict]:
 
 def dense(runs: dict[str, dict]) -> dict:
     """{(corpus, seq): ppl} of the dense model, from the run that evaluated it."""
-    evaluated = [r for r in runs.values() if "dense" in r.get("evaluation", {})]
-    if not evaluated:
-        raise ValueError("no run evaluated the dense model (evaluation.dense=true)")
-    return _ppl(evaluated[0]["evaluation"]["dense"])
+    return _ppl(dense_of(records(runs)))
 
 
-def _ppl(block: dict) -> dict:
-    out = {("ts", s): block["perplexity"][s]["ppl"] for s in SEQS}
-    out.update({(OTHER, s): block["perplexity_other"][OTHER][s]["ppl"] for s in SEQS})
-    return out
+def _ppl(block: Evaluation) -> dict:
+    """{(corpus, seq): ppl}; "ts": the run's main corpus (config.data.name, Tiny Shakespeare here)."""
+    return {(corpus, s): block.ppl(s, None if corpus == "ts" else corpus) for corpus in ("ts", OTHER) for s in SEQS}
 
 
 def _calibration(res: dict) -> tuple[str, str, float | None]:
@@ -91,7 +88,7 @@ def rows(runs: dict[str, dict]) -> list[dict]:
     out = []
     for stem, res in runs.items():
         alloc, repair, cal = split(stem)
-        ppl = _ppl(res["evaluation"]["pruned"])
+        ppl = _ppl(record(res, stem, res["source"]).evaluation["pruned"])
         change = {k: 100 * (v / base[k] - 1) for k, v in ppl.items()}
         blocks, tokens, seconds = _calibration(res)
         wall = res.get("wall") or {}

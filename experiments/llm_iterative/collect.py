@@ -19,7 +19,8 @@ import shutil
 import statistics
 from pathlib import Path
 
-from headprune.report import DASH, Column, change, column, dense_evaluation, gather, load_results, markdown, text, write
+from headprune.report import DASH, Column, change, column, gather, load_results, markdown, text, write
+from headprune.run_record import dense_of, records
 
 HERE = Path(__file__).resolve().parent
 ARMS = [f"{alloc}_{schedule}" for alloc in ("attention_drop", "uniform") for schedule in ("one_shot", "iterative")]
@@ -32,10 +33,6 @@ def copy_runs(runs: Path, results: Path) -> list[str]:
 
 def load(results: Path) -> dict[str, dict]:
     return load_results(results, ARMS)
-
-
-def _ppl(block: dict, corpus: str, seq: str) -> float:
-    return (block["perplexity"] if corpus == "tinyshakespeare" else block["perplexity_other"][corpus])[seq]["ppl"]
 
 
 CELLS = {("tinyshakespeare", "seq2048"): "Tiny Shakespeare, seq 2048", ("sst2", "seq2048"): "SST-2, seq 2048",
@@ -58,7 +55,8 @@ COLUMNS = [text("arm"), text("KV kept after each round", lambda r: ", ".join(f"{
 
 def rows(runs: dict[str, dict]) -> list[dict]:
     """The dense model (from the arm that evaluated it), then one row per arm."""
-    dense = {cell: _ppl(dense_evaluation(runs), *cell) for cell in CELLS}
+    typed = records(runs)  # the main corpus (Tiny Shakespeare) named from each run's config.data.name
+    dense = {(corpus, seq): dense_of(typed).ppl(seq, corpus) for corpus, seq in CELLS}
     out = [{"arm": "dense", "kept": [1.0], "steps": None, "tokens": None, "ppl": dense, "dense_ppl": dense,
             "train_and_prune": None, "wall": None}]
     for arm, data in runs.items():
@@ -66,7 +64,8 @@ def rows(runs: dict[str, dict]) -> list[dict]:
         out.append({"arm": arm, "kept": [r["budget"]["predicted_share"] for r in rounds],
                     "steps": sum(r["distill"]["steps"] for r in rounds),
                     "tokens": sum(r["distill"]["tokens"] for r in rounds),
-                    "ppl": {cell: _ppl(data["evaluation"]["pruned"], *cell) for cell in CELLS}, "dense_ppl": dense,
+                    "ppl": {(corpus, seq): typed[arm].ppl("pruned", seq, corpus) for corpus, seq in CELLS},
+                    "dense_ppl": dense,
                     "train_and_prune": data["stages"]["train_and_prune"],
                     "wall": data.get("wall", {}).get("wall_seconds")})
     return out
@@ -83,7 +82,7 @@ def _answer(answer: str) -> str:
 
 def answers(runs: dict[str, dict]) -> list[str]:
     """Per prompt, the dense model's greedy answer and each arm's (every arm asked the same prompts)."""
-    dense = dense_evaluation(runs).get("generation") or []
+    dense = dense_of(records(runs)).get("generation") or []
     prompts = [item["prompt"] for item in dense]
     answered = {"dense": [item["answer"] for item in dense]}
     for arm, data in runs.items():

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from headprune.report import DASH, cell_text, change, column, gather as gather_runs, markdown, number, read_json, script
 from headprune.report import text, to_csv, write
+from headprune.run_record import Evaluation, read_record, record
 
 ARMS = {"random": "random scores", "magnitude": "weight magnitude", "taylor": "Taylor",
         "fisher": "Fisher", "fisher_re": "Fisher + rearrangement",
@@ -60,7 +61,7 @@ def split_name(stem: str) -> tuple[str, str, int | None]:
 def row(stem: str, res: dict, shape: dict) -> dict:
     arm, budget, seed = split_name(stem)
     (r,) = res["rounds"]
-    ev = res["evaluation"]["pruned"]
+    ev = record(res, stem).evaluation["pruned"]
     zs = ev.get("zero_shot", {}).get("sst2_local", {})
     tuning = recovery_report(r)
     stages = {"score": r["score_seconds"], "rearrange": (r.get("rearranged") or {}).get("seconds"),
@@ -68,7 +69,7 @@ def row(stem: str, res: dict, shape: dict) -> dict:
     return {"run": stem, "budget": budget, "arm": arm, "seed": seed,
             "kv_share": kv_share(res, shape), "heads_kept": sum(res["final"]["heads_per_layer"]),
             "train_tokens": tuning.get("tokens"),
-            "ppl128": ev["perplexity"]["seq128"]["ppl"], "ppl2048": ev["perplexity"]["seq2048"]["ppl"],
+            "ppl128": ev.ppl(128), "ppl2048": ev.ppl(2048),
             "sst2_acc": zs.get("acc"), "sst2_n": zs.get("n"), "wall_seconds": (res.get("wall") or {}).get("wall_seconds"),
             **{f"{k}_seconds": v for k, v in stages.items()}}
 
@@ -96,7 +97,7 @@ def kv_share(res: dict, shape: dict) -> float:
     return kept / (layers * groups)
 
 
-def load(results: Path, shape: dict) -> tuple[dict | None, list[dict], dict]:
+def load(results: Path, shape: dict) -> tuple[Evaluation | None, list[dict], dict]:
     """(dense evaluation, rows, answers per run) from the result files; each run's model must have
     `shape` (model.json)."""
     dense, rows, answers = None, [], {}
@@ -106,10 +107,11 @@ def load(results: Path, shape: dict) -> tuple[dict | None, list[dict], dict]:
             raise ValueError(f"{path}: its model has {res['model']['layers']} layers x {res['model']['heads']} heads, "
                              f"model.json says {shape['layers']} x {shape['heads']}; allowed: runs of that model "
                              "(or write model.json again: python experiments/llm_kv/layers.py shape)")
-        if dense is None and "dense" in res["evaluation"]:
-            dense = res["evaluation"]["dense"]
+        run = record(res, path.stem, str(path))
+        if dense is None and "dense" in run.evaluation:
+            dense = run.evaluation["dense"]
         rows.append(row(path.stem, res, shape))
-        answers[path.stem] = res["evaluation"]["pruned"].get("generation", [])
+        answers[path.stem] = run.evaluation["pruned"].get("generation", [])
     return dense, rows, answers
 
 
@@ -129,8 +131,8 @@ def _arm_row(name: str, runs: list[dict]) -> dict:
             **{k: None if seeds else runs[0][k] for k in ("score_seconds", "tuning_seconds", "wall_seconds")}}
 
 
-def table(dense: dict, rows: list[dict], shape: dict) -> str:
-    d128, d2048 = dense["perplexity"]["seq128"]["ppl"], dense["perplexity"]["seq2048"]["ppl"]
+def table(dense: Evaluation, rows: list[dict], shape: dict) -> str:
+    d128, d2048 = dense.ppl(128), dense.ppl(2048)
     dz = dense.get("zero_shot", {}).get("sst2_local", {})
     lines = [f"Dense: perplexity {d128:.2f} (seq 128), {d2048:.2f} (seq 2048); SST-2 zero-shot "
              f"{number(dz.get('acc'), '.3f')} on {dz.get('n')} sentences (chance {number(dz.get('chance'))}).", ""]
@@ -155,9 +157,9 @@ def table(dense: dict, rows: list[dict], shape: dict) -> str:
 TRAINED = ("fisher_lora", "fisher_re_lora", "fisher_re_lora_kd", "fisher_re_distill", "fisher_re_refit_kl", "lora_only")
 
 
-def summary(dense: dict, rows: list[dict]) -> str:
+def summary(dense: Evaluation, rows: list[dict]) -> str:
     """The README's table: per budget, the best arm without training and the best with it."""
-    d2048 = dense["perplexity"]["seq2048"]["ppl"]
+    d2048 = dense.ppl(2048)
     best = [{"budget": "all (dense)", "recovery": DASH, "arm": DASH, "kv_share": 1.0, "ppl2048": d2048, "change": DASH,
              "sst2_acc": dense.get("zero_shot", {}).get("sst2_local", {}).get("acc")}]
     for budget, title in BUDGETS.items():
@@ -172,11 +174,11 @@ def summary(dense: dict, rows: list[dict]) -> str:
                                column("SST-2 acc", "sst2_acc", ".3f")], best))
 
 
-def answers_table(dense: dict, answers: dict) -> str:
+def answers_table(dense: Evaluation, answers: dict) -> str:
     prompts = [a["prompt"] for a in dense.get("generation", [])]
     lines = []
     for i, prompt in enumerate(prompts):
-        answered = [("dense", dense["generation"][i]["answer"])] + [(run, gen[i]["answer"]) for run, gen in answers.items()
+        answered = [("dense", dense.get("generation")[i]["answer"])] + [(run, gen[i]["answer"]) for run, gen in answers.items()
                                                                    if i < len(gen)]
         lines += [f"### {prompt}", "", *markdown([text("model", lambda a: a[0]), text("answer", lambda a: cell_text(a[1]))],
                                                  answered), ""]
@@ -257,17 +259,17 @@ def heldout(results: Path, other_dense: Path, last_word: Path) -> str:
                 measured.setdefault(name, (row_, path.name))
     dense, rows = None, []
     for path in files:
-        res = json.loads(path.read_text())
-        if "dense" in res["evaluation"]:
-            ev = res["evaluation"]["dense"]
+        run = read_record(path)
+        if "dense" in run.evaluation:
+            ev = run.evaluation["dense"]
             dense = dense or {}
-            if OTHER in ev.get("perplexity_other", {}):
-                dense.setdefault("other", (ev["perplexity_other"][OTHER]["seq2048"]["ppl"], path.name))
+            if ev.ppl(2048, OTHER) is not None:
+                dense.setdefault("other", (ev.ppl(2048, OTHER), path.name))
             if LAST_WORD in ev.get("zero_shot", {}):
-                dense_words.setdefault(ev["zero_shot"][LAST_WORD]["n"], (ev["zero_shot"][LAST_WORD], path.name))
-            dense.setdefault("main", ev["perplexity"]["seq2048"]["ppl"])
-        ev = res["evaluation"]["pruned"]
-        other = ev.get("perplexity_other", {}).get(OTHER, {}).get("seq2048", {}).get("ppl")
+                dense_words.setdefault(ev.get("zero_shot")[LAST_WORD]["n"], (ev.get("zero_shot")[LAST_WORD], path.name))
+            dense.setdefault("main", ev.ppl(2048))
+        ev = run.evaluation["pruned"]
+        other = ev.ppl(2048, OTHER)
         other_source = path.name
         if other is None and path.stem in others:  # other_corpus/measure.py, on the same heads
             other, other_source = others[path.stem]["perplexity_other"][OTHER]["seq2048"]["ppl"], f"other_corpus/{other_dense.name}"
@@ -277,7 +279,7 @@ def heldout(results: Path, other_dense: Path, last_word: Path) -> str:
         if other is None and word is None:
             continue
         arm, budget, seed = split_name(path.stem)
-        rows.append({"run": path.stem, "arm": arm, "budget": budget, "seed": seed, "main": ev["perplexity"]["seq2048"]["ppl"],
+        rows.append({"run": path.stem, "arm": arm, "budget": budget, "seed": seed, "main": ev.ppl(2048),
                      "other": other, "other_source": other_source if other is not None else "–",
                      "word": word, "word_source": source if word is not None else "–"})
     if dense is None:
@@ -345,7 +347,7 @@ def main() -> None:
     plot(dense, rows, args.out / "results.png")
 
 
-def plot(dense: dict, rows: list[dict], path: Path) -> None:
+def plot(dense: Evaluation, rows: list[dict], path: Path) -> None:
     """Perplexity (seq 2048, log scale) of every arm at each budget, dense as a line."""
     from headprune.plots import close, plt
 
@@ -356,7 +358,7 @@ def plot(dense: dict, rows: list[dict], path: Path) -> None:
         values = [statistics.mean(r["ppl2048"] for r in rows if r["budget"] == budget and r["arm"] == a) for a in arms]
         ax.barh(range(len(arms)), values, color="tab:blue")
         ax.set_yticks(range(len(arms)), [ARMS[a] for a in arms], fontsize=7)
-        ax.axvline(dense["perplexity"]["seq2048"]["ppl"], color="k", ls="--", label="dense")
+        ax.axvline(dense.ppl(2048), color="k", ls="--", label="dense")
         ax.set_xscale("log")
         ax.set_title(BUDGETS[budget], fontsize=9)
         ax.set_xlabel("perplexity, seq 2048 (log)")

@@ -29,6 +29,7 @@ from pathlib import Path
 from headprune.report import DASH, Column, column, gather as gather_runs, markdown, number, read_json, script, text
 from headprune.report import change
 from headprune.report import to_csv, write
+from headprune.run_record import Evaluation, record
 
 HERE = Path(__file__).resolve().parent
 KL_STEPS = 50  # the KL recovery's steps (recovery=chain's distill stage), as experiments/llm_kv's
@@ -75,7 +76,7 @@ def row(stem: str, res: dict) -> dict:
     if arm not in ARMS or budget not in BUDGETS:
         raise ValueError(f"{stem}: not <arm>[_<repair>]_<budget> with arm in {list(ARMS)}, budget in {list(BUDGETS)}")
     (r,) = res["rounds"]
-    ev = res["evaluation"]["pruned"]
+    ev = record(res, stem).evaluation["pruned"]
     kept = r["budget"]["kept_units_per_layer"]
     alloc = next((r["budget"][k] for k in ALLOCATION if k in r["budget"]), {})
     skipped = [layer["layer"] for layer in (r.get("refit") or {}).get("layers", []) if layer.get("skipped")]
@@ -86,13 +87,11 @@ def row(stem: str, res: dict) -> dict:
     if (tag in TRAINED) != (steps is not None) or (steps is not None and steps != KL_STEPS):
         raise ValueError(f"{stem}: tag {tag!r} but the run trained {steps} KL steps: <arm>_refit_kl_<budget> is "
                          f"the refit then {KL_STEPS} KL steps (recovery=chain), the other tags train nothing")
-    other = ev.get("perplexity_other", {}).get(OTHER, {})
     zero = ev.get("zero_shot", {})
     return {"run": stem, "budget": budget, "arm": arm, "repair": REPAIRS[tag], "trained": tag in TRAINED,
             "kv_share": r["budget"]["predicted_share"],
             "kept_units_per_layer": kept, "attention_free_layers": sum(k == 0 for k in kept),
-            "ppl128": ev["perplexity"]["seq128"]["ppl"], "ppl2048": ev["perplexity"]["seq2048"]["ppl"],
-            "other128": (other.get("seq128") or {}).get("ppl"), "other2048": (other.get("seq2048") or {}).get("ppl"),
+            "ppl128": ev.ppl(128), "ppl2048": ev.ppl(2048), "other128": ev.ppl(128, OTHER), "other2048": ev.ppl(2048, OTHER),
             "sst2_acc": (zero.get("sst2_local") or {}).get("acc"),
             "last_word_acc": (zero.get("last_word_local") or {}).get("acc"),
             "score_seconds": r["score_seconds"], "allocation_seconds": alloc.get("seconds"),
@@ -100,7 +99,7 @@ def row(stem: str, res: dict) -> dict:
             "wall_seconds": (res.get("wall") or {}).get("wall_seconds")}
 
 
-def load(results: Path) -> tuple[dict, list[dict]]:
+def load(results: Path) -> tuple[Evaluation, list[dict]]:
     """(dense evaluation, rows) from `results/*.json`, and for a budget without a uniform run of its
     own, experiments/llm_kv's uniform run with the same recovery (`UNIFORM`: the same protocol,
     evaluated before SST-2's perplexity was added, so those cells are empty)."""
@@ -110,9 +109,10 @@ def load(results: Path) -> tuple[dict, list[dict]]:
     paths += [path for stem, path in UNIFORM.items() if stem not in have and path.is_file()]
     for path in paths:
         res = json.loads(path.read_text())
-        if dense is None and "dense" in res["evaluation"]:
-            dense = res["evaluation"]["dense"]
         stem = next((s for s, p in UNIFORM.items() if p == path), path.stem)
+        run = record(res, stem, str(path))
+        if dense is None and "dense" in run.evaluation:
+            dense = run.evaluation["dense"]
         rows.append(row(stem, res))
     if dense is None:
         raise ValueError(f"no run in {results} evaluated the dense model (evaluation.dense=true)")
@@ -123,10 +123,9 @@ def _change(x, base):
     return None if x is None or base is None else 100 * (x / base - 1)
 
 
-def dense_ppl(dense: dict) -> dict:
-    other = dense.get("perplexity_other", {}).get(OTHER, {})
-    return {"ppl128": dense["perplexity"]["seq128"]["ppl"], "ppl2048": dense["perplexity"]["seq2048"]["ppl"],
-            "other128": (other.get("seq128") or {}).get("ppl"), "other2048": (other.get("seq2048") or {}).get("ppl")}
+def dense_ppl(dense: Evaluation) -> dict:
+    return {"ppl128": dense.ppl(128), "ppl2048": dense.ppl(2048), "other128": dense.ppl(128, OTHER),
+            "other2048": dense.ppl(2048, OTHER)}
 
 
 def gguf_table(gguf: dict, group: list[dict]) -> list[str]:
@@ -219,7 +218,7 @@ def table_columns(d: dict) -> list[Column]:
             column("profile tokens", "allocation_tokens", "")]
 
 
-def table(dense: dict, rows: list[dict], gguf: dict | None = None, bench: dict | None = None) -> str:
+def table(dense: Evaluation, rows: list[dict], gguf: dict | None = None, bench: dict | None = None) -> str:
     d = dense_ppl(dense)
     zero = dense.get("zero_shot", {})
     lines = [f"Dense: Tiny Shakespeare perplexity {d['ppl128']:.2f} (seq 128), {d['ppl2048']:.2f} (seq 2048); "
@@ -250,7 +249,7 @@ def ordered(group: list[dict], arm: str) -> list[dict]:
     return sorted((r for r in group if r["arm"] == arm), key=lambda r: order.index(r["repair"]))
 
 
-def targets(dense: dict, rows: list[dict]) -> str:
+def targets(dense: Evaluation, rows: list[dict]) -> str:
     """Issue 29's targets per budget: without training against each allocation's best repaired row
     that trains nothing (lowest perplexity at seq 2048), with the KL recovery against its refit + KL
     row (`TRAINED`); each rise against the target (hit or miss, and by how many percentage points),
@@ -282,7 +281,7 @@ def _training() -> Column:
     return text("training", lambda r: f"{KL_STEPS} KL steps" if r["trained"] else "none")
 
 
-def summary(dense: dict, rows: list[dict]) -> str:
+def summary(dense: Evaluation, rows: list[dict]) -> str:
     """Per budget, without and with training (`TRAINED`): the uniform layout's best row (lowest
     perplexity at seq 2048) and the best row of any uneven allocation."""
     d = dense_ppl(dense)

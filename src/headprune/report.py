@@ -37,14 +37,16 @@ def change(value: float | None, base: float | None, digits: int = 1) -> str:
     return DASH if value is None or base is None else f"{100 * (value / base - 1):+.{digits}f}%"
 
 
-def spread(values: Iterable[float | None], digits: int = 2, scale: float = 1.0) -> str:
-    """Mean, and with more than one value " ± " the sample standard deviation, of the values that
-    are not None; DASH when none is."""
+def spread(values: Iterable[float | None], digits: int = 2, scale: float = 1.0, count: bool = False) -> str:
+    """Mean, and with more than one value " ± " the sample standard deviation (and with `count`
+    " (n=N)"), of the values that are not None; DASH when none is."""
     values = [v for v in values if v is not None]
     if not values:
         return DASH
     mean = f"{scale * statistics.fmean(values):.{digits}f}"
-    return mean if len(values) == 1 else f"{mean} ± {scale * statistics.stdev(values):.{digits}f}"
+    if len(values) == 1:
+        return mean
+    return f"{mean} ± {scale * statistics.stdev(values):.{digits}f}" + (f" (n={len(values)})" if count else "")
 
 
 def cell_text(value: Any) -> str:

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from headprune import tasks
 from headprune.atomic import share, write_json_atomic, write_text_atomic
-from headprune.report import DASH, number, to_csv
+from headprune.report import DASH, Column, column, markdown, number, spread, text, to_csv
 
 OVERRIDE_FILE = Path(".hydra") / "overrides.yaml"
 PLOT_FILES = {"acc": "accuracy_vs_sparsity.png", "ppl": "perplexity_vs_sparsity.png"}
@@ -226,15 +226,6 @@ def curves(runs: list[dict], keys: list[str] | None = None, mean_over: list[str]
     return out
 
 
-def _spread(values: list[float], scale: float) -> str:
-    if not values:
-        return DASH
-    mean = scale * statistics.fmean(values)
-    if len(values) == 1:
-        return f"{mean:.2f}"
-    return f"{mean:.2f} ± {scale * statistics.stdev(values):.2f} (n={len(values)})"
-
-
 def curve_table(runs: list[dict], keys: list[str] | None = None, mean_over: list[str] = (),
                 before_finetune: bool = False) -> str:
     """Markdown: one row per label, one column per sparsity reached by any run (one table per task)."""
@@ -247,12 +238,10 @@ def _curve_table(runs: list[dict], keys: list[str] | None, mean_over: list[str],
     table = curves(runs, keys, mean_over, before_finetune)
     columns = sorted({s for points in table.values() for s in points})
     what = "accuracy (%)" if metric == "acc" else "perplexity"
-    lines = [f"| run ({what} at heads pruned) | " + " | ".join(f"{100 * s:g}%" for s in columns) + " |",
-             "|---|" + "---:|" * len(columns)]
-    for name, points in table.items():
-        cells = [_spread(points[s], scale) if s in points else "" for s in columns]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    cols = [text(f"run ({what} at heads pruned)", "name")]
+    cols += [Column(f"{100 * s:g}%", lambda row, s=s: spread(row["points"][s], scale=scale, count=True)
+                    if s in row["points"] else "") for s in columns]
+    return "\n".join(markdown(cols, [{"name": name, "points": points} for name, points in table.items()])) + "\n"
 
 
 def rows(runs: list[dict]) -> list[dict]:
@@ -284,25 +273,28 @@ def final_table(runs: list[dict], keys: list[str] | None = None) -> str:
 def _final_table(runs: list[dict], keys: list[str] | None = None) -> str:
     if _metric(runs) == "ppl":
         return _final_ppl_table(runs, keys)
-    lines = ["| run | baseline acc | final sparsity | final acc | drop (points) | stop reason |",
-             "|---|---|---|---|---|---|"]
-    for run in sorted(runs, key=lambda r: label(r, keys)):
-        base, final = run["baseline"]["val"].get("acc"), (run["final"].get("val") or {}).get("acc")
-        drop = number(None if base is None or final is None else base - final, ".2f", 100)
-        lines.append(f"| {label(run, keys)} | {number(base, '.2f', 100)} | {_final_sparsity(run)} | "
-                     f"{number(final, '.2f', 100)} | {drop} | {_stop_reason(run)} |")
-    return "\n".join(lines) + "\n"
+    return _final_rows(runs, keys, "acc", [
+        column("baseline acc", "base", ".2f", 100, right=False), text("final sparsity", "sparsity"),
+        column("final acc", "final", ".2f", 100, right=False),
+        column("drop (points)", lambda r: None if r["base"] is None or r["final"] is None else r["base"] - r["final"],
+               ".2f", 100, right=False)])
 
 
 def _final_ppl_table(runs: list[dict], keys: list[str] | None = None) -> str:
-    lines = ["| run | baseline ppl | final sparsity | final ppl | final / baseline | stop reason |",
-             "|---|---|---|---|---|---|"]
-    for run in sorted(runs, key=lambda r: label(r, keys)):
-        base, final = run["baseline"]["val"].get("ppl"), (run["final"].get("val") or {}).get("ppl")
-        ratio = number(final / base if base and final is not None else None, ".3f")
-        lines.append(f"| {label(run, keys)} | {number(base, '.3f')} | {_final_sparsity(run)} | "
-                     f"{number(final, '.3f')} | {ratio} | {_stop_reason(run)} |")
-    return "\n".join(lines) + "\n"
+    return _final_rows(runs, keys, "ppl", [
+        column("baseline ppl", "base", ".3f", right=False), text("final sparsity", "sparsity"),
+        column("final ppl", "final", ".3f", right=False),
+        column("final / baseline", lambda r: r["final"] / r["base"] if r["base"] and r["final"] is not None else None,
+               ".3f", right=False)])
+
+
+def _final_rows(runs: list[dict], keys: list[str] | None, metric: str, middle: list[Column]) -> str:
+    """One left-aligned row per run (by label): its name, the `middle` columns (read from `base`,
+    `final` = the run's baseline and final `metric`, and `sparsity`), its stop reason."""
+    rows = [{"run": label(run, keys), "base": run["baseline"]["val"].get(metric),
+             "final": (run["final"].get("val") or {}).get(metric), "sparsity": _final_sparsity(run),
+             "stop reason": _stop_reason(run)} for run in sorted(runs, key=lambda r: label(r, keys))]
+    return "\n".join(markdown([text("run"), *middle, text("stop reason")], rows)) + "\n"
 
 
 def plot(runs: list[dict], path: Path, keys: list[str] | None = None, before_finetune: bool = False,
@@ -340,9 +332,9 @@ def collect(roots: list[Path], out: Path, keys: list[str] | None = None, before_
     out.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(dir=out, prefix=".collect.", suffix=".tmp"))
     try:
-        for name, text in (("runs.csv", to_csv(rows(runs))), ("results.md", final_table(runs, keys)),
+        for name, body in (("runs.csv", to_csv(rows(runs))), ("results.md", final_table(runs, keys)),
                            ("curves.md", curve_table(runs, keys, mean_over, before_finetune))):
-            write_text_atomic(stage / name, text)
+            write_text_atomic(stage / name, body)
         ruler = ruler_report(runs, keys)
         if ruler:
             write_text_atomic(stage / "ruler.md", ruler)

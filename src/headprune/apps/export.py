@@ -5,6 +5,7 @@
     headprune-export <folder> --onnx-decode decode.onnx         # causal LMs: the KV-cache decode graph
     headprune-export <folder> --onnx model.onnx --onnx-decode decode.onnx
     headprune-export <run dir or folder> --gguf model.gguf [--gguf-weights f16|f32|q8_0]
+    headprune-export <folder> --gguf model.gguf --check [--check-text input.txt --check-held-out 0.1]
     headprune-export <run dir or folder> --vllm-deci deci/      # vLLM DeciLMForCausalLM checkpoint
     headprune-export <run dir or folder> --vllm-anymodel any/   # vLLM AnyModel checkpoint (per-layer KV heads)
 
@@ -38,6 +39,15 @@ passes when all of these hold (deploy/onnx.py `agreement`):
   argmax_agreement (positions whose argmax, class or next token, is equal) >= --min-argmax-agreement
   and, for the decode graph: equal greedy tokens, and every layer's ONNX past has the KV heads
   the pruned PyTorch model keeps.
+
+--check (with --gguf) runs the written file in llama.cpp as users serve it (flash attention, F16
+KV cache, 1 thread) against the PyTorch model in float32 on --check-windows windows of --check-seq
+tokens (seeded random ids, or --check-text's tokens from --check-held-out's share on) and passes
+when all of these hold (deploy/gguf_check.py): |llama.cpp perplexity / PyTorch's - 1| <=
+--gguf-max-ppl-change, argmax agreement >= --gguf-min-argmax, and llama.cpp's cache holds the K/V
+bytes per token per layer the layout predicts; the file's size and the logit differences are
+reported (--check-exact: also without flash attention on an F32 cache). Without llama-cpp-python,
+--check exits 2 naming the pip line, before anything is written.
 
 Prints the figures and writes them beside each file as <name>.check.json (with the export's
 seconds and bytes); exits 1 when a check fails, saying which bound on stderr. Each graph is
@@ -102,6 +112,8 @@ OUTPUTS = {"--gguf": ("a GGUF file", "model.gguf"), "--vllm-deci": ("a DeciLM ch
 
 
 def main(argv: list[str] | None = None) -> int:
+    from headprune.deploy.gguf_check import MAX_PPL_CHANGE as GGUF_MAX_PPL_CHANGE
+    from headprune.deploy.gguf_check import MIN_ARGMAX as GGUF_MIN_ARGMAX
     from headprune.deploy.onnx import ABS_TOLERANCE, MIN_ARGMAX_AGREEMENT, REL_TOLERANCE
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -121,6 +133,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gguf", type=Path, help="Llama-family causal LMs: the .gguf file to write (llama.cpp)")
     parser.add_argument("--gguf-weights", default="f16", choices=["f32", "f16", "q8_0"],
                         help="weight type of --gguf (default f16; norms and biases stay f32)")
+    parser.add_argument("--check", action="store_true",
+                        help="with --gguf: run the file in llama.cpp against PyTorch (size, perplexity, argmax "
+                             "agreement; deploy/gguf_check.py), written beside it as <name>.check.json")
+    parser.add_argument("--check-windows", type=int, default=4, help="--check: token windows compared (default 4)")
+    parser.add_argument("--check-seq", type=int, default=128, help="--check: tokens per window (default 128)")
+    parser.add_argument("--check-text", type=Path,
+                        help="--check: a text file whose first windows (the folder's tokenizer) are compared "
+                             "(default: seeded random token ids)")
+    parser.add_argument("--check-held-out", type=float,
+                        help="--check-text: start at this share of its tokens (the held-out part after "
+                             "data.validation_share, e.g. 0.1; default: from the start)")
+    parser.add_argument("--check-exact", action="store_true",
+                        help="--check: also llama.cpp without flash attention on an F32 cache (reported, not judged)")
+    parser.add_argument("--gguf-max-ppl-change", type=float, default=GGUF_MAX_PPL_CHANGE,
+                        help=f"--check: largest |llama.cpp perplexity / PyTorch's - 1| (default {GGUF_MAX_PPL_CHANGE})")
+    parser.add_argument("--gguf-min-argmax", type=float, default=GGUF_MIN_ARGMAX,
+                        help=f"--check: smallest share of positions with the same argmax (default {GGUF_MIN_ARGMAX})")
     parser.add_argument("--vllm-deci", type=Path,
                         help="Llama causal LMs whose layers keep all KV groups or none: the vLLM DeciLMForCausalLM "
                              "checkpoint folder to write (config.json, model.safetensors, tokenizer)")
@@ -154,23 +183,48 @@ def main(argv: list[str] | None = None) -> int:
         problem = decode_problem(AutoConfig.from_pretrained(folder))
         if problem:
             parser.error(f"--onnx-decode: {problem}")
+    if args.check:
+        from headprune.deploy.llamacpp import import_llama_cpp
+
+        try:
+            import_llama_cpp()
+        except ImportError as err:
+            parser.error(f"--check: {err}")
+        if args.check_text is not None and _tokenizer(folder) is None:
+            parser.error(f"--check-text {args.check_text}: {folder} holds no tokenizer to cut the text with; allowed: "
+                         "a folder saved with its tokenizer, or no --check-text (random token ids)")
     from headprune.deploy.hf import load_pruned
 
     model = load_pruned(folder).eval()
     refusals = model_refusals(args, model)
     if refusals:
         parser.error("; ".join(refusals))  # exit 2, nothing written
+    failed: list[str] = []
+    if args.check:
+        from headprune.deploy.gguf_check import random_windows
+
+        if args.check_text is None:
+            windows = random_windows(model.config.vocab_size, args.check_seq, args.check_windows)
+        else:  # before the export: a text too short for one window writes nothing
+            try:
+                windows = _text_windows(folder, args)
+            except ValueError as err:
+                parser.error(f"--check-text {args.check_text}: {err}; allowed: a longer text or a smaller --check-seq")
     if args.gguf is not None:
         try:
             write_gguf(folder, model, args.gguf, args.gguf_weights)
         except ValueError as err:  # what GGUF cannot express (a vocabulary without merges...): nothing written
             parser.error(f"--gguf {args.gguf}: {err}")
+    if args.check:
+        gguf_failures = check_written_gguf(folder, model, args, windows)
+        if gguf_failures:
+            failed.append(f"--gguf {args.gguf}: " + "; ".join(gguf_failures) + " (llama.cpp differs from PyTorch)")
     if args.vllm_deci is not None:
         write_vllm_deci(folder, model, args.vllm_deci)
     if args.vllm_anymodel is not None:
         write_vllm_anymodel(folder, model, args.vllm_anymodel)
     if args.onnx is None and args.onnx_decode is None:
-        return 0
+        return _verdict(failed)
     from headprune.deploy.onnx_files import publish, staged_onnx
 
     source_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -185,7 +239,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.onnx_decode is not None:
         jobs.append(("onnx_decode", args.onnx_decode, export_onnx_decode,
                      lambda m, p: check_onnx_decode(m, p, steps=args.decode_steps), judge_decode))
-    failed = []
     for kind, path, export, check, verdict in jobs:
         with staged_onnx(path) as staged:  # exported and checked beside `path`, then moved over it
             start = time.perf_counter()
@@ -201,12 +254,16 @@ def main(argv: list[str] | None = None) -> int:
             publish(staged, path, report)
         print(json.dumps(report, indent=2))
         if failures:
-            failed.append(f"--{kind.replace('_', '-')} {path}: " + "; ".join(failures))
-    if not failed:
-        return 0
+            failed.append(f"--{kind.replace('_', '-')} {path}: " + "; ".join(failures) + " (ONNX Runtime differs "
+                          "from PyTorch)")
+    return _verdict(failed)
+
+
+def _verdict(failed: list[str]) -> int:
+    """0 when every check passed; else each failure on stderr and 1."""
     for line in failed:
-        print(f"headprune-export: {line} (ONNX Runtime differs from PyTorch); exit 1", file=sys.stderr)
-    return 1
+        print(f"headprune-export: {line}; exit 1", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _target(args: argparse.Namespace, option: str) -> Path | None:
@@ -215,6 +272,10 @@ def _target(args: argparse.Namespace, option: str) -> Path | None:
 
 def argument_problem(args: argparse.Namespace) -> str | None:
     """Why the arguments cannot work, checked before the export; None when they can."""
+    check_options = [name for name, value in (("--check-text", args.check_text), ("--check-held-out", args.check_held_out),
+                                              ("--check-exact", args.check_exact or None)) if value is not None]
+    if (args.check or check_options) and args.gguf is None:
+        return f"{'--check' if args.check else check_options[0]} checks a --gguf file; allowed: with --gguf PATH"
     given = [option for option in OUTPUTS if _target(args, option) is not None]
     if not given:
         return ("nothing to write: give --onnx PATH (full-sequence graph), --onnx-decode PATH (causal LMs' decode "
@@ -226,6 +287,19 @@ def argument_problem(args: argparse.Namespace) -> str | None:
         return f"--min-argmax-agreement {args.min_argmax_agreement}: allowed: a fraction in [0, 1]"
     if args.decode_steps < 1:
         return f"--decode-steps {args.decode_steps}: allowed: an integer >= 1"
+    if check_options and not args.check:
+        return f"{check_options[0]} is a setting of --check; allowed: with --check"
+    if args.check_windows < 1 or args.check_seq < 2:
+        return (f"--check-windows {args.check_windows} --check-seq {args.check_seq}: allowed: >= 1 window of >= 2 "
+                "tokens")
+    if not (math.isfinite(args.gguf_max_ppl_change) and args.gguf_max_ppl_change >= 0):
+        return f"--gguf-max-ppl-change {args.gguf_max_ppl_change}: allowed: a finite number >= 0"
+    if not 0 <= args.gguf_min_argmax <= 1:
+        return f"--gguf-min-argmax {args.gguf_min_argmax}: allowed: a fraction in [0, 1]"
+    if args.check_held_out is not None and (args.check_text is None or not 0 < args.check_held_out < 1):
+        return f"--check-held-out {args.check_held_out}: allowed: a share in (0, 1), with --check-text"
+    if args.check_text is not None and not args.check_text.is_file():
+        return f"--check-text {args.check_text}: no such file; allowed: a text file"
     for i, first in enumerate(given):
         for second in given[i + 1:]:
             path = _target(args, first)
@@ -373,6 +447,43 @@ def write_gguf(folder: Path, model, path: Path, weights: str) -> None:
                       **({"sliding_window": out.layout.window, "sliding_layers": [l for l, w in enumerate(out.layout.swa)
                                                                                    if w]} if out.layout.swa else {}),
                       "f16_fallback": out.f16_fallback}, indent=2))
+
+
+def _text_windows(folder: Path, args: argparse.Namespace) -> list[list[int]]:
+    """--check-text's windows: its tokens (the folder's tokenizer, no special tokens) from
+    --check-held-out's share on (the part TextLMDataModule holds out; None: from the start), the
+    first --check-windows windows of --check-seq (as every perplexity here is windowed)."""
+    from headprune.evaluation.perplexity import text_windows
+
+    cut = text_windows(_tokenizer(folder), args.check_text.read_text(), args.check_seq,
+                       max_tokens=args.check_seq * args.check_windows, validation_share=args.check_held_out)
+    return cut.ids.tolist()
+
+
+def check_written_gguf(folder: Path, model, args: argparse.Namespace, windows: list[list[int]]) -> list[str]:
+    """--check: the GGUF just written run in llama.cpp against `model` in float32 (deploy/gguf_check.py),
+    printed and written beside the file as <name>.check.json (m.gguf: m.check.json); returns the bounds it breaks."""
+    import copy
+
+    import torch
+
+    from headprune.atomic import write_json_atomic
+    from headprune.deploy.gguf_check import check_gguf, judge_gguf
+    from headprune.results import strict
+
+    source_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    reference = model if source_dtype == "float32" else copy.deepcopy(model).to(torch.float32)
+    start = time.perf_counter()
+    report = {"source": str(folder), "gguf": str(args.gguf), "weights": args.gguf_weights, "source_dtype": source_dtype,
+              "tokens_from": str(args.check_text) if args.check_text is not None else "random ids (seed 0)",
+              "held_out_share": args.check_held_out, **check_gguf(reference, args.gguf, windows, exact=args.check_exact)}
+    failures = judge_gguf(report, args.gguf_max_ppl_change, args.gguf_min_argmax)
+    report.update(check_s=round(time.perf_counter() - start, 1),
+                  bounds={"max_ppl_change": args.gguf_max_ppl_change, "min_argmax": args.gguf_min_argmax},
+                  passed=not failures, failures=failures)
+    write_json_atomic(args.gguf.with_suffix(".check.json"), strict(report))
+    print(json.dumps(report, indent=2))
+    return failures
 
 
 def write_vllm_deci(folder: Path, model, path: Path) -> None:

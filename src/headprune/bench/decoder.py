@@ -24,6 +24,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from headprune.bench import render
+from headprune.report import Column
 from headprune.bench.sections import Section, SectionInputs, check_variants, kinds, one_of, register
 from headprune.bench.variants import Variant, build_variants
 from headprune.costs.flops import model_attention_flops, ratio
@@ -213,11 +214,11 @@ def table(rows: list[dict]) -> list[str]:
     r0 = rows[0]
     heading = f"## Decoders (batch {r0['batch']}, prompt {r0['prompt_len']}, {r0['new_tokens']} new tokens)"
     return render.table(heading, rows, [
-        ("model", lambda r: r["model"], False), render.GRID[0], render.GRID[1],
+        Column("model", lambda r: r["model"], False), render.GRID[0], render.GRID[1],
         render.timed("prefill ms", "prefill_ms"), render.timed("per-token ms", "per_token_ms"),
         render.ratio("prefill x", "prefill_ratio"), render.ratio("per-token x", "per_token_ratio"),
-        ("attention share", lambda r: f"{r['per_token_attention_share']:.0%}", True),
-        ("KV bytes", lambda r: f"{r['kv_cache_bytes']:,}", True), render.fmt("kv_ratio", ".3f", "KV ratio"),
+        Column("attention share", lambda r: f"{r['per_token_attention_share']:.0%}", True),
+        Column("KV bytes", lambda r: f"{r['kv_cache_bytes']:,}", True), render.fmt("kv_ratio", ".3f", "KV ratio"),
         render.ratio("theoretical attention x", "theoretical_attention_ratio")])
 
 

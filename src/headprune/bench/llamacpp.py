@@ -27,6 +27,7 @@ import numpy as np
 from omegaconf import MISSING
 
 from headprune.bench import render
+from headprune.report import Column
 from headprune.bench.origin import export_name, load_dense
 from headprune.bench.sections import Section, register
 from headprune.costs.flops import model_attention_flops
@@ -250,12 +251,12 @@ def table(rows: list[dict]) -> list[str]:
     heading = (f"## llama.cpp decode, {r0['model']} ({r0['weights']} GGUF, {r0['new_tokens']} new tokens per round; "
                "attention_probe: the share probe)")
     return render.table(heading, rows, [
-        ("variant", lambda r: r["variant"], False), ("arch", lambda r: r["arch"], False),
+        Column("variant", lambda r: r["variant"], False), Column("arch", lambda r: r["arch"], False),
         render.fmt("threads", "d"), render.fmt("context", "d"), render.timed("per-token ms", "per_token_ms"),
         render.fmt("tokens_per_s", ".1f", "tokens/s"), render.ratio("per-token x", "per_token_ratio"),
         render.ratio("bound x", "bound"), render.ratio("x / bound", "ratio_to_bound"),
-        ("KV MiB", lambda r: f"{r['kv_cache_bytes'] / 2**20:,.2f}", True), render.fmt("kv_ratio", ".4f", "KV ratio"),
-        ("KV exact", lambda r: str(r["kv_exact"]), False)])
+        Column("KV MiB", lambda r: f"{r['kv_cache_bytes'] / 2**20:,.2f}", True), render.fmt("kv_ratio", ".4f", "KV ratio"),
+        Column("KV exact", lambda r: str(r["kv_exact"]), False)])
 
 
 SECTION = register(Section("llamacpp", LlamaCppSettings, run, table, summary, summary_lines, check=check))

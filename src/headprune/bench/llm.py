@@ -10,12 +10,17 @@ and prompt length:
   repeated B times along the batch (`batch_repeat_interleave`): the shapes and work of B prompts
   without B prefills (minutes each at 4096 tokens on one CPU thread);
 - per batch, one interleaved run of every model: the prefill of the (B, prompt_len) prompt (only
-  for batches in `prefill_batches`) and `new_tokens` greedy steps from the cache, cropped back to
-  the prompt before each round (untimed); per-token = that time / new_tokens;
-- KV bytes: `cache_bytes` of the batch-B cache (prompt_len positions);
+  for batches in `prefill_batches`) and `new_tokens` greedy steps from a fresh copy of the
+  prompt's cache (the copy untimed: a KV-modes export's windowed cache cannot be cropped back);
+  per-token = that time / new_tokens;
+- KV bytes: `cache_bytes` of the batch-B cache (prompt_len positions), counted, beside what the
+  layout predicts (`costs.kv_bytes.model_bytes`: removed units nothing, a windowed unit of a
+  KV-modes export sink + window tokens, the model's own sliding layers their window);
+  `kv_exact`: the two are equal;
 - bound: `share` = median share of a dense decode step spent inside the attention modules (a
   hooked pass: Q/K/V/O projections, RoPE, cache update, attention over the cache); `kept` = the
-  pruned model's attention FLOPs over the same decode steps / the dense model's (costs.flops);
+  pruned model's attention FLOPs over the same decode steps / the dense model's (costs.flops; a
+  windowed unit's query heads attend to at most sink + window keys, what its cache holds);
   Amdahl: bound = 1 / (1 - share * (1 - kept)).
 """
 from __future__ import annotations
@@ -32,15 +37,17 @@ import torch
 from omegaconf import MISSING
 
 from headprune.bench import render
+from headprune.report import Column
 from headprune.bench.decoder import attention_share, decode, prefill
 from headprune.bench.origin import check_export, export_name, load_dense, origin_of
 from headprune.bench.sections import Section, SectionInputs, register
 from headprune.bench.variants import Variant, exported_variants
-from headprune.costs.flops import model_attention_flops
-from headprune.costs.kv_bytes import cache_bytes
+from headprune.costs.flops import attention_flops, model_attention_flops
+from headprune.costs.kv_bytes import cache_bytes, model_bytes
 from headprune.costs.timing import Case, interleaved
 from headprune.deploy.hf import load_pruned
-from headprune.heads.adapters import get_adapter
+from headprune.heads.adapters import get_adapter, layer_heads
+from headprune.heads.windows import FULL, KV_LAYOUT_ATTR, MODES, WINDOW
 from headprune.tasks import CAUSAL_LM, check_model_task, max_positions, task_of
 
 log = logging.getLogger(__name__)
@@ -135,11 +142,11 @@ def _at_prompt(inputs: SectionInputs, variants: list[Variant], prompt_len: int, 
             cache.batch_repeat_interleave(batch)
             states.append((cache, token.expand(batch, 1)))
         kv = [cache_bytes(cache) for cache, _ in states]
+        predicted = [sum(model_bytes(v.model, prompt_len, batch)) for v in variants]
 
         def start(i: int):
             cache, token = states[i]
-            cache.crop(prompt_len - cache.get_seq_length())  # back to the prompt (no-op when already there)
-            return cache, token
+            return copy.deepcopy(cache), token  # the prompt's cache, untouched by earlier rounds
 
         cases = {}
         for i, v in enumerate(variants):
@@ -153,14 +160,17 @@ def _at_prompt(inputs: SectionInputs, variants: list[Variant], prompt_len: int, 
                   for i, v in enumerate(variants)]
         work = [_decode_flops(v, batch, prompt_len, s.new_tokens) for v in variants]
         for i, v in enumerate(variants):
-            rows.append(_row(v, i, stats, shares, work, kv, variants[0], model=model, pruned_dir=dirs.get(id(v.model)),
+            rows.append(_row(v, i, stats, shares, work, kv, predicted, variants[0], model=model,
+                             pruned_dir=dirs.get(id(v.model)),
                              threads=threads, batch=batch, prompt_len=prompt_len, new_tokens=s.new_tokens))
         del states
     return rows
 
 
-def _row(v: Variant, i: int, stats: dict, shares: list, work: list, kv: list, dense: Variant, **where) -> dict:
+def _row(v: Variant, i: int, stats: dict, shares: list, work: list, kv: list, predicted: list, dense: Variant,
+         **where) -> dict:
     step = stats[f"{i}:decode"].scaled(where["new_tokens"])
+    layout = getattr(v.model, KV_LAYOUT_ATTR, None)
     pre = stats.get(f"{i}:prefill")
     kept = work[i] / work[0]
     bound = 1 / (1 - shares[0] * (1 - kept))
@@ -173,17 +183,33 @@ def _row(v: Variant, i: int, stats: dict, shares: list, work: list, kv: list, de
         "per_token_ms": step.median_ms, "per_token_spread_ms": step.spread(), "per_token_ratio": speedup,
         "attention_share": shares[i], "dense_attention_share": shares[0], "kept_attention_work": kept,
         "bound": bound, "ratio_to_bound": speedup / bound,
-        "kv_cache_bytes": kv[i], "kv_ratio": kv[i] / kv[0], "kv_heads_share": kv_kept / kv_dense,
-        "kv_exact": kv[i] * kv_dense == kv[0] * kv_kept, "repeats": step.n,
+        "kv_cache_bytes": kv[i], "kv_predicted_bytes": predicted[i], "kv_ratio": kv[i] / kv[0],
+        "kv_heads_share": kv_kept / kv_dense, "kv_exact": kv[i] == predicted[i], "repeats": step.n,
+        **({"kv_sink": layout.sink, "kv_window": layout.window,
+            "kv_units": {m: sum(u.count(m) for u in layout.modes) for m in MODES}} if layout is not None else {}),
     }
 
 
 def _decode_flops(v: Variant, batch: int, prompt_len: int, new_tokens: int) -> float:
-    """Attention FLOPs of the timed decode steps (step i attends to prompt_len + i + 1 keys)."""
+    """Attention FLOPs of the timed decode steps (step i attends to prompt_len + i + 1 keys; with
+    a KV layout attached, a windowed unit's query heads to at most sink + window of them)."""
     adapter, config = get_adapter(v.model), v.model.config
     head_dim, hidden = adapter.head_dim(config), config.hidden_size
-    return sum(model_attention_flops(batch, 1, prompt_len + i + 1, v.heads, v.kv_heads, head_dim, hidden,
-                                     v.densities) for i in range(new_tokens))
+    layout = getattr(v.model, KV_LAYOUT_ATTR, None)
+    if layout is None:
+        return sum(model_attention_flops(batch, 1, prompt_len + i + 1, v.heads, v.kv_heads, head_dim, hidden,
+                                         v.densities) for i in range(new_tokens))
+    group = adapter.num_heads(config) // adapter.num_kv_heads(config)  # query heads per KV unit
+    total = 0.0
+    for layer, modes in enumerate(layout.modes):
+        heads = [modes[h // group] for h in layer_heads(v.model, layer)]  # each kept query head's unit mode
+        units = [m for u, m in enumerate(modes) if any(h // group == u for h in layer_heads(v.model, layer))]
+        for i in range(new_tokens):
+            keys = prompt_len + i + 1
+            for mode, seen in ((FULL, keys), (WINDOW, min(keys, layout.kept))):
+                if heads.count(mode):
+                    total += attention_flops(batch, 1, seen, heads.count(mode), units.count(mode), head_dim, hidden)
+    return total
 
 
 def check(settings, bench) -> None:
@@ -209,7 +235,7 @@ def summary(rows: list[dict], results: dict) -> dict:
     """KV exactness over every row; per export, thread count and batch at the longest prompt: the
     per-token speed-up, its bound, their ratio (target: within 5% of 1) and the KV ratio."""
     longest = max(r["prompt_len"] for r in rows)
-    entry = {"kv_exact": all(r["kv_exact"] for r in rows), "prompt_len": longest}
+    entry = {"kv_exact": all(r["kv_exact"] for r in rows), "kv_exact_against": "layout", "prompt_len": longest}
     for r in rows:
         if r["kind"] == "pruned" and r["prompt_len"] == longest:
             entry[f"{r['variant']}/threads{r['threads']}/batch{r['batch']}"] = {
@@ -219,7 +245,9 @@ def summary(rows: list[dict], results: dict) -> dict:
 
 
 def summary_lines(block: dict) -> list[str]:
-    lines = [f"- llm: KV bytes exactly the kept KV-head share of the dense model's, every row: {block['kv_exact']}"]
+    what = ("held exactly what the layout predicts (costs.kv_bytes.model_bytes)" if block.get("kv_exact_against")
+            else "exactly the kept KV-head share of the dense model's")  # a record written before the layout count
+    lines = [f"- llm: KV bytes {what}, every row: {block['kv_exact']}"]
     for key, d in block.items():
         if isinstance(d, dict):
             off = d["ratio_to_bound"] - 1  # above the bound: the Amdahl model misses a saving outside attention
@@ -235,13 +263,13 @@ def table(rows: list[dict]) -> list[str]:
     r0 = rows[0]
     heading = f"## Pretrained decoder {r0['model']} ({r0['new_tokens']} new tokens per round)"
     return render.table(heading, rows, [
-        ("variant", lambda r: r["variant"], False), render.fmt("sparsity", ".2f"), render.fmt("threads", "d"),
+        Column("variant", lambda r: r["variant"], False), render.fmt("sparsity", ".2f"), render.fmt("threads", "d"),
         render.fmt("batch", "d"), render.fmt("prompt_len", "d", "prompt"),
-        ("prefill ms", lambda r: render.ms(r["prefill_ms"], r["prefill_spread_ms"]) if r["prefill_ms"] else "–", True),
+        Column("prefill ms", lambda r: render.ms(r["prefill_ms"], r["prefill_spread_ms"]) if r["prefill_ms"] else "–", True),
         render.timed("per-token ms", "per_token_ms"), render.ratio("per-token x", "per_token_ratio"),
         render.ratio("bound x", "bound"), render.ratio("x / bound", "ratio_to_bound"),
-        ("attention share", lambda r: f"{r['attention_share']:.0%}", True),
-        ("KV MiB", lambda r: f"{r['kv_cache_bytes'] / 2**20:,.1f}", True), render.fmt("kv_ratio", ".4f", "KV ratio")])
+        Column("attention share", lambda r: f"{r['attention_share']:.0%}", True),
+        Column("KV MiB", lambda r: f"{r['kv_cache_bytes'] / 2**20:,.1f}", True), render.fmt("kv_ratio", ".4f", "KV ratio")])
 
 
 def plot(ax, rows: list[dict], block: dict) -> None:

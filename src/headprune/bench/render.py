@@ -1,6 +1,9 @@
-"""What the sections' tables, summaries and plot panels share: the markdown table builder, the
-cell formats, the rows a headline number is read from, and the speed-up curves."""
+"""What the sections' tables, summaries and plot panels share: the section table (a heading over a
+`headprune.report` table, the one table library), the bench's cell formats as report Columns, the
+rows a headline number is read from, and the speed-up curves."""
 from __future__ import annotations
+
+from headprune.report import Column, column, markdown, text
 
 
 def largest(rows: list[dict]) -> tuple[int, int]:
@@ -22,31 +25,29 @@ def title(name: str, rows: list[dict]) -> str:
     return name + (f" ({rows[0]['model']})" if rows[0].get("model") else "")
 
 
-def table(heading: str, rows: list[dict], columns: list[tuple]) -> list[str]:
-    """A markdown table under `heading`: one (heading, cell(row) -> str, right-aligned) per column."""
-    lines = [heading, "", "| " + " | ".join(c[0] for c in columns) + " |",
-             "|" + "|".join("---:" if c[2] else "---" for c in columns) + "|"]
-    return lines + ["| " + " | ".join(c[1](r) for c in columns) + " |" for r in rows]
+def table(heading: str, rows: list[dict], columns: list[Column]) -> list[str]:
+    """A markdown table (`report.markdown`) under `heading`."""
+    return [heading, "", *markdown(columns, rows)]
 
 
-def fmt(key: str, spec: str, heading: str | None = None) -> tuple:
-    return heading or key, lambda r: format(r[key], spec), True
+def fmt(key: str, spec: str, heading: str | None = None) -> Column:
+    return column(heading or key, key, spec)
 
 
-def timed(heading: str, key: str) -> tuple:
+def timed(heading: str, key: str) -> Column:
     """A median [first quartile - third quartile] column, from `key` and its `_spread_ms`."""
-    return heading, lambda r: ms(r[key], r[key.removesuffix("_ms") + "_spread_ms"]), True
+    return Column(heading, lambda r: ms(r[key], r[key.removesuffix("_ms") + "_spread_ms"]))
 
 
-def ratio(heading: str, key: str) -> tuple:
-    return heading, lambda r: f"{r[key]:.2f}", True
+def ratio(heading: str, key: str) -> Column:
+    return column(heading, key, ".2f")
 
 
 def ms(median: float, spread: dict) -> str:
     return f"{median:.2f} [{spread['q1']:.2f}-{spread['q3']:.2f}]"
 
 
-GRID = [("variant", lambda r: r["variant"], False), fmt("sparsity", ".2f"), fmt("batch", "d"), fmt("seq", "d")]
+GRID = [text("variant"), fmt("sparsity", ".2f"), fmt("batch", "d"), fmt("seq", "d")]
 
 
 def curves(ax, rows: list[dict], key: str, label: str = "", theory: bool = True) -> None:

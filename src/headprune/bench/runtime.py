@@ -16,6 +16,7 @@ import torch
 from omegaconf import MISSING
 
 from headprune.bench import render
+from headprune.report import Column
 from headprune.bench.sections import Section, SectionInputs, check_grid, check_sparsities, register
 from headprune.bench.variants import Variant
 from headprune.costs.timing import Clock, interleaved
@@ -112,7 +113,7 @@ def summary_lines(ort: dict) -> list[str]:
 def table(rows: list[dict]) -> list[str]:
     return render.table(render.title("## ONNX Runtime forward (CPU)", rows), rows, render.GRID + [
         render.timed("ORT ms", "ort_ms"), render.ratio("ORT x dense", "ort_ratio"),
-        ("max abs diff vs PyTorch", lambda r: f"{r['max_abs_diff_vs_torch']:.1e}", True)])
+        Column("max abs diff vs PyTorch", lambda r: f"{r['max_abs_diff_vs_torch']:.1e}", True)])
 
 
 SECTION = register(Section("onnxruntime", RuntimeSettings, run, table, summary, summary_lines, check=check,

@@ -72,6 +72,7 @@ from omegaconf import MISSING, OmegaConf
 from torch.utils.data import DataLoader
 
 from headprune.bench import render
+from headprune.report import Column
 from headprune.bench.decoder import build_decoder
 from headprune.bench.sections import Section, SectionInputs, one_of, register
 from headprune.deploy.fold import fold
@@ -515,14 +516,14 @@ def table(rows: list[dict]) -> list[str]:
     r0 = rows[0]
     heading = f"## Scale (random-init models, {r0['dtype']}, {r0['tokens']} calibration tokens)"
     return render.table(heading, rows, [
-        ("model", lambda r: r["model"], False), ("parameters", lambda r: f"{r['params'] / 1e6:.1f}M", True),
-        ("model MiB", lambda r: f"{r['model_bytes'] / MIB:,.0f}", True), ("stage", lambda r: r["stage"], False),
-        ("seconds", lambda r: f"{r['seconds']:.1f}", True),
-        ("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:,.0f}", True),
-        ("peak - base MiB", lambda r: f"{r['net_peak_mib']:,.0f}", True),
-        ("peak / model", lambda r: f"{r['peak_ratio']:.2f}x", True),
-        ("target", lambda r: "" if r["target"] is None else f"<= {r['target']}x", True),
-        ("teacher", lambda r: r["teacher"] or "", False)])
+        Column("model", lambda r: r["model"], False), Column("parameters", lambda r: f"{r['params'] / 1e6:.1f}M", True),
+        Column("model MiB", lambda r: f"{r['model_bytes'] / MIB:,.0f}", True), Column("stage", lambda r: r["stage"], False),
+        Column("seconds", lambda r: f"{r['seconds']:.1f}", True),
+        Column("peak RSS MiB", lambda r: f"{r['peak_rss_mib']:,.0f}", True),
+        Column("peak - base MiB", lambda r: f"{r['net_peak_mib']:,.0f}", True),
+        Column("peak / model", lambda r: f"{r['peak_ratio']:.2f}x", True),
+        Column("target", lambda r: "" if r["target"] is None else f"<= {r['target']}x", True),
+        Column("teacher", lambda r: r["teacher"] or "", False)])
 
 
 SECTION = register(Section("scale", ScaleSettings, run, table, summary, summary_lines, check=check,

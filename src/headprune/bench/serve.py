@@ -35,6 +35,7 @@ from omegaconf import MISSING
 from torch import nn
 
 from headprune.bench import render
+from headprune.report import Column
 from headprune.bench.llm import check_causal_lm
 from headprune.bench.llm import exports as llm_exports
 from headprune.bench.origin import check_export, export_name, load_dense, origin_of
@@ -319,12 +320,12 @@ def table(rows: list[dict]) -> list[str]:
                f"{r0['memory_budget_bytes'] / GiB:.2f} GiB for weights + KV cache)")
     opt = lambda key, f: (lambda r: format(r[key], f) if r[key] is not None else "–")  # noqa: E731
     return render.table(heading, rows, [
-        ("model", lambda r: r["model"], False), render.fmt("context", "d"), render.fmt("batch", "d"),
-        ("fits", lambda r: "yes" if r["fits"] else "no", False), render.fmt("capacity", "d"),
-        ("KV MiB", lambda r: f"{r['cache_bytes'] / 2 ** 20:,.1f}" if r["cache_bytes"] is not None else "–", True),
-        ("tokens/s", opt("tokens_per_s", ",.1f"), True), ("step ms", opt("per_step_ms", ".2f"), True),
-        ("tokens/s x", opt("tokens_per_s_ratio", ".2f"), True), ("TTFT ms", opt("ttft_ms", ".1f"), True),
-        ("steps", lambda r: str(r["graphs"]).split(" (")[0] if r["graphs"] else "–", False)])
+        Column("model", lambda r: r["model"], False), render.fmt("context", "d"), render.fmt("batch", "d"),
+        Column("fits", lambda r: "yes" if r["fits"] else "no", False), render.fmt("capacity", "d"),
+        Column("KV MiB", lambda r: f"{r['cache_bytes'] / 2 ** 20:,.1f}" if r["cache_bytes"] is not None else "–", True),
+        Column("tokens/s", opt("tokens_per_s", ",.1f"), True), Column("step ms", opt("per_step_ms", ".2f"), True),
+        Column("tokens/s x", opt("tokens_per_s_ratio", ".2f"), True), Column("TTFT ms", opt("ttft_ms", ".1f"), True),
+        Column("steps", lambda r: str(r["graphs"]).split(" (")[0] if r["graphs"] else "–", False)])
 
 
 SECTION = register(Section("serve", ServeSettings, run, table, summary, summary_lines, check=check))

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from headprune.bench import render
+from headprune.report import Column
 from headprune.bench.encoder import _dims, _flops
 from headprune.bench.sections import GridSettings, Section, SectionInputs, check_grid, check_variants, kinds, register
 from headprune.bench.variants import Variant
@@ -112,9 +113,9 @@ def summary_lines(step: dict) -> list[str]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    vs_masked = ("x masked", lambda r: "" if r["vs_masked_ratio"] is None else f"{r['vs_masked_ratio']:.2f}", True)
+    vs_masked = Column("x masked", lambda r: "" if r["vs_masked_ratio"] is None else f"{r['vs_masked_ratio']:.2f}", True)
     return render.table(render.title("## Training step: forward + backward + AdamW", rows), rows, render.GRID + [
-        render.timed("step ms", "step_ms"), ("samples/s", lambda r: f"{r['samples_per_s']:.1f}", True),
+        render.timed("step ms", "step_ms"), Column("samples/s", lambda r: f"{r['samples_per_s']:.1f}", True),
         render.ratio("x dense", "step_ratio"), vs_masked, render.ratio("theoretical x", "theoretical_forward_ratio")])
 
 
