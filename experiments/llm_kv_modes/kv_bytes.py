@@ -2,7 +2,7 @@
 
     python experiments/llm_kv_modes/kv_bytes.py ../llmruns/llm_kv_modes/attention_mass/export [--seq 4096]
 
-loads the export as a user does (`load_pruned`: its windows attached from headprune_kv_modes.json),
+loads the export as a user does (`load_pruned`: its windows attached from its headprune_layout.json),
 prefills `seq` held-out-free random token ids (batch 1) into generate()'s kind of cache (an empty
 DynamicCache, whose windowed layers become `WindowedCacheLayer`s), and writes kv_bytes.json beside
 this script (one entry per export folder name's parent): the bytes the cache holds

@@ -38,7 +38,7 @@ What a unit is worth, three ways:
   0.80 to 0.20 with attention_mass at 2/3 of the KV bytes removed; experiments/llm_kv_modes).
 
 - `given`: no choice. The layout of an earlier run, read from `layout` (its results.json, which
-  records `final.kv_layout`; its export folder or that folder's headprune_kv_modes.json), checked
+  records `final.kv_layout`; its export folder or that folder's headprune_layout.json), checked
   before any work against the model's shape, the window sizes set here, the budget and the layer
   policy's caps. Why: a layout that took an hour to measure can be trained (KL steps) or evaluated
   again without measuring it again, and recoveries compared on one layout.
@@ -150,7 +150,7 @@ class KVModes:
             raise ValueError(f"kv_modes.layout={self.layout!r} names the layout kv_modes=given puts on the model; "
                              f"with kv_modes={self.choice} " + ("it must be null" if self.layout is not None else
                              "it is required") + "; allowed: kv_modes=given with kv_modes.layout=<results.json, export "
-                             "folder or headprune_kv_modes.json>, or kv_modes.layout=null")
+                             "folder or headprune_layout.json>, or kv_modes.layout=null")
         if self.choice == "given":
             if self.samples is not None or self.removal != "any":
                 raise ValueError(f"kv_modes=given measures and chooses nothing, so kv_modes.samples={self.samples} and "
@@ -365,29 +365,10 @@ class KVModes:
 
 def read_kv_layout(path: str) -> KVLayout:
     """The KV layout at `path`: a run's results.json (`final.kv_layout`), an export folder (its
-    headprune_kv_modes.json) or such a file; refused, naming the file, when it holds none."""
-    import json
-    from pathlib import Path
+    sidecar, deploy/layout_file.py) or such a file; refused, naming the file, when it holds none."""
+    from headprune.deploy.layout_file import read_layout
 
-    from headprune.deploy.hf import MODES_FILE
-
-    where = f"kv_modes.layout={path}"
-    file = Path(path)
-    if file.is_dir():
-        file = file / MODES_FILE
-    if not file.is_file():
-        raise ValueError(f"{where}: no such file ({file}); allowed: a run's results.json, an export folder with "
-                         f"{MODES_FILE}, or such a file")
-    try:
-        data = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{where}: {file} is not valid JSON ({err})") from None
-    if isinstance(data, dict) and isinstance(data.get("final"), dict):
-        if "kv_layout" not in data["final"]:
-            raise ValueError(f"{where}: {file} is a results.json without final.kv_layout (a run without kv modes, or "
-                             "one that did not finish)")
-        data = data["final"]["kv_layout"]
-    return KVLayout.from_json(data, where=str(file))
+    return read_layout(path, where=f"kv_modes.layout={path}")
 
 
 def calibration_batches(loader, device, samples: int | None, max_batches: int | None) -> list[dict]:
