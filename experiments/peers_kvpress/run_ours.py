@@ -59,7 +59,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
     from transformers.utils import logging as hf_logging
 
-    from headprune.costs.kv_bytes import cache_bytes as counted_bytes
+    from headprune.costs.kv_bytes import cache_bytes as counted_bytes, model_bytes
 
     hf_logging.disable_progress_bar()
     start = time.time()
@@ -70,7 +70,8 @@ def main() -> None:
         if layout is not None:
             layout.apply(model)
         config = model.config
-        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+        dense = [["full"] * config.num_key_value_heads] * config.num_hidden_layers  # every unit full: the dense price
+        per_token = sum(model_bytes(model, 1, modes=dense))  # K + V bytes one token adds (float32)
         record = {"press": name, "layout": spec, "kept": None, "samples_file": str(args.samples), "model": str(args.model),
                   "threads": args.threads, "versions": {n: version(n) for n in ("torch", "transformers")},
                   "python": platform.python_version(), "dense_bytes_per_token": per_token, "prefill": "its own",
