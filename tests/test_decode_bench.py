@@ -110,7 +110,7 @@ def test_origin_is_recorded_by_both_export_kinds_and_by_the_train_app(folders, t
     uneven = prune_heads(llama(), {0: [0, 1]})  # layers keep different numbers: headprune_layout.json
     save_pruned(uneven, tmp_path / "uneven", origin="smollm2")
     assert read_origin(tmp_path / "uneven") == "smollm2"
-    assert json.loads((folders / "kv1" / "export" / "headprune_export.json").read_text())["dense_model"] == str(
+    assert json.loads((folders / "kv1" / "export" / "headprune_layout.json").read_text())["dense_model"] == str(
         folders / "dense")
     for model_cfg, want in (({"pretrained": str(folders / "dense"), "random_init": False}, str(folders / "dense")),
                             ({"pretrained": "smollm2", "random_init": False}, "smollm2"),

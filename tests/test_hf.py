@@ -183,15 +183,16 @@ def test_uniform_gqa_layouts_load_with_plain_transformers(family, tmp_path):
     model = tiny(family)
     prune_heads(model, heads_of_kv_groups(model, {0: [0], 1: [1], 2: [0]}))
     saved = save_pruned(model, tmp_path)
-    assert saved.plain_hf and not (tmp_path / "headprune_layout.json").exists()
+    sidecar = json.loads((tmp_path / "headprune_layout.json").read_text())  # the one sidecar, saying plain_hf
+    assert saved.plain_hf and sidecar["plain_hf"] and not (tmp_path / "headprune_export.json").exists()
     assert model.config.num_attention_heads == 4  # the live model's config still describes the original
     plain = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert (plain.config.num_attention_heads, plain.config.num_key_value_heads) == (2, 1)
     batch = inputs()
     with torch.no_grad():
         torch.testing.assert_close(plain(**batch).logits, model(**batch).logits, atol=1e-6, rtol=0)
-    provenance = json.loads((tmp_path / "headprune_export.json").read_text())
-    assert provenance["kept_heads"] == [[2, 3], [0, 1], [2, 3]]
+    assert sidecar["layout"] == [[2, 3], [0, 1], [2, 3]]  # the original ids of the heads kept
+    assert sidecar["kv_modes"]["modes"] == [["removed", "full"], ["full", "removed"], ["removed", "full"]]
 
 
 @pytest.mark.parametrize("family,heads,why", [

@@ -1,5 +1,5 @@
 """`kv_modes=given`: an earlier run's KV layout put on the model without measuring it again (read
-from its results.json, its export folder or the folder's headprune_kv_modes.json), trained or
+from its results.json, its export folder or the folder's headprune_layout.json), trained or
 evaluated as a chosen one would be, and refused before any work when it does not fit the model,
 the window sizes, the budget or the layer policy. Tiny Llama built from a config."""
 import json
@@ -59,12 +59,12 @@ def test_a_given_layout_is_put_on_the_model_exactly(tmp_path, llama_dir, data_di
 
 def test_a_chosen_layout_given_again_reproduces_the_run(tmp_path, llama_dir, data_dir):
     """An attention_mass run's layout, given back from its results.json, its export folder and its
-    headprune_kv_modes.json, gives the same layout, validation loss and exported logits."""
+    headprune_layout.json, gives the same layout, validation loss and exported logits."""
     chosen = run(compose_train(tmp_path / "chosen", data_dir, *_cli(llama_dir, "kv_modes=attention_mass")))
     assert "window" in str(chosen["final"]["kv_layout"]["modes"])
     expected = _export_logits(tmp_path / "chosen" / "export")
     sources = [tmp_path / "chosen" / "results.json", tmp_path / "chosen" / "export",
-               tmp_path / "chosen" / "export" / "headprune_kv_modes.json"]
+               tmp_path / "chosen" / "export" / "headprune_layout.json"]
     for i, source in enumerate(sources):
         res = run(compose_train(tmp_path / f"given{i}", data_dir, *_cli(llama_dir, "kv_modes=given",
                                                                          f"kv_modes.layout={source}")))
@@ -83,7 +83,7 @@ def _refusals(tmp_path):
         (["kv_modes=measured", f"kv_modes.layout={_modes_file(tmp_path / 'm0.json')}"],
          r"with kv_modes=measured it must be null"),
         (["kv_modes=given", f"kv_modes.layout={tmp_path / 'missing.json'}"], r"no such file .*missing.json"),
-        (["kv_modes=given", f"kv_modes.layout={tmp_path}"], r"no such file .*headprune_kv_modes.json"),
+        (["kv_modes=given", f"kv_modes.layout={tmp_path}"], r"holds no KV layout \(no headprune_layout.json"),
         (["kv_modes=given", f"kv_modes.layout={bad_json}"], r"bad.json is not valid JSON"),
         (["kv_modes=given", f"kv_modes.layout={no_layout}"], r"results.json without final.kv_layout"),
         (["kv_modes=given", f"kv_modes.layout={_modes_file(tmp_path / 'm1.json', sink=4)}"],

@@ -138,7 +138,7 @@ def test_a_killed_kl_run_resumes_with_its_windows_to_the_uninterrupted_weights(t
     for key in ("loss_first", "loss_last", "steps"):
         assert resumed["rounds"][0]["distill"][key] == whole["rounds"][0]["distill"][key]
     assert resumed["final"]["val"] == whole["final"]["val"]
-    saved = json.loads((killed / "export" / "headprune_kv_modes.json").read_text())
+    saved = json.loads((killed / "export" / "headprune_layout.json").read_text())["kv_modes"]
     assert KVLayout.from_json(saved) == KVLayout.from_json(whole["final"]["kv_layout"])
 
 

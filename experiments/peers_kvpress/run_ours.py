@@ -1,10 +1,10 @@
 """headprune's KV layouts (or dense) over the same RULER samples and loop as run_press.py, in
 headprune's venv (transformers 5.x): the layout of an llm_kv_modes arm put on the model without
-training (`apply_kv_layout`: removed units physically removed, windowed units restricted), each
+training (`Layout.apply`: removed units physically removed, windowed units restricted), each
 sample's context prefilled into generate()'s kind of cache (its windowed layers keep only sink +
 window), then the question and greedy tokens (run_press.decode). `held_bytes` is what the cache holds
-after the prefill (headprune.costs.kv_bytes.cache_bytes, the one counter of the bench and the cost
-tables: full units' keys and values plus the windowed units' kept ones), read from the cache, not priced.
+after the prefill (headprune.costs.kv_bytes.cache_bytes, the one counter: full units' keys and values plus the
+windowed units' kept ones), read from the cache, not priced.
 
     PYTHONPATH=src nice /work/main/.venv/bin/python experiments/peers_kvpress/run_ours.py \\
         --layout experiments/llm_kv_modes/results/measured_retrieval_clamped_last_layout.json \\
@@ -33,11 +33,10 @@ from run_press import cache_bytes, decode, load_samples, split_prompt  # noqa: E
 
 
 def layout_of(path: Path):
-    """The KVLayout an llm_kv_modes raw file holds (`final.kv_layout`)."""
-    from headprune.heads.windows import KVLayout
+    """The Layout an llm_kv_modes raw file holds (`final.kv_layout`)."""
+    from headprune.deploy.layout_file import read_layout
 
-    data = json.loads(path.read_text())
-    return KVLayout.from_json(data["final"]["kv_layout"], where=f"{path}: final.kv_layout")
+    return read_layout(path)
 
 
 def main() -> None:
@@ -60,8 +59,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
     from transformers.utils import logging as hf_logging
 
-    from headprune.costs.kv_bytes import cache_bytes as held_bytes
-    from headprune.heads.windows import apply_kv_layout
+    from headprune.costs.kv_bytes import cache_bytes as counted_bytes, model_bytes
 
     hf_logging.disable_progress_bar()
     start = time.time()
@@ -70,9 +68,10 @@ def main() -> None:
     for spec, name, layout in zip(args.layout, args.name, layouts):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()
         if layout is not None:
-            apply_kv_layout(model, layout)
+            layout.apply(model)
         config = model.config
-        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+        dense = [["full"] * config.num_key_value_heads] * config.num_hidden_layers  # every unit full: the dense price
+        per_token = sum(model_bytes(model, 1, modes=dense))  # K + V bytes one token adds (float32)
         record = {"press": name, "layout": spec, "kept": None, "samples_file": str(args.samples), "model": str(args.model),
                   "threads": args.threads, "versions": {n: version(n) for n in ("torch", "transformers")},
                   "python": platform.python_version(), "dense_bytes_per_token": per_token, "prefill": "its own",
@@ -94,7 +93,7 @@ def main() -> None:
                 cache = DynamicCache(config=model.config)
                 model.model(input_ids=context_ids, past_key_values=cache)
                 prefill_s = time.perf_counter() - begin
-                held = held_bytes(cache)
+                held = counted_bytes(cache)
                 lengths = cache_bytes(cache)[1] if layout is None else None
                 result = {"task": sample["task"], "index": sample["index"], "context_tokens": n,
                           "question_tokens": int(question_ids.shape[1]), "compression_ratio": 1 - held / (n * per_token),

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from headprune.heads.adapters import get_adapter, head_layout, out_in_weight
+from headprune.heads.layout import Layout
 from headprune.heads.mask import HeadMask
 from headprune.heads.surgery import heads_of_kv_groups, kv_group_heads, prune_heads
 
@@ -104,10 +105,10 @@ def exported_variants(dense: nn.Module, exported: nn.Module, kinds: Iterable[str
     """For a loaded pruned model: `dense` (same config), then of `kinds` the same heads masked
     and unstructured pruning of as many weights, and the model itself."""
     kinds = list(kinds)
-    layout = head_layout(exported)
+    layout = Layout.of_model(exported)  # the dense numbering: the same heads removed from `dense`
     n_heads = get_adapter(dense).num_heads(dense.config)
-    removed = {layer: [h for h in range(n_heads) if h not in kept] for layer, kept in enumerate(layout)}
-    sparsity = sum(map(len, removed.values())) / (n_heads * len(layout))
+    removed = layout.removed_heads(dense)
+    sparsity = sum(map(len, removed.values())) / (n_heads * len(layout.modes))
     variants = [_described(dense, "dense", "dense", None, 0.0)]
     if "masked" in kinds:
         variants.append(masked(dense, removed, sparsity, "exported"))

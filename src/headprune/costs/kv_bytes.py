@@ -31,10 +31,11 @@ from torch import nn
 from transformers.cache_utils import (DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, StaticLayer,
                                       StaticSlidingWindowLayer)
 
-from headprune.heads.adapters import get_adapter, layer_heads, model_shape
+from headprune.heads.adapters import get_adapter
 from headprune.heads.headless import HeadlessCacheLayer
+from headprune.heads.layout import MODES, REMOVED, WINDOW, Layout
 from headprune.heads.sliding import native_windows
-from headprune.heads.windows import FULL, KV_LAYOUT_ATTR, MODES, REMOVED, WINDOW, WindowedCacheLayer
+from headprune.heads.windows import WindowedCacheLayer
 
 def held_tokens(mode: str, context: int, sink: int = 0, window: int = 1, native: int | None = None,
                 static: bool = False) -> int:
@@ -68,17 +69,9 @@ def value_bytes(model: nn.Module, dtype: torch.dtype | None = None) -> int:
 
 
 def unit_modes(model: nn.Module) -> list[list[str]]:
-    """Per layer, each original unit's mode as `model` stands: `removed` where surgery removed its
-    heads, else its KV layout's mode (heads.windows, when one is attached), else `full`."""
-    adapter, config = get_adapter(model), model.config
-    n_layers, n_units = model_shape(model)[0], adapter.num_kv_heads(config)
-    layout = getattr(model, KV_LAYOUT_ATTR, None)
-    modes = []
-    for l in range(n_layers):
-        kept = set(adapter.kv_groups(config, layer_heads(model, l)))
-        modes.append([REMOVED if u not in kept else (layout.modes[l][u] if layout is not None else FULL)
-                      for u in range(n_units)])
-    return modes
+    """Per layer, each original unit's mode as `model` stands (`heads.layout.Layout.of_model`):
+    `removed` where surgery removed its heads, else its KV layout's mode, else `full`."""
+    return [list(layer) for layer in Layout.of_model(model).modes]
 
 
 def layer_bytes(modes: list[str], context: int, head_dim: int, value_bytes: int, batch: int = 1, sink: int = 0,
@@ -94,11 +87,10 @@ def model_bytes(model: nn.Module, context: int, batch: int = 1, modes: list[list
     """Per layer, the KV bytes `model` holds at `context` tokens x `batch` (module docstring).
     `modes`: per layer, each original unit's mode (default: `unit_modes(model)`, the model as it
     stands); `sink` / `window`: a windowed unit's (default: the attached KV layout's)."""
-    adapter = get_adapter(model)
-    layout = getattr(model, KV_LAYOUT_ATTR, None)
-    sink = sink if sink is not None else (layout.sink if layout is not None else 0)
-    window = window if window is not None else (layout.window if layout is not None else 1)
-    modes = unit_modes(model) if modes is None else modes
+    adapter, layout = get_adapter(model), Layout.of_model(model)
+    sink = sink if sink is not None else layout.sink
+    window = window if window is not None else layout.window
+    modes = [list(layer) for layer in layout.modes] if modes is None else modes
     d, width, natives = adapter.head_dim(model.config), value_bytes(model, dtype), native_windows(model.config)
     if len(modes) != len(natives):
         raise ValueError(f"KV modes for {len(modes)} layers; the model has {len(natives)}")

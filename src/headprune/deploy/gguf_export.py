@@ -63,8 +63,8 @@ from torch import nn
 
 from headprune.atomic import staged_file
 from headprune.costs.kv_bytes import token_bytes
-from headprune.heads.adapters import get_adapter, head_layout
-from headprune.heads.windows import FULL, KV_LAYOUT_ATTR, WINDOW, KVLayout
+from headprune.heads.adapters import get_adapter, layer_heads
+from headprune.heads.layout import FULL, WINDOW, Layout
 from headprune.tasks import CAUSAL_LM, task_of
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,10 @@ _BLOCK = 32  # values per Q8_0 block
 
 @dataclass(frozen=True)
 class GGUFLayout:
-    """What each layer of the file holds, decided before writing: `arch` ("llama" or "deci"),
-    query heads (padded ones included), KV heads, FFN width per layer, and the head size."""
+    """What each layer of the file holds, decided before writing from the model's
+    `heads.layout.Layout` (`gguf_layout`): `arch` ("llama", "deci", "granite_swa" or the family's
+    own), query heads (padded ones included), KV heads, FFN width per layer, and the head size.
+    Export-specific: the padding and per-architecture shapes are llama.cpp's, not the layout's."""
 
     arch: str
     heads: list[int]
@@ -149,10 +151,10 @@ def gguf_refusal(model: nn.Module) -> str | None:
 SWA_FAMILIES = ("llama", "mistral", "qwen2")  # written as granite_swa: Llama's block (qwen3's q/k norms it has not)
 
 
-def windows_of(model: nn.Module) -> KVLayout | None:
-    """The model's KV layout when it has windowed units (heads/windows.py), else None."""
-    layout = getattr(model, KV_LAYOUT_ATTR, None)
-    return layout if layout is not None and any(WINDOW in layer for layer in layout.modes) else None
+def windows_of(model: nn.Module) -> Layout | None:
+    """The model's layout (`Layout.of_model`) when it has windowed units (heads/windows.py), else None."""
+    layout = Layout.of_model(model)
+    return layout if layout.windowed else None
 
 
 def swa_refusal(model: nn.Module) -> str | None:
@@ -187,7 +189,8 @@ def gguf_layout(model: nn.Module) -> GGUFLayout:
 
 def _layout_or_reason(model: nn.Module) -> GGUFLayout | str:
     adapter, config = get_adapter(model), model.config
-    layout, d = head_layout(model), adapter.head_dim(config)
+    whole = Layout.of_model(model)
+    layout, d = whole.heads, adapter.head_dim(config)
     heads, kv_heads, padded = [], [], 0
     for i, kept in enumerate(layout):
         groups = adapter.kv_groups(config, kept)
@@ -205,7 +208,7 @@ def _layout_or_reason(model: nn.Module) -> GGUFLayout | str:
                     f"only llama.cpp's deci architecture holds per-layer shapes, and it has no {config.model_type} "
                     "q_norm / k_norm; allowed: the same whole KV groups kept in every layer")
         return GGUFLayout(config.model_type, heads, kv_heads, ffn, d, padded)
-    windows = windows_of(model)
+    windows = whole if whole.windowed else None
     if windows is not None:
         if not uniform:
             return (f"windowed layers with layers keeping different heads ({sorted(set(zip(heads, kv_heads)))} query / "
@@ -261,13 +264,12 @@ def _headprune_keys(writer, model: nn.Module) -> None:
     """What headprune's reader (gguf_import.py) needs to rebuild the pruned model exactly: the
     original ids of the heads each layer keeps and the dense model's head counts (padded query
     heads are then told from kept ones)."""
-    adapter = get_adapter(model)
-    writer.add_string("headprune.kept_heads", json.dumps(head_layout(model)))
+    adapter, layout = get_adapter(model), Layout.of_model(model)
+    writer.add_string("headprune.kept_heads", json.dumps([list(kept) for kept in layout.heads]))
     writer.add_uint32("headprune.num_attention_heads", int(adapter.num_heads(model.config)))
     writer.add_uint32("headprune.num_key_value_heads", int(adapter.num_kv_heads(model.config)))
-    windows = windows_of(model)
-    if windows is not None:  # what the sliding-window layers came from (headprune's reader does not read granite_swa)
-        writer.add_string("headprune.kv_modes", json.dumps(windows.to_json()))
+    if layout.windowed:  # what the sliding-window layers came from (headprune's reader does not read granite_swa)
+        writer.add_string("headprune.kv_modes", json.dumps({k: v for k, v in layout.to_json().items() if k != "heads"}))
 
 
 def _hparams(writer, model: nn.Module, layout: GGUFLayout, weights: str, name: str | None) -> None:
@@ -334,7 +336,7 @@ def _layer_tensors(model: nn.Module, layer: int, layout: GGUFLayout) -> dict[str
     n_q, n_kv, d = layout.heads[layer], layout.kv_heads[layer], layout.head_dim
     out = {}
     if n_q:
-        groups = adapter.kv_groups(model.config, head_layout(model)[layer])
+        groups = adapter.kv_groups(model.config, layer_heads(model, layer))
         per_group = n_q // n_kv
         slots = [g * per_group + t for g, members in enumerate(groups.values()) for t in range(len(members))]
         q, k, v, o = (attn.get_submodule(p) for p in (adapter.q, adapter.k, adapter.v, adapter.o))

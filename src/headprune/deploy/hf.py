@@ -1,15 +1,18 @@
 """Saving and loading pruned models as transformers checkpoints.
 
-`save_pruned` writes a `save_pretrained` folder: a plain transformers checkpoint when every
-layer keeps the same query and KV heads of a family whose config carries `head_dim` (Llama,
-Mistral, Qwen2), otherwise the original config plus `headprune_layout.json`, from which
-`load_pruned` rebuilds the uneven shapes before the weights load (with several attention stacks,
-heads.stacks, its rows are the sites the file's `sites` names, checked on load). Either file can record the
-dense model the export was pruned from (`dense_model`, read back by `read_origin`), so a benchmark
-compares the export with its real origin rather than with a model of its own (pruned) config.
-A hybrid's files also say which model layers the layout's rows are and which layers have no heads
-(`heads.hybrid.layer_report`). A model with windowed KV units (`heads.windows`) also gets
-`headprune_kv_modes.json`, and only `load_pruned` loads it: it attaches the windows again. Plain
+`save_pruned` writes a `save_pretrained` folder plus one sidecar, `headprune_layout.json`
+(deploy/layout_file.py: the model's `heads.layout.Layout`, kept heads and KV unit modes, and
+what the folder is): a plain transformers checkpoint when every layer keeps the same query and KV
+heads of a family whose config carries `head_dim` (Llama, Mistral, Qwen2), otherwise the original
+config, from which `load_pruned` rebuilds the uneven shapes before the weights load (with several
+attention stacks, heads.stacks, the layout's rows are the sites the file's `sites` names, checked
+on load). The sidecar can record the dense model the export was pruned from (`dense_model`, read
+back by `read_origin`), so a benchmark compares the export with its real origin rather than with a
+model of its own (pruned) config. A hybrid's sidecar also says which model layers the layout's
+rows are and which layers have no heads (`heads.hybrid.layer_report`). A model with windowed KV
+units (`heads.windows`) has them in the sidecar's `kv_modes`, and only `load_pruned` applies them:
+it attaches the windows again. Folders written before the one sidecar (headprune_export.json,
+headprune_kv_modes.json) still load. Plain
 transformers cannot apply the windows (it would attend every head to every token), so such a
 folder's config.json names a model_type transformers does not know (`WINDOWED_MODEL_TYPE`, which
 says to load it with headprune.load_pruned; the family's own is kept as `headprune_model_type`):
@@ -34,14 +37,12 @@ from headprune.atomic import staged_folder, write_json_atomic
 from headprune.heads.adapters import get_adapter, head_layout
 from headprune.heads.hybrid import layer_report
 from headprune.heads.stacks import by_stack, check_sites, site_names, stacked
-from headprune.heads.surgery import apply_layout, integer_id
-from headprune.heads.windows import KV_LAYOUT_ATTR, WINDOW, KVLayout, KVWindows
+from headprune.deploy.layout_file import LAYOUT_FILE, Sidecar, read_sidecar, write_sidecar
+from headprune.heads.layout import Layout
+from headprune.heads.surgery import apply_layout
+from headprune.heads.windows import KVWindows
 
 log = logging.getLogger(__name__)
-
-LAYOUT_FILE = "headprune_layout.json"
-EXPORT_FILE = "headprune_export.json"
-MODES_FILE = "headprune_kv_modes.json"
 # config.json's model_type in a windowed export: unknown to transformers, so its Auto* loaders refuse it
 # quoting this text (their ValueError: "...has model type `<this>` but Transformers does not recognize...")
 WINDOWED_MODEL_TYPE = "headprune-windowed-kv: load with headprune.load_pruned"
@@ -71,12 +72,13 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwri
     When every layer keeps the same numbers of query heads and KV heads (whole KV groups, none
     left empty) and the family's config carries `head_dim` (Llama, Mistral, Qwen2), the folder is a
     standard checkpoint whose config says those numbers: plain `AutoModel*.from_pretrained` loads
-    it with no headprune code (`headprune_export.json` beside it records the original ids of the
-    heads kept). Otherwise the folder holds the original config plus `headprune_layout.json`, and
-    `load_pruned` rebuilds the uneven shapes. The return value and the log say which.
+    it with no headprune code. Otherwise the folder holds the original config, and `load_pruned`
+    rebuilds the uneven shapes. Either way `headprune_layout.json` beside it (deploy/layout_file.py)
+    records the layout (the original ids of the heads kept, the KV unit modes) and which of the two
+    the folder is. The return value and the log say which.
 
     `origin`: the dense model it was pruned from (a `model.pretrained` name or a folder), recorded as
-    `dense_model` in headprune_export.json / headprune_layout.json for `read_origin` (the bench's
+    `dense_model` in headprune_layout.json for `read_origin` (the bench's
     dense baseline); None records none.
 
     A folder that already holds files is refused (old tokenizers or weights would be left beside
@@ -102,22 +104,19 @@ def save_pruned(model: nn.Module, directory: str | Path, tokenizer=None, overwri
 
 def _write(model: nn.Module, directory: Path, tokenizer, origin: str | None) -> tuple[bool, str]:
     """Write the model (and tokenizer) into the empty folder `directory`: (plain_hf, why)."""
-    adapter, layout = get_adapter(model), head_layout(model)
+    adapter, layout = get_adapter(model), Layout.of_model(model)
     counts, why = plain_counts(model)
-    modes = getattr(model, KV_LAYOUT_ATTR, None)
-    if modes is not None and any(WINDOW in layer for layer in modes.modes):
+    if layout.windowed:
         counts, why = None, "windowed KV units: load_pruned attaches their masks and cache"
-        write_json_atomic(directory / MODES_FILE, modes.to_json())
-    recorded = {"dense_model": origin} if origin is not None else {}
+    recorded = {"model_type": model.config.model_type, "num_heads": adapter.num_heads(model.config)}
+    recorded.update({"dense_model": origin} if origin is not None else {})
     recorded.update(layer_report(model))  # a hybrid: which model layers the layout's rows are, which have no heads
     if counts is None:
         model.save_pretrained(directory)
-        if modes is not None and any(WINDOW in layer for layer in modes.modes):
+        if layout.windowed:
             _mark_windowed(directory / "config.json")
-        sites = {"sites": site_names(model), "layout_by_stack": by_stack(model, layout)} if stacked(model) else {}
-        write_json_atomic(directory / LAYOUT_FILE, {"model_type": model.config.model_type,
-                                                    "num_heads": adapter.num_heads(model.config), "layout": layout,
-                                                    **sites, **recorded})
+        if stacked(model):
+            recorded.update(sites=site_names(model), layout_by_stack=by_stack(model, head_layout(model)))
     else:
         config, head_dim = model.config, adapter.head_dim(model.config)
         names = (adapter.heads_attr, adapter.kv_heads_attr, "head_dim")
@@ -133,9 +132,8 @@ def _write(model: nn.Module, directory: Path, tokenizer, origin: str | None) -> 
                     setattr(config, k, saved[k])
                 elif k in config.__dict__:
                     delattr(config, k)
-        write_json_atomic(directory / EXPORT_FILE, {
-            "plain_hf": True, "model_type": config.model_type, "original": saved,
-            "kept_heads": layout, **recorded})
+        recorded["original"] = saved
+    write_sidecar(directory, layout, counts is not None, **recorded)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return counts is not None, why
@@ -165,9 +163,10 @@ def read_config(directory: str | Path):
         raise ValueError(f"{path}: model_type {WINDOWED_MODEL_TYPE!r} with {ORIGINAL_TYPE_KEY}={original!r}, which "
                          "transformers does not know; allowed: the model_type of a transformers family (save_pruned "
                          "writes it)")
-    if not (Path(directory) / MODES_FILE).is_file():
-        raise ValueError(f"{path} says the folder holds windowed KV units, but {MODES_FILE} is missing beside it; "
-                         "restore it (save_pruned writes both)")
+    sidecar = read_sidecar(directory)
+    if sidecar is None or sidecar.kv is None:
+        raise ValueError(f"{path} says the folder holds windowed KV units, but no {LAYOUT_FILE} with their modes is "
+                         "beside it; restore it (save_pruned writes both)")
     data["model_type"] = original
     return CONFIG_MAPPING[original].from_dict(data)
 
@@ -224,7 +223,8 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
     cls = _model_class(config)
     if config.model_type != json.loads((directory / "config.json").read_text()).get("model_type"):
         from_pretrained_kwargs = {"config": config, **from_pretrained_kwargs}  # a windowed export's own type
-    if not (directory / LAYOUT_FILE).is_file():
+    sidecar = read_sidecar(directory)
+    if sidecar is None or sidecar.plain_hf:  # plain transformers shapes
         try:
             model = cls.from_pretrained(directory, **from_pretrained_kwargs)
         except RuntimeError as err:
@@ -232,16 +232,16 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
                 raise
             raise ValueError(f"load_pruned: {directory} holds weights of a pruned model but no {LAYOUT_FILE} saying "
                              "which heads each layer kept; save it with headprune.save_pruned") from err
-        return _windowed(model.to(device) if device is not None else model, directory)
-    layout = read_layout(directory)
-    sites = json.loads((directory / LAYOUT_FILE).read_text()).get("sites")
+        return _windowed(model.to(device) if device is not None else model, sidecar)
+    layout = sidecar.heads
+    sites = sidecar.record.get("sites")
 
     class Pruned(cls):
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
-            check_sites(self, sites, str(directory / LAYOUT_FILE))  # several stacks: the rows are these sites
+            check_sites(self, sites, str(sidecar.path))  # several stacks: the rows are these sites
             apply_layout(self, layout, verify=False)  # the saved weights replace these next: nothing to compare
-            check_layout_shapes(self, shapes, directory / LAYOUT_FILE)
+            check_layout_shapes(self, shapes, sidecar.path)
 
     Pruned.__name__ = Pruned.__qualname__ = cls.__name__
     # transformers renames legacy checkpoint keys (GPT-NeoX's embed_out -> lm_head) only for its own
@@ -249,56 +249,31 @@ def load_pruned(directory: str | Path, device: str | torch.device | None = None,
     Pruned.__module__ = cls.__module__
     model = Pruned.from_pretrained(directory, **from_pretrained_kwargs)
     model.__class__ = cls
-    return _windowed(model.to(device) if device is not None else model, directory)
+    return _windowed(model.to(device) if device is not None else model, sidecar)
 
 
-def _windowed(model: nn.Module, directory: Path) -> nn.Module:
-    """`model` with the windowed KV units of the folder's headprune_kv_modes.json attached, if any."""
-    path = directory / MODES_FILE
-    if path.is_file():
-        try:
-            saved = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"load_pruned: {path} is not valid JSON ({err})") from err
-        KVWindows(KVLayout.from_json(saved, where=str(path))).attach(model)
+def _windowed(model: nn.Module, sidecar: Sidecar | None) -> nn.Module:
+    """`model` with the sidecar's windowed KV units attached, if it has any (the KV layout as the run
+    attached it, after the whole layout is checked against the model)."""
+    if sidecar is not None and sidecar.kv is not None and sidecar.kv.windowed:
+        sidecar.layout(model)
+        KVWindows(sidecar.kv).attach(model)
     return model
 
 
 def read_layout(directory: str | Path) -> list[list[int]]:
-    """The `layout` of a folder's headprune_layout.json, checked: a list of lists of head ids."""
-    path = Path(directory) / LAYOUT_FILE
-    try:
-        saved = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON (truncated or edited?): {err}") from None
-    if not isinstance(saved, dict) or "layout" not in saved:
-        raise ValueError(f"{path} has no 'layout' entry (the original ids of the heads each layer kept)")
-    layout = saved["layout"]
-    if not isinstance(layout, list) or not all(isinstance(kept, list) for kept in layout):
-        raise ValueError(f"{path}: 'layout' must be a list with one list of kept head ids per layer; got {layout!r}")
-    layout = [[integer_id(h, f"{LAYOUT_FILE} layer {i} head") for h in kept] for i, kept in enumerate(layout)]
-    num_heads = saved.get("num_heads")
-    for i, kept in enumerate(layout):
-        twice = sorted({h for h in kept if kept.count(h) > 1})
-        if twice:
-            raise ValueError(f"{path}: layer {i} lists head {twice[0]} twice ({kept}); each kept head id once")
-        if isinstance(num_heads, int) and any(not 0 <= h < num_heads for h in kept):
-            bad = next(h for h in kept if not 0 <= h < num_heads)
-            raise ValueError(f"{path}: layer {i} keeps head {bad}, outside the original heads 0..{num_heads - 1}")
-    return layout
+    """The kept heads of a folder's sidecar (deploy/layout_file.py), checked: a list of lists of head ids."""
+    sidecar = read_sidecar(directory)
+    if sidecar is None:
+        raise ValueError(f"{Path(directory) / LAYOUT_FILE} does not exist: {directory} is no headprune export")
+    return sidecar.heads
 
 
 def read_origin(directory: str | Path) -> str | None:
-    """The dense model a `save_pruned` folder records it was pruned from (`dense_model` of its
-    headprune_export.json or headprune_layout.json), or None when it records none (older exports)."""
-    for name in (EXPORT_FILE, LAYOUT_FILE):
-        path = Path(directory) / name
-        if path.is_file():
-            try:
-                return json.loads(path.read_text()).get("dense_model")
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path} is not valid JSON (truncated or edited?): {err}") from None
-    return None
+    """The dense model a `save_pruned` folder records it was pruned from (its sidecar's
+    `dense_model`), or None when it records none (older exports, or no sidecar)."""
+    sidecar = read_sidecar(directory)
+    return None if sidecar is None else sidecar.record.get("dense_model")
 
 
 def weight_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:

@@ -44,7 +44,8 @@ from headprune.heads.headless import HeadlessCacheLayer
 from headprune.heads.latent import onnx_refusal
 from headprune.deploy.onnx_ring import RingCacheLayer
 from headprune.heads.windowed_attention import EMPTY_SLOT
-from headprune.heads.windows import KV_LAYOUT_ATTR, WINDOW, KVWindows, WindowedCacheLayer
+from headprune.heads.layout import WINDOW, Layout
+from headprune.heads.windows import KVWindows, WindowedCacheLayer
 from headprune.tasks import CAUSAL_LM, task_of
 
 DECODE_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -71,9 +72,9 @@ def present_names(layers: int, rings=()) -> list[str]:
 
 def rings_of(model: nn.Module) -> tuple[dict[int, list[bool]], int, int]:
     """({layer: per kept KV head, whether its unit is windowed} for the layers with windowed units,
-    sink, window) of the KV windows attached to `model`; ({}, 0, 0) without any."""
-    layout = getattr(model, KV_LAYOUT_ATTR, None)
-    if layout is None or not any(WINDOW in layer for layer in layout.modes):
+    sink, window) of the model's layout (`heads.layout.Layout.of_model`); ({}, 0, 0) without windows."""
+    layout = Layout.of_model(model)
+    if not layout.windowed:
         return {}, 0, 0
     view = KVWindows(layout)  # not attached: it reads the layout and the model's kept heads
     return ({l: view.kv_windowed(model, l) for l, layer in enumerate(layout.modes) if WINDOW in layer},

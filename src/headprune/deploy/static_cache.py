@@ -28,7 +28,8 @@ from transformers.cache_utils import Cache, DummyLayer, StaticLayer, StaticSlidi
 from headprune.costs.kv_bytes import native_windows
 from headprune.heads.adapters import get_adapter, model_shape
 from headprune.heads.windowed_attention import EMPTY_SLOT, first_keys
-from headprune.heads.windows import KV_LAYOUT_ATTR, KVWindows, WindowedCacheLayer
+from headprune.heads.layout import Layout
+from headprune.heads.windows import KVWindows, WindowedCacheLayer
 
 
 class StaticWindowedLayer(WindowedCacheLayer):
@@ -141,8 +142,8 @@ def static_cache(model: nn.Module, max_len: int) -> Cache:
     batch is the prefill's)."""
     if max_len < 1:
         raise ValueError(f"a static cache of {max_len} tokens; allowed: max_len >= 1")
-    layout = getattr(model, KV_LAYOUT_ATTR, None)
-    windows = KVWindows(layout) if layout is not None else None
+    layout = Layout.of_model(model)
+    windows = KVWindows(layout) if layout.windowed else None
     natives = native_windows(model.config)
     if len(natives) != model.config.get_text_config(decoder=True).num_hidden_layers:
         raise ValueError(f"model_type={model.config.model_type!r} has layers without per-token keys (linear attention): "

@@ -55,7 +55,8 @@ import torch
 from torch import nn
 
 from headprune.deploy.vllm_deci import check_target, write_checkpoint
-from headprune.heads.adapters import get_adapter, head_layout
+from headprune.heads.adapters import get_adapter
+from headprune.heads.layout import Layout
 from headprune.heads.windows import windows_refusal
 from headprune.tasks import CAUSAL_LM, task_of
 
@@ -80,7 +81,7 @@ def anymodel_refusal(model: nn.Module) -> str | None:
     if task_of(model) is not CAUSAL_LM:  # pragma: no cover - the class names above are all causal LMs
         return f"{name} is no causal LM; allowed: *ForCausalLM models"
     adapter = get_adapter(model)
-    layout = head_layout(model)
+    layout = Layout.of_model(model).heads
     for i, kept in enumerate(layout):
         bias = getattr(adapter.out_proj(adapter.blocks(model)[i]), "bias", None)
         if not kept and bias is not None and bool(bias.detach().abs().max() > 0):
@@ -97,7 +98,7 @@ def layer_heads(model: nn.Module) -> list[tuple[int, int]]:
     query heads per group as the fullest kept group (zero ones padded in); (0, 0) when none."""
     adapter, config = get_adapter(model), model.config
     out = []
-    for kept in head_layout(model):
+    for kept in Layout.of_model(model).heads:
         groups = adapter.kv_groups(config, kept)
         per_group = max((len(g) for g in groups.values()), default=0)
         out.append((per_group * len(groups), len(groups)))
@@ -163,7 +164,7 @@ def _layer_state(model: nn.Module, layer: int, n_q: int, n_kv: int, d: int) -> d
 
     adapter = get_adapter(model)
     attn = adapter.attention(adapter.blocks(model)[layer])
-    groups = adapter.kv_groups(model.config, head_layout(model)[layer])
+    groups = adapter.kv_groups(model.config, Layout.of_model(model).heads[layer])
     per_group = n_q // n_kv
     slots = [g * per_group + t for g, members in enumerate(groups.values()) for t in range(len(members))]
     out = {}

@@ -25,7 +25,8 @@ from pathlib import Path
 from torch import nn
 
 from headprune.atomic import staged_folder
-from headprune.heads.adapters import get_adapter, head_layout
+from headprune.heads.adapters import get_adapter
+from headprune.heads.layout import Layout
 from headprune.heads.windows import windows_refusal
 
 _FFN_ROUND = 256  # DeciLM rounds FFN widths up to multiples of this
@@ -47,7 +48,7 @@ def deci_refusal(model: nn.Module) -> str | None:
         return f"model_type={config.model_type!r}: DeciLM is a Llama variant; allowed: llama"
     adapter = get_adapter(model)
     n_heads = adapter.num_heads(config)
-    for i, kept in enumerate(head_layout(model)):
+    for i, kept in enumerate(Layout.of_model(model).heads):
         bias = getattr(adapter.out_proj(adapter.blocks(model)[i]), "bias", None)
         if not kept and bias is not None and bool(bias.detach().abs().max() > 0):
             return (f"layer {i} keeps no heads but its output projection has a non-zero bias (a recovery's fit); "
@@ -64,7 +65,7 @@ def deci_refusal(model: nn.Module) -> str | None:
         return (f"intermediate_size={config.intermediate_size} is not what DeciLM derives from any ffn_mult with "
                 f"hidden_size={hidden} (int(2 * ffn_mult * hidden / 3) rounded up to a multiple of {_FFN_ROUND}); "
                 f"allowed: FFN widths that are multiples of {_FFN_ROUND}")
-    if all(not kept for kept in head_layout(model)):
+    if all(not kept for kept in Layout.of_model(model).heads):
         return "every layer is attention-free; allowed: at least one layer with attention"
     return None
 
@@ -82,7 +83,7 @@ def deci_config(model: nn.Module) -> dict:
     adapter = get_adapter(model)
     n_heads, n_kv = adapter.num_heads(model.config), adapter.num_kv_heads(model.config)
     blocks = []
-    for kept in head_layout(model):
+    for kept in Layout.of_model(model).heads:
         attention = {"no_op": not kept, "replace_with_linear": False,
                      "n_heads_in_group": n_heads // n_kv if kept else None}
         blocks.append({"attention": attention,
@@ -115,7 +116,7 @@ def save_deci(model: nn.Module, directory: str | Path, overwrite: bool = False, 
     directory = Path(directory)
     config = deci_config(model)
     check_target(directory, overwrite, "save_deci")
-    headless = [i for i, kept in enumerate(head_layout(model)) if not kept]
+    headless = [i for i, kept in enumerate(Layout.of_model(model).heads) if not kept]
     return write_checkpoint(model, directory, config, headless, {}, tokenizer)
 
 

@@ -2,8 +2,9 @@
 (`full`), only the first `sink` tokens plus the last `window` tokens (`window`, StreamingLLM /
 DuoAttention's streaming heads), or nothing (`removed`).
 
-`KVLayout` is the per-layer list of modes with the window sizes; `removed` units are what the
-existing machinery removes (`HeadMask` gates, `heads.surgery`), `window` units are restricted here.
+The modes are a `heads.layout.Layout`'s (its `KVLayout` name is kept as an alias); `removed` units
+are what the existing machinery removes (`HeadMask` gates, `heads.surgery`), `window` units are
+restricted here.
 
 Where the restriction sits: a forward pre-hook on each attention module (keyword arguments)
 routes its kernel call through `heads.windowed_attention`, which runs the full units' heads
@@ -45,129 +46,33 @@ the cache keeps, per row, that row's sinks and last `window` tokens.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 
-from headprune.heads.adapters import get_adapter, layer_heads, model_shape
+from headprune.heads.adapters import get_adapter, layer_heads
 from headprune.heads.latent import is_latent
-from headprune.heads.sliding import native_windows
-from headprune.heads.surgery import prune_heads
+from headprune.heads.layout import FULL, KV_LAYOUT_ATTR, MODES, REMOVED, WINDOW, Layout, units_of  # noqa: F401
 from headprune.heads.windowed_attention import (EMPTY_SLOT, ROUTES, BandCall, HeadSplit, SplitCall, arm, disarm,
                                                first_keys, heads_flags, mask_only, per_head_mask)
 
-FULL, WINDOW, REMOVED = "full", "window", "removed"
-MODES = (FULL, WINDOW, REMOVED)
-KV_LAYOUT_ATTR = "headprune_kv_layout"  # the KVLayout a model's window hooks apply (save_pruned records it)
 KERNELS = ("eager", "sdpa")  # attention implementations that take a per-head mask
+KVLayout = Layout  # the name before the one Layout type (heads/layout.py); kept until callers move
 
 
-@dataclass(frozen=True)
-class KVLayout:
-    """modes[l][u]: the mode of unit u (a KV group, original numbering) of layer l; `sink` +
-    `window` tokens are what a windowed unit keeps."""
-
-    modes: tuple[tuple[str, ...], ...]
-    sink: int
-    window: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "modes", tuple(tuple(layer) for layer in self.modes))
-        for name, least in (("sink", 0), ("window", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"kv_modes.{name}={value!r} must be an integer >= {least}")
-        for l, layer in enumerate(self.modes):
-            for u, mode in enumerate(layer):
-                if mode not in MODES:
-                    raise ValueError(f"kv_modes layer {l} unit {u}: mode {mode!r} is not allowed; allowed: "
-                                     f"{', '.join(MODES)}")
-
-    @classmethod
-    def uniform(cls, model: nn.Module, mode: str, sink: int, window: int) -> "KVLayout":
-        """Every unit of every layer in one mode."""
-        n_layers, n_units = units_of(model)
-        return cls(tuple((mode,) * n_units for _ in range(n_layers)), sink, window)
-
-    @property
-    def kept(self) -> int:
-        """Tokens a windowed unit keeps at most."""
-        return self.sink + self.window
-
-    def check(self, model: nn.Module) -> "KVLayout":
-        """Refuse a layout whose shape is not the model's (layers x units, original numbering)."""
-        n_layers, n_units = units_of(model)
-        shape = [len(layer) for layer in self.modes]
-        if shape != [n_units] * n_layers:
-            raise ValueError(f"kv_modes has {len(shape)} layers with {shape} units; the model has {n_layers} layers of "
-                             f"{n_units} units (KV groups, or heads without GQA)")
-        for l, native in enumerate(native_windows(model.config)):
-            if native is not None and WINDOW in self.modes[l]:
-                raise ValueError(f"kv_modes layer {l} windows unit {self.modes[l].index(WINDOW)}, but the model's layer {l} "
-                                 f"already slides its own window of {native} tokens (heads.sliding); allowed there: "
-                                 f"{FULL} (what its window keeps) or {REMOVED}")
-        return self
-
-    def count(self, layer: int, mode: str) -> int:
-        return sum(m == mode for m in self.modes[layer])
-
-    def options(self) -> list[tuple[int, int]]:
-        """(units full, units windowed) per layer: the keys of a KV mode cost table."""
-        return [(self.count(l, FULL), self.count(l, WINDOW)) for l in range(len(self.modes))]
-
-    def removed_heads(self, model: nn.Module) -> dict[int, list[int]]:
-        """{layer: query heads of its removed units}, for `HeadMask.prune` / `heads.surgery.prune_heads`."""
-        adapter, config = get_adapter(model), model.config
-        groups = list(adapter.kv_groups(config, range(adapter.num_heads(config))).values())
-        return {l: [h for u, mode in enumerate(layer) if mode == REMOVED for h in groups[u]]
-                for l, layer in enumerate(self.modes) if REMOVED in layer}
-
-    def to_json(self) -> dict:
-        return {"modes": [list(layer) for layer in self.modes], "sink": self.sink, "window": self.window}
-
-    @classmethod
-    def from_json(cls, data: dict, where: str = "kv_modes") -> "KVLayout":
-        """The layout a JSON object holds; `where` (the file) is named in every refusal, with the
-        field, since the values are the file's, not the user's settings."""
-        if not isinstance(data, dict) or not {"modes", "sink", "window"} <= set(data):
-            raise ValueError(f"{where}: expected an object with modes, sink and window, got {data!r}")
-        modes = data["modes"]
-        if not isinstance(modes, list) or not all(isinstance(layer, list) for layer in modes):
-            raise ValueError(f"{where}: modes must be a list (layers) of lists of modes ({', '.join(MODES)})")
-        for name, least in (("sink", 0), ("window", 1)):
-            value = data[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{where}: field {name!r} is {value!r}; allowed: an integer >= {least}")
-        try:
-            return cls(tuple(tuple(layer) for layer in modes), data["sink"], data["window"])
-        except ValueError as err:
-            raise ValueError(f"{where}: {err}") from None
-
-
-def apply_kv_layout(model: nn.Module, layout: KVLayout) -> KVWindows:
-    """Put `layout` on `model`: its removed units physically removed (`heads.surgery.prune_heads`),
-    its windowed units restricted (`KVWindows`, returned so it can be detached)."""
-    layout.check(model)
-    prune_heads(model, layout.removed_heads(model))
-    return KVWindows(layout).attach(model)
+def apply_kv_layout(model: nn.Module, layout: Layout) -> KVWindows:
+    """Put `layout` on `model` (`Layout.apply`): its removed heads physically removed, its windowed
+    units restricted (`KVWindows`, returned so it can be detached)."""
+    return layout.apply(model)
 
 
 def windows_refusal(model: nn.Module, target: str) -> str | None:
     """Why `target` (an export format) cannot serve `model`'s windowed KV units (None: it has none)."""
-    layout = getattr(model, KV_LAYOUT_ATTR, None)
-    if layout is None or not any(WINDOW in layer for layer in layout.modes):
+    if not Layout.of_model(model).windowed:
         return None
     return (f"the model has windowed KV units (per-KV-group sinks + window within a layer), which {target} cannot "
             "express: it attends every kept KV head to the whole context; allowed: layouts of full and removed units "
             "(save_pruned / load_pruned keep the windows)")
-
-
-def units_of(model: nn.Module) -> tuple[int, int]:
-    """(layers, units per layer) of the original model: a unit is a KV head."""
-    n_layers, _ = model_shape(model)
-    return n_layers, get_adapter(model).num_kv_heads(model.config)
 
 
 def window_allowed(queries: torch.Tensor, keys: torch.Tensor, sink: int, window: int) -> torch.Tensor:
@@ -177,10 +82,10 @@ def window_allowed(queries: torch.Tensor, keys: torch.Tensor, sink: int, window:
 
 
 class KVWindows:
-    """The window restriction of a `KVLayout` on a model, by pre-hooks on its attention modules
+    """The window restriction of a `Layout` on a model, by pre-hooks on its attention modules
     (module docstring). `attach` records the layout on the model (`KV_LAYOUT_ATTR`)."""
 
-    def __init__(self, layout: KVLayout):
+    def __init__(self, layout: Layout):
         self.layout = layout
         self._handles: list = []
         self._splits: dict = {}  # layer -> (kept heads, device, query HeadSplit, KV heads' windowed flags)

@@ -22,7 +22,8 @@ import torch
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, GPT2Config)
 
-from headprune.deploy.hf import LAYOUT_FILE, load_pruned, weight_shapes
+from headprune.deploy.hf import load_pruned, weight_shapes
+from headprune.deploy.layout_file import read_sidecar
 from headprune.models.byte_tokenizer import ByteTokenizer
 from headprune.models.gguf import converted, gguf_source
 from headprune.tasks import check_task
@@ -205,7 +206,8 @@ def _load(pretrained: str, num_labels: int, task: str, random_init: bool, attn_i
     kwargs: dict[str, Any] = dict(extra, **(config_overrides or {}))
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
-    if (Path(path) / LAYOUT_FILE).is_file():  # a headprune export with uneven heads
+    sidecar = read_sidecar(path) if Path(path).is_dir() else None
+    if sidecar is not None and not sidecar.plain_hf:  # a headprune export with uneven heads or windows
         return load_pruned(path, attn_implementation=attn_implementation, **kwargs)
     if Path(path).is_dir():
         weight_shapes(path)  # a truncated weights file: a ValueError naming it

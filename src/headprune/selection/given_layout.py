@@ -1,6 +1,6 @@
 """`kv_modes=given`: no choice, the KV layout of an earlier run, read from `kv_modes.layout` (its
 results.json, which records `final.kv_layout`; its export folder or that folder's
-headprune_kv_modes.json), checked before any work against the model's shape, the window sizes, the
+headprune_layout.json, deploy/layout_file.py), checked before any work against the model's shape, the window sizes, the
 budget and the layer policy's caps. Why: a layout that took an hour to measure can be trained (KL
 steps) or evaluated again without measuring it again, and recoveries compared on one layout.
 
@@ -9,8 +9,6 @@ there are no values to give; it is a source of the round's layout beside the kna
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,26 +20,10 @@ from headprune.heads.windows import REMOVED, KVLayout
 
 def read_kv_layout(path: str) -> KVLayout:
     """The KV layout at `path`: a run's results.json (`final.kv_layout`), an export folder (its
-    headprune_kv_modes.json) or such a file; refused, naming the file, when it holds none."""
-    from headprune.deploy.hf import MODES_FILE
+    sidecar, deploy/layout_file.py) or such a file; refused, naming the file, when it holds none."""
+    from headprune.deploy.layout_file import read_layout
 
-    where = f"kv_modes.layout={path}"
-    file = Path(path)
-    if file.is_dir():
-        file = file / MODES_FILE
-    if not file.is_file():
-        raise ValueError(f"{where}: no such file ({file}); allowed: a run's results.json, an export folder with "
-                         f"{MODES_FILE}, or such a file")
-    try:
-        data = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{where}: {file} is not valid JSON ({err})") from None
-    if isinstance(data, dict) and isinstance(data.get("final"), dict):
-        if "kv_layout" not in data["final"]:
-            raise ValueError(f"{where}: {file} is a results.json without final.kv_layout (a run without kv modes, or "
-                             "one that did not finish)")
-        data = data["final"]["kv_layout"]
-    return KVLayout.from_json(data, where=str(file))
+    return read_layout(path, where=f"kv_modes.layout={path}")
 
 
 def given_report(layout: KVLayout, where: str, model: nn.Module, alive: torch.Tensor, costs: LayerCosts,

@@ -136,7 +136,7 @@ class KVModes:
             raise ValueError(f"kv_modes.layout={self.layout!r} names the layout kv_modes=given puts on the model; "
                              f"with kv_modes={self.choice} " + ("it must be null" if self.layout is not None else
                              "it is required") + "; allowed: kv_modes=given with kv_modes.layout=<results.json, export "
-                             "folder or headprune_kv_modes.json>, or kv_modes.layout=null")
+                             "folder or headprune_layout.json>, or kv_modes.layout=null")
         if self.choice == GIVEN:
             if self.samples is not None or self.removal != "any":
                 raise ValueError(f"kv_modes=given measures and chooses nothing, so kv_modes.samples={self.samples} and "
