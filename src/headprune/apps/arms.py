@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 from hydra.core.object_type import ObjectType
+from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
 from omegaconf import OmegaConf
 
@@ -176,10 +177,15 @@ class ArmSource(ConfigSource):
         parts = self._split(config_path)
         if not self.is_config(config_path):
             raise ConfigLoadError(f"arms: {config_path} is not experiment/<experiment>/<arm>")
-        try:
+        try:  # Hydra prints a compact error's message alone, without a traceback
+            entries = arms(parts[1])
+            if parts[2] not in entries:
+                raise MissingConfigException(f"{arms_file(parts[1])}: no arm {parts[2]!r}; allowed: "
+                                             f"{', '.join(entries)}", missing_cfg_file=config_path,
+                                             options=list(entries))
             node = OmegaConf.create(arm_config(parts[1], parts[2]))
         except ArmsError as err:
-            raise ConfigLoadError(str(err)) from None
+            raise ConfigCompositionException(str(err)) from None
         return ConfigResult(config=node, path=f"{self.scheme()}://{self.path}", provider=self.provider,
                             header={"package": "_global_"})
 
