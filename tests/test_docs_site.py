@@ -48,6 +48,10 @@ def test_site_builds_strictly_and_offline(tmp_path):
     assert not (tmp_path / "network.log").exists(), (tmp_path / "network.log").read_text()
     assert "schedule.target_sparsity" in (site / "configuration" / "index.html").read_text()
     assert 'id="headprune.Pruner"' in (site / "api" / "index.html").read_text()
+    for page in sorted((REPO / "docs" / "arms").glob("*.md")):  # the experiments' arm pages (tools/arms_reference.py)
+        built = site / "arms" / ("" if page.stem == "index" else page.stem) / "index.html"
+        assert built.is_file(), page.name
+    assert "kv_modes=retrieval" in (site / "arms" / "llm_kv_modes" / "index.html").read_text()
     index = (site / "experiments" / "index.html").read_text()
     for folder in sorted((REPO / "experiments").iterdir()):
         if (folder / "README.md").is_file():

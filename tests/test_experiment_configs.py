@@ -1,5 +1,5 @@
-"""The arms of experiments/llm_uneven, llm_calibration and llm_iterative are configs,
-conf/experiment/<experiment>/<arm>.yaml, and each composes to the settings its committed raw results
+"""The arms of experiments/llm_uneven, llm_calibration and llm_iterative are grids in their arms files,
+conf/experiment/<experiment>/arms.yaml (served as experiment=<experiment>/<arm> by apps/arms.py), and each composes to the settings its committed raw results
 ran with: the `config` block of every results.json of that arm (the run dir's paths and run.sh's
 per-run choices aside). An arm, or a default under it, that drifts from what a committed result
 recorded fails here, so the tables stay what `headprune-train experiment=<experiment>/<arm>` gives.
@@ -10,10 +10,9 @@ import re
 import pytest
 from omegaconf import OmegaConf
 
-from headprune.apps.config_paths import config_dir
+from headprune.apps import arms as arms_files
 from tests.helpers import EXPERIMENTS
 
-CONF = config_dir() / "experiment"
 EXPERIMENTS_WITH_ARMS = ("llm_uneven", "llm_calibration", "llm_iterative")
 # llm_uneven runs each arm at two budgets, the run dir <arm>_<budget> (run.sh's BUDGET); the others
 # have one run per arm, the run dir <arm>
@@ -43,7 +42,7 @@ ELSEWHERE = {
 
 
 def arms(experiment: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / experiment).glob("*.yaml"))
+    return sorted(arms_files.arms(experiment))
 
 
 def recorded_runs(experiment: str, arm: str) -> list[tuple[str, float | None, dict]]:
@@ -104,7 +103,7 @@ def test_an_arm_composes_to_what_its_committed_runs_recorded(experiment, arm, ar
 @pytest.mark.parametrize("experiment", EXPERIMENTS_WITH_ARMS)
 def test_run_sh_runs_the_arm_configs(experiment):
     """run.sh calls headprune-train experiment=<experiment>/$arm and keeps no overrides of its own
-    per arm (the old `declare -A ARM=(...)` arrays); each arm it names has a config."""
+    per arm (the old `declare -A ARM=(...)` arrays); each arm it names is in the arms file."""
     run_sh = (EXPERIMENTS / experiment / "run.sh").read_text()
     assert f"experiment={experiment}/$arm" in run_sh and "declare -A" not in run_sh, experiment
     code = re.sub(r"(^|\s)#.*", "", run_sh, flags=re.M)  # what runs, the comments aside
@@ -141,7 +140,7 @@ def test_llm_kv_calibrates_on_self_generated_text_by_default(arm_config):
     assert len(CALIBRATED_ARMS) > 50
 
 
-GIVEN = [a for a in arms("llm_kv_modes") if "given" in (CONF / "llm_kv_modes" / f"{a}.yaml").read_text()]
+GIVEN = [a for a, entry in arms_files.arms("llm_kv_modes").items() if "kv_modes=given" in entry["overrides"]]
 
 
 @pytest.mark.parametrize("arm", GIVEN)

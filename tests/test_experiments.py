@@ -245,14 +245,16 @@ def test_llm_uneven_gguf_rows():
 
 
 def test_llm_kv_arms_are_configs_and_collect_names_each():
-    """experiments/llm_kv's arms are conf/experiment/llm_kv/<arm>.yaml (run.sh lists that folder);
-    collect.py names each (random_s0..2 as the random arm's seeds), and each composes as
-    experiment=llm_kv/<arm> (tests/test_train.py composes every config)."""
+    """experiments/llm_kv's arms are conf/experiment/llm_kv/arms.yaml's (run.sh lists them with
+    `python -m headprune.apps.arms llm_kv`); collect.py names each (random_s0..2 as the random arm's
+    seeds), and each composes as experiment=llm_kv/<arm> (tests/test_arms.py)."""
+    from headprune.apps.arms import arms as arms_of
+
     collect = experiment_script("llm_kv/collect")
-    arms = {p.stem for p in (REPO / "conf" / "experiment" / "llm_kv").glob("*.yaml")}
+    arms = set(arms_of("llm_kv"))
     assert {collect.split_name(f"{arm}_kv67")[0] for arm in arms} == set(collect.ARMS)
     run_sh = (EXP / "llm_kv" / "run.sh").read_text()
-    assert "conf/experiment/llm_kv" in run_sh and "experiment=llm_kv/$arm" in run_sh and "ARM[" not in run_sh
+    assert "headprune.apps.arms llm_kv" in run_sh and "experiment=llm_kv/$arm" in run_sh and "ARM[" not in run_sh
 
 
 def test_llamacpp_decode_layouts_read_layers_and_kv_groups_from_the_models_config():

@@ -1,7 +1,9 @@
-"""The arms of experiments/llm_kv_modes, retraining_free and recovery are configs
-(conf/experiment/<experiment>/<arm>.yaml): each composes (with what run.sh adds per run) to what the
-arm's command line composed when it ran (the experiment's base config plus the overrides its run.sh
-used to pass, kept here as the record), and every arm run.sh names has a config. (llm_uneven, llm_calibration, llm_iterative:
+"""The arms of experiments/llm_kv_modes, retraining_free and recovery are entries of their arms files
+(conf/experiment/<experiment>/arms.yaml, served as experiment=<experiment>/<arm> by apps/arms.py; they
+were one yaml file each, and the recorded command `experiment=<experiment>/<arm>` is still the command):
+each composes (with what run.sh adds per run) to what the arm's command line composed when it ran (the
+experiment's base config plus the overrides its run.sh used to pass, kept here as the record), and every
+arm run.sh names is an arm. (llm_uneven, llm_calibration, llm_iterative:
 tests/test_experiment_configs.py, against their raw files' config blocks.)"""
 import re
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from headprune.apps.arms import arms
 from headprune.apps.config_schema import register_schemas
 
 register_schemas()
@@ -137,6 +140,6 @@ def test_every_arm_run_sh_runs_has_a_config(experiment):
     code = [line for line in lines if not line.lstrip().startswith("#")]
     named = {arm for line in code for pattern in NAMED[experiment] for found in re.findall(pattern, line)
              for arm in found.split()} - {"arm"}
-    configs = {p.stem for p in (ROOT / f"conf/experiment/{experiment}").glob("*.yaml")}
+    configs = set(arms(experiment))
     assert named and named <= configs and configs == set(RAN_WITH[experiment]), (named - configs, configs ^ set(RAN_WITH[experiment]))
     assert not any("declare -A" in line for line in code)

@@ -50,8 +50,9 @@ def test_every_metric_is_registered_with_info_and_a_config():
     from headprune.apps.config_schema import register_schemas
 
     register_schemas()  # as headprune-train does on import: the test must not depend on another's import
-    assert set(METRICS) == {"taylor", "fisher", "lrp", "entropy", "confidence", "magnitude", "random", "l0_gates",
-                            "refit_error"}
+    assert set(METRICS) == {p.stem for p in (config_dir() / "metric").glob("*.yaml")}  # each with its yaml
+    page = (config_dir().parent / "docs" / "metrics.md").read_text()  # and its row in the metrics table
+    assert {name for name in METRICS if f"| `{name}` |" not in page} == set()
     for name, info in METRIC_INFO.items():
         assert info.raw_high in ("keep", "prune", "neither") and info.raw and info.uses
         GlobalHydra.instance().clear()

@@ -279,7 +279,7 @@ def test_metrics_score_every_site(family):
         alive[1, 1], alive[8] = False, False
         assert (scores[~alive] == 0).all() and (scores[alive] != 0).all(), (metric, scores)
     with pytest.raises(ValueError, match="not done for a model with several attention stacks .* allowed for it: "
-                                         "magnitude, taylor, fisher, lrp, random"):
+                                         "taylor, fisher, lrp, magnitude, random"):
         score_heads(model, [batch], metric="entropy")
 
 

@@ -44,15 +44,14 @@ TYPED = {"schedule": SCHEDULES, "layer_policy": LAYER_POLICIES, "recovery": RECO
 
 @functools.cache  # each worker imports this module: the lists and presets read the files once
 def _options(group):
-    if group == "experiment":  # with the experiments' arms: conf/experiment/llm_kv/fisher.yaml is llm_kv/fisher
-        return sorted(p.relative_to(CONF / group).with_suffix("").as_posix() for p in (CONF / group).rglob("*.yaml"))
+    # an experiment's arms (conf/experiment/<experiment>/arms.yaml) are not files: tests/test_arms.py
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
 @functools.cache
 def _base(group, option):
     """The option another option presets (its `defaults` name a sibling file, as budget/kv67 names
-    kv, or an option of its group by path, as experiment/llm_kv/fisher names /experiment/llm_kv), else None."""
+    kv), else None."""
     # plain YAML through libyaml: each worker reads all ~150 option files at collection (OmegaConf.load: 0.6 s)
     text = (CONF / group / f"{option}.yaml").read_text()
     defaults = (yaml.load(text, Loader=yaml.CSafeLoader) or {}).get("defaults") or []
@@ -115,14 +114,13 @@ PRESETS = [(g, o) for g in GROUPS for o in _options(g) if _base(g, o) is not Non
 @pytest.fixture(scope="module")
 def composed_alone(compose_once):
     """composed_alone("group=option"): the train config with that one override (compose_once: a
-    base, experiment=llm_kv, serves each of its arms; an experiment is composed alone once)."""
+    base serves each of its presets; an experiment is composed alone once)."""
     return compose_once
 
 
 @pytest.mark.parametrize("group,option", PRESETS)
 def test_a_preset_composes_its_base_and_changes_only_what_it_sets(group, option, composed_alone):
-    """A preset (budget=kv67: budget=kv at target 0.67; an experiment's arm, experiment=llm_kv/fisher:
-    experiment=llm_kv with its metric and recovery) is its base option with its own keys set, so a
+    """A preset (budget=kv67: budget=kv at target 0.67) is its base option with its own keys set, so a
     change to the base reaches it: no copy of the base's other settings to drift."""
     def composed(o):  # an experiment is a global package: the whole config (its own keys are top-level)
         cfg = OmegaConf.to_container(composed_alone(f"{group}={o}"), resolve=False)

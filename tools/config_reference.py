@@ -40,19 +40,17 @@ KEY = re.compile(r"^(\s*)([A-Za-z_][\w]*)\s*:(.*)$")
 # -- reading conf/ ------------------------------------------------------------------------------
 def groups(conf: Path) -> dict[str, list[str]]:
     """{group (`hydra/sweeper` for nested ones): its option names}, from the yaml files. A folder
-    inside a global group holds an option's variants (an experiment's arms, conf/experiment/llm_kv/
-    fisher.yaml): options of that group, named by their path (`experiment=llm_kv/fisher`)."""
+    inside a global group holds an experiment's arms file (conf/experiment/llm_kv/arms.yaml): not an
+    option; the arms have their own pages, docs/arms/<experiment>.md (tools/arms_reference.py)."""
     found: dict[str, list[str]] = {}
     for path in sorted(conf.rglob("*.yaml")):
         if path.parent == conf:
             continue
         group = path.parent.relative_to(conf).as_posix()
-        top = group.split("/")[0]
-        if top in GLOBAL_GROUPS:
-            found.setdefault(top, []).append(path.relative_to(conf / top).with_suffix("").as_posix())
-        else:
-            found.setdefault(group, []).append(path.stem)
-    return {group: sorted(names) for group, names in found.items()}  # an option before its arms
+        if group.split("/")[0] in GLOBAL_GROUPS and "/" in group:
+            continue
+        found.setdefault(group, []).append(path.stem)
+    return {group: sorted(names) for group, names in found.items()}
 
 
 def default_options(conf: Path) -> dict[str, str]:
@@ -332,6 +330,9 @@ def render() -> str:
     settings = OmegaConf.get_type(evaluation)
     out += ["", "### `evaluation`", "", cell(inspect.getdoc(settings) or ""), ""]
     out += option_table("evaluation", base["evaluation"], compose([])["evaluation"], {}, settings)
+    from headprune.apps.arms import experiments_with_arms
+
+    with_arms = experiments_with_arms(conf)
     for group, names in options.items():
         out += ["", f"## {group}", ""]
         if group in GLOBAL_GROUPS:
@@ -342,6 +343,8 @@ def render() -> str:
             header, comments = yaml_comments(path.read_text())
             mark = " (default)" if defaults.get(group) == name else ""
             out += [f"### `{group}={name}`{mark}", "", header or "(no description in the file)", ""]
+            if group == "experiment" and name in with_arms:
+                out += [f"Its arms, `experiment={name}/<arm>`: [Arms of {name}](arms/{name}.md).", ""]
             if group.startswith("hydra/") or group in GLOBAL_GROUPS:
                 raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
                 chosen = [f"`{next(iter(e)).removeprefix('override ').lstrip('/')}={next(iter(e.values()))}`"

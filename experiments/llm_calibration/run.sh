@@ -3,7 +3,7 @@
 # (budget.target=0.67), experiment=llm_kv's protocol without training, two allocations x two repairs x three
 # calibration sources, judged in domain (held-out Tiny Shakespeare) and out of domain (SST-2's validation
 # sentences), perplexity at seq 128 and 2048 over the same 8,192 tokens of each (zero-shot and chat answers off).
-# Arms are configs, conf/experiment/llm_calibration/<allocation>_<repair>_<calibration>.yaml (each says what
+# Arms are a grid, conf/experiment/llm_calibration/arms.yaml, <allocation>_<repair>_<calibration> (each level says what
 # it runs), each run into the run dir of its name:
 #   allocations  uniform         layer_policy=uniform, Fisher + rearrangement (experiment=llm_kv's default)
 #                attention_drop  layer_policy=attention_drop (He et al. 2024)
@@ -21,10 +21,10 @@
 set -euo pipefail
 OUT=${OUT:-../llmruns/llm_calibration}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-ARMS=$(cd conf/experiment/llm_calibration && ls *.yaml | sed 's/\.yaml$//')  # every arm there is
+ARMS=$(python -m headprune.apps.arms llm_calibration)  # every arm of conf/experiment/llm_calibration/arms.yaml
 one() {  # one <arm> <evaluate the dense model: true|false>
     local arm=$1 dir=$OUT/$1 start end
-    echo "$ARMS" | grep -qx "$arm" || { echo "run.sh: no arm $arm; conf/experiment/llm_calibration/ has:" $ARMS >&2; exit 2; }
+    echo "$ARMS" | grep -qx "$arm" || { echo "run.sh: no arm $arm; conf/experiment/llm_calibration/arms.yaml has:" $ARMS >&2; exit 2; }
     [ -f "$dir/results.json" ] && grep -q '"export_dir"' "$dir/results.json" && return 0
     start=$(date +%s.%N)
     headprune-train experiment=llm_calibration/$arm hydra.run.dir=$dir overwrite=true evaluation.dense=$2

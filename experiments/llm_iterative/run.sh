@@ -2,7 +2,7 @@
 # Iterative vs one-shot pruning of SmolLM2-135M-Instruct to 1 of 3 KV groups per layer (issue 38, item 5):
 # experiment=llm_iterative (conf/experiment/llm_iterative.yaml: llm_kv's calibration and evaluation,
 # budget.target=0.34, after each round the refit then KL steps, bf16-mixed), two allocations x two schedules,
-# the same 150 KL steps in all. Arms are configs, conf/experiment/llm_iterative/<alloc>_<schedule>.yaml (each
+# the same 150 KL steps in all. Arms are a grid, conf/experiment/llm_iterative/arms.yaml, <alloc>_<schedule> (each
 # says what it runs), each run into the run dir of its name:
 #   <alloc>_one_shot    one round to 1 of 3 groups, refit, 150 KL steps
 #   <alloc>_iterative   2 of 3 groups, refit, 75 KL steps; then 1 of 3, refit, 75 KL steps
@@ -21,10 +21,10 @@
 set -euo pipefail
 OUT=${OUT:-../llmruns/llm_iterative}  # run dirs (exports: hundreds of MB) outside the repository
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-ARMS=$(cd conf/experiment/llm_iterative && ls *.yaml | sed 's/\.yaml$//')  # every arm there is
+ARMS=$(python -m headprune.apps.arms llm_iterative)  # every arm of conf/experiment/llm_iterative/arms.yaml
 one() {  # one <arm> <evaluate the dense model: true|false>
     local arm=$1 dir=$OUT/$1 resume="" start end
-    echo "$ARMS" | grep -qx "$arm" || { echo "run.sh: no arm $arm; conf/experiment/llm_iterative/ has:" $ARMS >&2; exit 2; }
+    echo "$ARMS" | grep -qx "$arm" || { echo "run.sh: no arm $arm; conf/experiment/llm_iterative/arms.yaml has:" $ARMS >&2; exit 2; }
     [ -f "$dir/results.json" ] && grep -q '"export_dir"' "$dir/results.json" && return 0
     [ -f "$dir/recovery/last.ckpt" ] && resume="ckpt_path=$dir/recovery/last.ckpt"
     [ -z "$resume" ] && resume="overwrite=true"

@@ -3,7 +3,7 @@
 # calibration 16 x 512 tokens of Tiny Shakespeare's training part, whole KV groups, the same layout in
 # every layer (layer_policy=uniform), then perplexity at seq 128 and 2048 over the same 8,192 held-out
 # tokens, SST-2 zero-shot (first 200 validation sentences) and greedy chat answers.
-# Arms are configs, conf/experiment/llm_kv/<arm>.yaml (each says what it runs: metric, rearrangement,
+# Arms are entries of conf/experiment/llm_kv/arms.yaml (each says what it runs: metric, rearrangement,
 # recovery; the trained ones 50 steps of 2 x 512 training tokens), run at 2 of 3 KV groups kept
 # (budget.target=0.67), at 1 of 3 (budget.target=0.34) and at 50% of the query heads kept, placed
 # globally (q50: budget=heads layer_policy=global):
@@ -17,7 +17,7 @@
 set -euo pipefail
 OUT=${OUT:-experiments/llm_kv/runs}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-ARMS=$(cd conf/experiment/llm_kv && ls *.yaml | sed 's/\.yaml$//')  # every arm there is
+ARMS=$(python -m headprune.apps.arms llm_kv)  # every arm of conf/experiment/llm_kv/arms.yaml
 # two streams side by side: ORDER="fisher_re_ls fisher_re fisher taylor" ... & ORDER="..." DENSE=false ...
 # 50% of the query heads, wherever the scores put them (KV groups shrink only where all 3 heads go)
 Q50="budget=heads layer_policy=global schedule.target_sparsity=0.5"
@@ -34,7 +34,7 @@ one() {  # one <arm> <run name> <overrides...>
 budget() {  # budget <tag> <budget overrides...>
     local dense=${DENSE:-true} tag=$1 arm; shift
     for arm in $ORDER; do  # refused before any run: a name without a config
-        echo "$ARMS" | grep -qx "$arm" || { echo "ORDER: no arm $arm; conf/experiment/llm_kv/ has:" $ARMS >&2; exit 2; }
+        echo "$ARMS" | grep -qx "$arm" || { echo "ORDER: no arm $arm; conf/experiment/llm_kv/arms.yaml has:" $ARMS >&2; exit 2; }
     done
     for arm in $ORDER; do
         one "$arm" "${arm}_$tag" "$@" evaluation.dense=$dense

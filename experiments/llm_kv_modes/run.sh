@@ -2,8 +2,8 @@
 # Per-unit KV modes without training (issue 40): experiment=llm_kv_modes (conf/experiment/llm_kv_modes.yaml:
 # SmolLM2-135M-Instruct, 2/3 of the KV bytes at a 4096-token context removed, budget=kv target 0.34 seq 4096,
 # one calibration block of 4096 Tiny Shakespeare tokens, no repair; perplexity at seq 4096 on held-out Tiny
-# Shakespeare and SST-2 sentences, passkey at 4096 tokens, chat answers; dense and export). Each arm is a
-# config, conf/experiment/llm_kv_modes/<arm>.yaml (its header says what it sets):
+# Shakespeare and SST-2 sentences, passkey at 4096 tokens, chat answers; dense and export). Each arm is an
+# entry of conf/experiment/llm_kv_modes/arms.yaml (its about says what it sets; docs/arms/llm_kv_modes.md):
 #   attention_mass, attention_mass_85                  Fisher unit score x attention share within the window,
 #                                                      removal weighed like windows (removal=any), 2/3 and 85%
 #   attention_mass_last, _85_last, _33_last            the same with removal=last, at 2/3, 85% and 1/3
@@ -48,7 +48,7 @@ OUT=${OUT:-../llmruns/llm_kv_modes}  # run dirs (exports: hundreds of MB) outsid
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 one() {  # one <arm> <evaluate the dense model: true|false>
     local dir=$OUT/$1
-    [ -f "conf/experiment/llm_kv_modes/$1.yaml" ] || { echo "run.sh: no arm $1 (conf/experiment/llm_kv_modes/)" >&2; exit 2; }
+    python -m headprune.apps.arms llm_kv_modes "$1" >/dev/null || exit 2  # an arm of conf/experiment/llm_kv_modes/arms.yaml
     [ -f "$dir/results.json" ] && grep -q '"export_dir"' "$dir/results.json" && return 0
     local start end
     start=$(date +%s.%N)

@@ -2,8 +2,8 @@
 # Uneven KV layouts for SmolLM2-135M-Instruct without retraining (issue 29, section 4): at 2 of 3 and
 # 1 of 3 KV groups kept (budget.target=0.67 / 0.34), experiment=llm_kv's protocol (calibration 16 x 512
 # tokens of Tiny Shakespeare's training part, Fisher scores, perplexity at seq 128 and 2048 on the same
-# 8,192 held-out tokens and on SST-2's validation sentences). Arms are configs,
-# conf/experiment/llm_uneven/<allocation>[_refit|_refit_kl].yaml (each says what it runs), run at each budget
+# 8,192 held-out tokens and on SST-2's validation sentences). Arms are
+# a grid, conf/experiment/llm_uneven/arms.yaml, <allocation>[_refit|_refit_kl] (each level says what it runs), run at each budget
 # into the run dir <arm>_<budget> (kv67 or kv34):
 #   allocations  uniform         layer_policy=uniform + rearrangement (the same groups lost in every layer)
 #                global          layer_policy=global min_heads_per_layer=0 + rearrangement (Fisher + knapsack)
@@ -26,7 +26,7 @@
 set -euo pipefail
 OUT=${OUT:-../llmruns/llm_uneven}  # run dirs (exports: hundreds of MB) outside the repository
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-ARMS=$(cd conf/experiment/llm_uneven && ls *.yaml | sed 's/\.yaml$//')  # every arm there is
+ARMS=$(python -m headprune.apps.arms llm_uneven)  # every arm of conf/experiment/llm_uneven/arms.yaml
 target() {  # target <budget tag>: the run's budget.target
     case $1 in
         kv67) echo 0.67 ;;
@@ -36,7 +36,7 @@ target() {  # target <budget tag>: the run's budget.target
 }
 one() {  # one <arm> <budget tag> <evaluate the dense model: true|false>
     local arm=$1 dir=$OUT/$1_$2 budget start end
-    echo "$ARMS" | grep -qx "$arm" || { echo "run.sh: no arm $arm; conf/experiment/llm_uneven/ has:" $ARMS >&2; exit 2; }
+    echo "$ARMS" | grep -qx "$arm" || { echo "run.sh: no arm $arm; conf/experiment/llm_uneven/arms.yaml has:" $ARMS >&2; exit 2; }
     budget=$(target "$2")
     [ -f "$dir/results.json" ] && grep -q '"export_dir"' "$dir/results.json" && return 0
     start=$(date +%s.%N)

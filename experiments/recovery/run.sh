@@ -24,8 +24,8 @@ arm() {  # arm <name> <target> <seed>
     rounds=$(python -c "print(round($2 / 0.1))")
     dir=$OUT/${name}_${t}_s${seed}
     [ -f "$dir/results.json" ] && grep -q '"stop_reason"' "$dir/results.json" && return 0
-    [ -f "conf/experiment/recovery/$name.yaml" ] || { echo "run.sh: no arm $name (conf/experiment/recovery/)" >&2; exit 2; }
-    # each arm is a config, conf/experiment/recovery/<arm>.yaml; the run adds its seed, its target and, for
+    python -m headprune.apps.arms recovery "$name" >/dev/null || exit 2  # an arm of conf/experiment/recovery/arms.yaml
+    # each arm an entry of conf/experiment/recovery/arms.yaml; the run adds its seed, its target and, for
     # one_shot_long / dense, the epochs the iterative arm's rounds take
     local args=(experiment=recovery/$name seed=$seed hydra.run.dir=$dir trainer.enable_progress_bar=false overwrite=true)
     case $name in

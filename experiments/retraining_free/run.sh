@@ -30,11 +30,11 @@ FT4K=${FT4K:-$OUT/finetune4k/export}
 CACHE=${CACHE:-$OUT/latency_cache}
 # recorded in wall.json; set it when running from an exported copy of a commit (git archive), which has no .git
 COMMIT=${COMMIT:-$(git rev-parse --short HEAD)}
-# each arm is a config, conf/experiment/retraining_free/<arm>.yaml (its header says what it sets; the
+# each arm an entry of conf/experiment/retraining_free/arms.yaml (its about says what it sets; the
 # fisher_refit_kl arm's 100 KL steps train on the fine-tuned model's training text); a run adds its budget
 one() {  # one <run name> <arm> <overrides...>   (model: $MODEL, default $FT)
     local dir=$OUT/$1 arm=$2; shift 2
-    [ -f "conf/experiment/retraining_free/$arm.yaml" ] || { echo "run.sh: no arm $arm (conf/experiment/retraining_free/)" >&2; exit 2; }
+    python -m headprune.apps.arms retraining_free "$arm" >/dev/null || exit 2  # an arm of conf/experiment/retraining_free/arms.yaml
     [ -f "$dir/results.json" ] && grep -q '"export_dir"' "$dir/results.json" && return 0
     [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $(basename "$dir") "* ]] && return 0
     local start end load0

@@ -70,7 +70,8 @@ def schema_for_class(name: str, cls, kind: str):
 
 
 def register_schemas() -> None:
-    """Store every schema in Hydra's ConfigStore (idempotent)."""
+    """Store every schema in Hydra's ConfigStore, and make the experiments' arms known (idempotent)."""
+    from headprune.apps.arms import register_arm_source
     from headprune.evaluation.llm_suite import EvaluationSettings
     from headprune.data.self_calibration import SelfCalibration
     from headprune.recovery import RECOVERIES
@@ -80,6 +81,7 @@ def register_schemas() -> None:
     from headprune.selection.layer_policies import LAYER_POLICIES
     from headprune.selection.schedules import SCHEDULES
 
+    register_arm_source()  # experiment=<experiment>/<arm> from conf/experiment/<experiment>/arms.yaml
     cs = ConfigStore.instance()
     for name, fn in METRICS.items():
         cs.store(group="schema/metric", name=name, node=schema_for_function(name, fn, METRIC_POSITIONAL))

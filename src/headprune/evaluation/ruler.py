@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import io
 import json
 import logging
 import os
@@ -58,7 +57,6 @@ import random
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,137 +66,10 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-ESSAY_HAYSTACK = "tinyshakespeare_train"  # what replaces lm-eval's Paul Graham essays
-FLOOR = 0.2  # a task where dense scores below this is left out of the RULER mean
-
-
-@dataclass(frozen=True)
-class RulerTask:
-    """One RULER task: lm-eval's yaml (`yaml`), its generator family and the haystack it uses."""
-
-    yaml: str
-    kind: str  # niah | vt | cwe | fwe
-    haystack: str  # repeat | needle | tinyshakespeare_train | synthetic | wonderwords
-
-
-TASKS = {
-    "niah_single_1": RulerTask("niah_single_1", "niah", "repeat"),
-    "niah_single_2": RulerTask("niah_single_2", "niah", ESSAY_HAYSTACK),
-    "niah_single_3": RulerTask("niah_single_3", "niah", ESSAY_HAYSTACK),
-    "niah_multikey_1": RulerTask("niah_multikey_1", "niah", ESSAY_HAYSTACK),
-    "niah_multikey_2": RulerTask("niah_multikey_2", "niah", "needle"),
-    "niah_multikey_3": RulerTask("niah_multikey_3", "niah", "needle"),
-    "niah_multivalue": RulerTask("niah_multivalue", "niah", ESSAY_HAYSTACK),
-    "niah_multiquery": RulerTask("niah_multiquery", "niah", ESSAY_HAYSTACK),
-    "vt": RulerTask("vt", "vt", "synthetic"),
-    "cwe": RulerTask("cwe", "cwe", "wonderwords"),
-    "fwe": RulerTask("fwe", "fwe", "synthetic"),
-}
-SAMPLE_KEYS = ("task", "context", "index", "input", "gen_prefix", "outputs", "max_gen_toks")  # write_samples' lines
-
-
-def check_settings(tasks: Sequence[str], contexts: Sequence[int], samples: int, seed: int,
-                   prefix: str = "evaluation.ruler_") -> None:
-    """Refuse settings that cannot run, naming the field (`prefix` + tasks, contexts, samples, seed)
-    and the allowed values (no import, no work)."""
-    tasks = list(tasks)
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown or len(set(tasks)) != len(tasks):
-        what = f"unknown {unknown}" if unknown else "a task named twice"
-        raise ValueError(f"{prefix}tasks={tasks}: {what}; allowed: a list of distinct names from {', '.join(TASKS)} "
-                         "([]: no RULER); RULER's qa tasks need the network and are not offered")
-    if not tasks:
-        return
-    if not contexts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in contexts) \
-            or len(set(contexts)) != len(contexts):
-        raise ValueError(f"{prefix}contexts={list(contexts)!r}: allowed: a non-empty list of distinct token counts >= 1 "
-                         "(e.g. [4096])")
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"{prefix}samples={samples!r}: allowed: an integer >= 1 (samples per task and context)")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"{prefix}seed={seed!r}: allowed: an integer")
-    missing = [name for name in ("lm_eval", "nltk", "scipy", "wonderwords") if _spec(name) is None]
-    if missing:
-        raise ValueError(f"{prefix}tasks={tasks} need the packages {missing}, not installed; allowed: "
-                         "pip install -e '.[llm]' (lm-eval, nltk, scipy, wonderwords), or evaluation.ruler_tasks=[]")
-
-
-def _spec(name: str):
-    from importlib.util import find_spec
-
-    return find_spec(name)
-
-
-# -- lm-eval's RULER modules --------------------------------------------------------------------------
-@cache
-def _module(name: str):
-    """lm-eval's RULER module `name` (common_utils, niah_utils, prepare_niah, vt_utils, cwe_utils,
-    fwe_utils), imported once, only when a task needs it (prepare_niah builds a list of 6 million
-    word pairs at import: ~10 s, ~1 GB at its peak). prepare_niah tries to download nltk's punkt_tab
-    at import; that is skipped (no network; the essay splitter is ours, module docstring)."""
-    import importlib
-
-    import nltk
-
-    download = nltk.download
-    nltk.download = lambda *args, **kwargs: False
-    try:
-        with _quiet():
-            return importlib.import_module(f"lm_eval.tasks.ruler.{name}")
-    finally:
-        nltk.download = download
-
-
-MODULES = {"niah": "niah_utils", "vt": "vt_utils", "cwe": "cwe_utils", "fwe": "fwe_utils"}
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """lm-eval's generators print and draw progress bars for every sample: kept out of the run's log."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        yield
-
-
-@cache
-def task_config(task: str) -> dict:
-    """The yaml of lm-eval's RULER task `task` with its `include` resolved (`!function` tags read as
-    their dotted names): `max_gen_toks`, `target_delimiter`, `gen_prefix`, `process_results`."""
-    import yaml
-
-    import lm_eval
-
-    folder = Path(lm_eval.__file__).parent / "tasks" / "ruler"
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
-
-    def read(name: str) -> dict:
-        data = yaml.load((folder / name).read_text(), Loader=Loader)
-        base = read(data.pop("include")) if "include" in data else {}
-        return {**base, **data}
-
-    data = read(f"{TASKS[task].yaml}.yaml")
-    metric = data["process_results"].rsplit(".", 1)[-1]
-    if metric not in ("process_results", "process_results_part") or data.get("gen_prefix") != "{{gen_prefix}}":
-        raise RuntimeError(f"lm-eval's RULER task {task}: process_results {data['process_results']!r} / gen_prefix "
-                           f"{data.get('gen_prefix')!r} are not those this module was written for (lm-eval 0.4.13)")
-    return {"lm_eval_task": data["task"], "max_gen_toks": int(data["generation_kwargs"]["max_gen_toks"]),
-            "target_delimiter": data.get("target_delimiter", " "),
-            "metric": "string_match_all" if metric == "process_results" else "string_match_part"}
-
-
-def score(task: str, prediction: str, outputs: Sequence[str]) -> float:
-    """RULER's score of one prediction against its gold answers, lm-eval's metric for `task`
-    (`postprocess_pred` then `string_match_all` / `string_match_part`)."""
-    if task not in TASKS:
-        raise ValueError(f"score: task {task!r} is not one of {', '.join(TASKS)}")
-    if not outputs:
-        raise ValueError(f"score: {task} has no gold answers")
-    common = _module("common_utils")
-    metric = getattr(common, task_config(task)["metric"])
-    return float(metric(common.postprocess_pred([prediction]), [list(outputs)]))
+from headprune.evaluation.ruler_tasks import (  # noqa: F401  (re-exported: the names ruler users read)
+    ESSAY_HAYSTACK, FLOOR, MODULES, SAMPLE_KEYS, TASKS, RulerTask, check_settings, lm_eval_module, quiet, score,
+    task_config,
+)
 
 
 # -- samples ------------------------------------------------------------------------------------------
@@ -228,7 +99,7 @@ def seeded(seed: int, task: str, context: int) -> Iterator[None]:
     context), their states restored after."""
     import numpy as np
 
-    cwe = _module("cwe_utils") if TASKS[task].kind == "cwe" else None
+    cwe = lm_eval_module("cwe_utils") if TASKS[task].kind == "cwe" else None
     states = random.getstate(), np.random.get_state(), cwe.RNG.getstate() if cwe else None
     key = f"{seed}/{task}/{context}"
     random.seed(key)
@@ -288,8 +159,8 @@ def check_fits(tokenizer, task: str, context: int) -> None:
     kind, need = TASKS[task].kind, task_config(task)["max_gen_toks"]
     if kind == "niah":
         return
-    generator = _module(MODULES[kind])
-    with seeded(0, task, context), _quiet():
+    generator = lm_eval_module(MODULES[kind])
+    with seeded(0, task, context), quiet():
         if kind == "vt":
             icl, _ = generator.generate_input_output(5, 1, 4, is_icl=True)
             if _tokens(tokenizer, icl) + need > 500:
@@ -314,10 +185,10 @@ def task_samples(tokenizer, task: str, context: int, samples: int, seed: int, da
     "length", "max_length", ...} as its generator writes them, `samples` of them, seeded (module docstring)."""
     kind = TASKS[task].kind
     check_fits(tokenizer, task, context)
-    counter, generator = _counter(tokenizer), _module(MODULES[kind])
-    with seeded(seed, task, context), _quiet():
+    counter, generator = _counter(tokenizer), lm_eval_module(MODULES[kind])
+    with seeded(seed, task, context), quiet():
         if kind == "niah":
-            prepare = _module("prepare_niah")
+            prepare = lm_eval_module("prepare_niah")
             haystack = prepare.get_haystack
             essays = essay_haystack(tokenizer, data_dir) if TASKS[task].haystack == ESSAY_HAYSTACK else None
 

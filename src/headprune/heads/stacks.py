@@ -339,17 +339,15 @@ def site_record(model: nn.Module, mask) -> dict:
             "heads_per_stack": by_stack(model, mask.heads_per_layer())}
 
 
-STACKED_METRICS = ("magnitude", "taylor", "fisher", "lrp", "random")  # metrics that score every site
-
-
-def refuse_several_stacks(model: nn.Module, metric: str, why: str) -> None:
+def refuse_several_stacks(model: nn.Module, metric: str, why: str, allowed: list[str]) -> None:
     """A metric that reads one sequence's tokens per layer (attention maps, contexts weighted by one
-    attention mask) refuses a model with several stacks, whose sites see different sequences."""
+    attention mask) refuses a model with several stacks, whose sites see different sequences;
+    `allowed`: the metrics that score every site (scoring.stacked_metrics(), from the registry)."""
     adapter = stacked(model)
     if adapter is not None:
         raise ValueError(f"metric.name={metric!r} {why}, which is not done for a model with several attention "
                          f"stacks ({adapter.name}: {', '.join(stack_rows(model))}); allowed for it: "
-                         f"{', '.join(STACKED_METRICS)}")
+                         f"{', '.join(allowed)}")
 
 
 def check_sites(model: nn.Module, saved: list[str] | None, where: str) -> None:

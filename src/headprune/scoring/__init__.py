@@ -25,12 +25,16 @@ from headprune.scoring.taylor import taylor_importance
 class MetricInfo:
     """What a metric measures. `raw` names the raw statistic and `raw_high` says what a HIGH
     raw value suggests ("keep", "prune" or "neither"); the score a metric returns is always
-    oriented so that higher = more important. `uses` lists what scoring needs."""
+    oriented so that higher = more important. `uses` lists what scoring needs. `stacks`: the metric
+    scores every site of a model with several attention stacks (T5, Whisper, BART: tests/test_stacks.py);
+    one that reads one sequence's tokens per layer says False and calls `heads.stacks.refuse_several_stacks`,
+    whose message names the metrics with `stacks` (`stacked_metrics`)."""
 
     fn: Callable[..., torch.Tensor]
     raw: str
     raw_high: str
     uses: str
+    stacks: bool = True
 
 
 METRIC_INFO: dict[str, MetricInfo] = {
@@ -41,20 +45,26 @@ METRIC_INFO: dict[str, MetricInfo] = {
     "lrp": MetricInfo(lrp_importance, "per-layer share of the target logit's relevance (Voita et al. 2019)",
                       "keep", "one forward+backward per batch"),
     "entropy": MetricInfo(entropy_importance, "mean attention entropy over real queries; score = -entropy",
-                          "prune", "attention maps (eager), forward only"),
+                          "prune", "attention maps (eager), forward only", stacks=False),
     "confidence": MetricInfo(confidence_importance, "mean max attention weight over real queries (Voita et al.)",
-                             "keep", "attention maps (eager), forward only"),
+                             "keep", "attention maps (eager), forward only", stacks=False),
     "magnitude": MetricInfo(magnitude_importance, "L2 norm of the head's Q/K/V/O weight slices", "keep",
                             "weights only"),
     "refit_error": MetricInfo(refit_error_importance, "error the output projection's refit leaves without the unit "
                               "(grouped OBS on the contexts' Gram inverse, SlimGPT); greedy per layer", "keep",
-                              "forward only, one Gram matrix per layer"),
+                              "forward only, one Gram matrix per layer", stacks=False),
     "random": MetricInfo(random_importance, "seeded U(0, 1)", "neither", "nothing"),
     "l0_gates": MetricInfo(l0_gates_importance, "P(Hard-Concrete gate open) (Voita et al. 2019)", "keep",
-                           "gates trained in fine-tuning, else `steps` forward+backward passes"),
+                           "gates trained in fine-tuning, else `steps` forward+backward passes",
+                           stacks=False),  # not checked on several stacks
 }
 
 METRICS: dict[str, Callable[..., torch.Tensor]] = {name: info.fn for name, info in METRIC_INFO.items()}
+
+
+def stacked_metrics() -> list[str]:
+    """The metrics that score every site of a model with several attention stacks (`MetricInfo.stacks`)."""
+    return [name for name, info in METRIC_INFO.items() if info.stacks]
 
 
 def metric_name(fn: Callable) -> str | None:

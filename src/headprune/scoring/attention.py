@@ -95,8 +95,10 @@ def row_entropy(p: torch.Tensor) -> torch.Tensor:
 def _per_head_statistic(model: nn.Module, mask: HeadMask, dataloader, statistic: Callable,
                         max_batches: int | None) -> torch.Tensor:
     """Mean over examples of `statistic(p, batch) -> (B, h, T)` averaged over real queries, (layers, heads)."""
+    from headprune.scoring import stacked_metrics  # the registry imports this module
+
     refuse_several_stacks(model, "entropy/confidence", "averages attention maps over the real tokens of one "
-                          "sequence")
+                          "sequence", stacked_metrics())
     layout = head_layout(model)
     total = torch.zeros_like(mask.mask, dtype=torch.float64)
     count = 0

@@ -45,7 +45,10 @@ def refit_error_importance(model: nn.Module, mask: HeadMask, dataloader, unit: s
         raise ValueError(f"metric.unit={unit!r} is not allowed; allowed: {', '.join(UNITS)}")
     if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp >= 0:
         raise ValueError(f"metric.damp={damp!r} must be a number >= 0")
-    refuse_several_stacks(model, "refit_error", "weights each layer's contexts by one sequence's attention mask")
+    from headprune.scoring import stacked_metrics  # the registry imports this module
+
+    refuse_several_stacks(model, "refit_error", "weights each layer's contexts by one sequence's attention mask",
+                          stacked_metrics())
     sums = context_grams(model, mask, dataloader, max_batches)
     adapter = get_adapter(model)
     scores = torch.zeros(mask.num_layers, mask.num_heads, dtype=torch.float64)
