@@ -121,13 +121,18 @@ def test_each_layer_gets_its_own_rotary_embedding():
 @pytest.mark.slow
 def test_gemma_shares_are_of_the_models_own_cache():
     """collect on the Gemma set: dense holds 1.000 of dense's bytes (its own cache, sliding layers at
-    their window), kvpress's default cache (dense_full_cache) holds more, and each press's held share
-    is within 2% of the share it was asked for."""
+    their window), kvpress's default cache (dense_full_cache) holds more than 3x that, and a press that
+    removes entries holds 1 - its compression_ratio of the context on every layer, to a token."""
     collect = experiment_script("peers_kvpress/collect")
     runs = collect.load_set(HERE / "raw" / "gemma3_270m_4096")
-    table = {row["name"]: row for row in collect.rows(runs, {}, collect.outputs_of(HERE / "samples" / "gemma3_270m_4096.jsonl"))[0]}
+    expected = collect.outputs_of(HERE / "samples" / "gemma3_270m_4096.jsonl")
+    table = {row["name"]: row for row in collect.rows(runs, {}, expected)[0]}
     assert abs(table["dense"]["held_share"] - 1) < 1e-9
     assert table["dense_full_cache"]["held_share"] > 3
-    for name, row in table.items():
-        if not name.startswith(("dense", "ours")) and not row["simulated"]:
-            assert abs(row["held_share"] - row["kept"]) < 0.02 * row["kept"], name
+    presses = [name for name, row in table.items() if not name.startswith(("dense", "ours")) and not row["simulated"]]
+    assert presses
+    for name in presses:
+        per_token = runs[name]["dense_bytes_per_token"]
+        for r in runs[name]["results"]:
+            kept_tokens = r["held_bytes"] / per_token  # tokens a layer holds (every layer alike)
+            assert abs(kept_tokens - r["context_tokens"] * (1 - r["compression_ratio"])) <= 1, name
