@@ -4,7 +4,8 @@ training (`Layout.apply`: removed units physically removed, windowed units restr
 sample's context prefilled into generate()'s kind of cache (its windowed layers keep only sink +
 window), then the question and greedy tokens (run_press.decode). `held_bytes` is what the cache holds
 after the prefill (headprune.costs.kv_bytes.cache_bytes, the one counter: full units' keys and values plus the
-windowed units' kept ones), read from the cache, not priced.
+windowed units' kept ones), read from the cache, not priced; `kept` is its share of what the dense model's own
+cache holds (`native_bytes`: run_press.native_tokens, every layer's context where no layer slides).
 
     PYTHONPATH=src nice /work/main/.venv/bin/python experiments/peers_kvpress/run_ours.py \\
         --layout experiments/llm_kv_modes/results/measured_retrieval_clamped_last_layout.json \\
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_press import cache_bytes, decode, load_samples, split_prompt  # noqa: E402
+from run_press import cache_bytes, decode, load_samples, native_tokens, split_prompt  # noqa: E402
 
 
 def layout_of(path: Path):
@@ -59,7 +60,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
     from transformers.utils import logging as hf_logging
 
-    from headprune.costs.kv_bytes import cache_bytes as counted_bytes, model_bytes
+    from headprune.costs.kv_bytes import cache_bytes as counted_bytes
 
     hf_logging.disable_progress_bar()
     start = time.time()
@@ -67,11 +68,11 @@ def main() -> None:
     runs = []
     for spec, name, layout in zip(args.layout, args.name, layouts):
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()
+        config = model.config  # the dense model's (read before the layout removes anything)
+        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
+        layer_token = per_token // config.num_hidden_layers  # one layer's K + V bytes a token
         if layout is not None:
             layout.apply(model)
-        config = model.config
-        dense = [["full"] * config.num_key_value_heads] * config.num_hidden_layers  # every unit full: the dense price
-        per_token = sum(model_bytes(model, 1, modes=dense))  # K + V bytes one token adds (float32)
         record = {"press": name, "layout": spec, "kept": None, "samples_file": str(args.samples), "model": str(args.model),
                   "threads": args.threads, "versions": {n: version(n) for n in ("torch", "transformers")},
                   "python": platform.python_version(), "dense_bytes_per_token": per_token, "prefill": "its own",
@@ -79,7 +80,7 @@ def main() -> None:
         if layout is not None:
             record["layout_modes"] = {m: sum(layer.count(m) for layer in layout.modes) for m in ("full", "window", "removed")}
             record["window"] = {"sink": layout.sink, "window": layout.window}
-        runs.append((name, layout, model, per_token, record))
+        runs.append((name, layout, model, per_token, layer_token, record))
     rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     args.out.mkdir(parents=True, exist_ok=True)
     for i, sample in enumerate(samples):
@@ -87,7 +88,7 @@ def main() -> None:
         context_ids = tokenizer.encode(context, return_tensors="pt", add_special_tokens=False)
         question_ids = tokenizer.encode(question, return_tensors="pt", add_special_tokens=False)
         n = int(context_ids.shape[1])
-        for name, layout, model, per_token, record in runs:
+        for name, layout, model, per_token, layer_token, record in runs:
             begin = time.perf_counter()
             with torch.no_grad():
                 cache = DynamicCache(config=model.config)
@@ -96,13 +97,14 @@ def main() -> None:
                 held = counted_bytes(cache)
                 lengths = cache_bytes(cache)[1] if layout is None else None
                 result = {"task": sample["task"], "index": sample["index"], "context_tokens": n,
+                          "native_bytes": native_tokens(model.config, n) * layer_token,
                           "question_tokens": int(question_ids.shape[1]), "compression_ratio": 1 - held / (n * per_token),
                           "held_bytes": held, "cache_tokens_per_layer": lengths, "masked_entries": 0}
                 result.update(decode(model, tokenizer, sample, n, question_ids, cache, [None] * len(model.model.layers)))
             result.update(prefill_s=round(prefill_s, 2), decode_s=round(time.perf_counter() - begin - prefill_s, 2))
             record["results"].append(result)
             record.update(kept=round(sum(r["held_bytes"] for r in record["results"])
-                                     / sum(r["context_tokens"] * per_token for r in record["results"]), 4),
+                                     / sum(r["native_bytes"] for r in record["results"]), 4),
                           wall_s=round(time.time() - start, 1), done=i + 1, of=len(samples),
                           ru_maxrss_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                           rss_after_load_kib=rss_after_load, loadavg=list(os.getloadavg()))

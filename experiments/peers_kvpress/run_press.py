@@ -105,6 +105,50 @@ class _Frame:
         return self.frame
 
 
+def native_tokens(config, context: int) -> int:
+    """Tokens over all layers the model's own cache (transformers' DynamicCache(config=...)) holds
+    after a prefill of `context` tokens: a sliding layer (Gemma 3's, `layer_types`) keeps its last
+    sliding_window - 1, every other layer all `context`."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    return sum(min(context, window - 1) if kind == "sliding_attention" and window else context for kind in types)
+
+
+def press_kept(kept: float, kept_of: str, config, context_tokens: float) -> float:
+    """The share of the context's entries (every layer at `context_tokens`, kvpress's compression_ratio
+    basis) a press keeps so that it holds `kept` of `kept_of`'s bytes: `context` (every layer holding
+    the whole context) or `native` (what the model's own cache holds: `native_tokens`)."""
+    if kept_of == "context" or kept == 1.0:
+        return kept
+    layers = config.num_hidden_layers
+    return round(kept * native_tokens(config, round(context_tokens)) / (layers * context_tokens), 6)
+
+
+def layer_rotary(model, attention):
+    """The rotary embedding a press calls as `module.rotary_emb(x, position_ids)`: the model's, bound to
+    the layer's type where the model has one per type (Gemma 3 in transformers 5.2 takes
+    `layer_type`, and kvpress 0.5.5 passes none: AttributeError 'None_inv_freq')."""
+    import functools
+    import inspect
+
+    rotary = model.model.rotary_emb
+    kind = getattr(attention, "layer_type", None)
+    if kind is not None and "layer_type" in inspect.signature(rotary.forward).parameters:
+        return functools.partial(rotary, layer_type=kind)
+    return rotary
+
+
+def native_cache(model, cache):
+    """`cache`'s keys and values in the model's own cache (DynamicCache(config=...)), which keeps a
+    sliding layer's last window only: what the dense model holds when run as transformers runs it."""
+    from transformers import DynamicCache
+
+    native = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        native.update(layer.keys, layer.values, i)
+    return native
+
+
 def cache_bytes(cache) -> tuple[int, list[int]]:
     """(bytes of the cache's key and value tensors, tokens per layer)."""
     total, lengths = 0, []
@@ -115,14 +159,17 @@ def cache_bytes(cache) -> tuple[int, list[int]]:
     return total, lengths
 
 
-def prefill(model, context_ids, presses: dict) -> dict:
+def prefill(model, context_ids, presses: dict, native: bool = False) -> dict:
     """One prefill of `context_ids`; {config: (cache, masked key indices per layer, compression_ratio)}.
 
     A single press (or dense: None) runs as kvpress runs it (`with press(model)`). Several presses
     share one prefill: kvpress compresses a layer's cache in a hook after that layer's attention has
     used the full keys, so the prefill's hidden states do not depend on the press, and each press's
     `compress` is called on the same layer inputs it would see alone (its `post_init_from_model`
-    first, as its `__call__` does); the dense cache is kept as config "dense"."""
+    first, as its `__call__` does); the dense cache is kept as config "dense" (with `native`, moved into
+    the model's own cache, `native_cache`, and the prefill's cache kept as "dense_full_cache": every
+    layer's every token, what kvpress's pipeline holds with its default DynamicCache()). Each layer's
+    `rotary_emb` is `layer_rotary`'s."""
     from transformers import DynamicCache
 
     layers = model.model.layers
@@ -153,7 +200,7 @@ def prefill(model, context_ids, presses: dict) -> dict:
     hooks = []
     try:
         for layer in layers:
-            layer.self_attn.rotary_emb = model.model.rotary_emb  # as BasePress.__call__ sets it
+            layer.self_attn.rotary_emb = layer_rotary(model, layer.self_attn)  # as BasePress.__call__ sets it
             hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
         dense = DynamicCache()
         model.model(input_ids=context_ids, past_key_values=dense)
@@ -167,7 +214,9 @@ def prefill(model, context_ids, presses: dict) -> dict:
             cache.update(k, v, i)
         out[key] = (cache, m_out, float(presses[key].compression_ratio))
     if "dense" in presses:
-        out["dense"] = (dense, [None] * len(layers), 0.0)
+        out["dense"] = (native_cache(model, dense) if native else dense, [None] * len(layers), 0.0)
+    if "dense_full_cache" in presses:
+        out["dense_full_cache"] = (dense, [None] * len(layers), 0.0)
     return out
 
 
@@ -197,7 +246,7 @@ def decode(model, tokenizer, sample: dict, context_tokens: int, question_ids, ca
             "first_token_top5": {"ids": top.indices.tolist(), "logits": [round(v, 5) for v in top.values.tolist()]}}
 
 
-def answer(model, tokenizer, sample: dict, presses: dict) -> dict:
+def answer(model, tokenizer, sample: dict, presses: dict, native: bool = False) -> dict:
     """{config: the sample's record under that press}: one prefill, one decode per config."""
     context, question = split_prompt(sample)
     context_ids = tokenizer.encode(context, return_tensors="pt", add_special_tokens=False)
@@ -205,15 +254,17 @@ def answer(model, tokenizer, sample: dict, presses: dict) -> dict:
     n = int(context_ids.shape[1])
     start = time.perf_counter()
     with torch.no_grad():
-        caches = prefill(model, context_ids, presses)
+        caches = prefill(model, context_ids, presses, native)
         prefill_s = time.perf_counter() - start
         out = {}
-        for key in presses:  # dense last when shared: the others' caches were copied out of the hooks
+        for key in presses:  # dense (and dense_full_cache) last when shared: the others' caches were copied out of the hooks
             cache, masked, ratio = caches[key]
             held, lengths = cache_bytes(cache)
             entries = sum(int(m[0].numel()) for m in masked if m is not None)
             begin = time.perf_counter()
             record = {"task": sample["task"], "index": sample["index"], "context_tokens": n,
+                      "native_bytes": native_tokens(model.config, n) * 2 * model.config.num_key_value_heads
+                      * model.config.head_dim * 4,
                       "question_tokens": int(question_ids.shape[1]), "compression_ratio": ratio, "held_bytes": held,
                       "cache_tokens_per_layer": lengths, "masked_entries": entries}
             record.update(decode(model, tokenizer, sample, n, question_ids, cache, masked))
@@ -266,6 +317,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tasks", nargs="*", default=None, help="only these tasks (default: every task in the file)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many samples per task")
+    parser.add_argument("--kept-of", choices=("context", "native"), default="context",
+                        help="what --kept is a share of: every layer holding the whole context (kvpress's compression_ratio), "
+                             "or the bytes the model's own cache holds (native: a sliding layer holds its window; "
+                             "the press is asked for the share of the context that holds as many bytes; the dense row "
+                             "holds the model's own cache, and dense_full_cache kvpress's default one)")
     parser.add_argument("--duo-corpus", type=Path, default=None, help="local text for DuoAttention's on-the-fly head scores")
     args = parser.parse_args()
     for kept in args.kept:
@@ -285,9 +341,17 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="sdpa").eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     rss_after_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    context_tokens = max(len(tokenizer.encode(split_prompt(s)[0], add_special_tokens=False)) for s in samples)
-    presses = {f"{press}_{kept:g}": make_press(press, kept, context_tokens, args.duo_corpus) for press, kept in configs}
+    lengths = [len(tokenizer.encode(split_prompt(s)[0], add_special_tokens=False)) for s in samples]
+    context_tokens, mean_tokens = max(lengths), sum(lengths) / len(lengths)
+    native = args.kept_of == "native"
+    if native and len(configs) < 2:
+        parser.error("--kept-of native runs the shared prefill: give dense and at least one press")
+    asked = {(press, kept): press_kept(kept, args.kept_of, model.config, mean_tokens) for press, kept in configs}
+    presses = {f"{press}_{kept:g}": make_press(press, asked[press, kept], context_tokens, args.duo_corpus)
+               for press, kept in configs}
     presses = {("dense" if key.startswith("dense") else key): press for key, press in presses.items()}
+    if native and "dense" in presses:
+        presses["dense_full_cache"] = None
     config = model.config
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # float32 K + V
     versions = {}
@@ -297,8 +361,9 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - not installed in this venv
             versions[name] = None
     shared = len(presses) > 1
-    records = {key: {"press": key.rsplit("_", 1)[0] if key != "dense" else "dense",
-                     "kept": 1.0 if key == "dense" else float(key.rsplit("_", 1)[1]),
+    records = {key: {"press": key.rsplit("_", 1)[0] if not key.startswith("dense") else key,
+                     "kept": 1.0 if key.startswith("dense") else float(key.rsplit("_", 1)[1]), "kept_of": args.kept_of,
+                     "press_kept": 1.0 if key.startswith("dense") else asked[key.rsplit("_", 1)[0], float(key.rsplit("_", 1)[1])],
                      "press_repr": repr(press), "prefill": "shared with " + ", ".join(k for k in presses if k != key)
                      if shared else "its own (with press(model))", "samples_file": str(args.samples),
                      "model": str(args.model), "threads": args.threads, "versions": versions,
@@ -306,7 +371,7 @@ def main() -> None:
                for key, press in presses.items()}
     args.out.mkdir(parents=True, exist_ok=True)
     for i, sample in enumerate(samples):
-        answers = answer(model, tokenizer, sample, presses)
+        answers = answer(model, tokenizer, sample, presses, native)
         for key, record in records.items():
             record["results"].append(answers[key])
             record.update(wall_s=round(time.time() - start, 1), done=i + 1, of=len(samples),
