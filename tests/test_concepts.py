@@ -16,10 +16,12 @@ NUMBERS = {5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine"}
 
 def decisions() -> set[str]:
     """The typed groups (schema/<group>/ or schema/<group>.yaml) but evaluation (what is measured
-    after, not a decision of the pruning) and data (its one decision: data.calibration)."""
+    after, not a decision of the pruning), data (its one decision: data.calibration) and bench
+    (headprune-bench's own settings, bench/config.py, stored in the same ConfigStore once a test
+    of it has run)."""
     register_schemas()
     schema = ConfigStore.instance().repo["schema"]
-    groups = {name.removesuffix(".yaml") for name in schema} - {"evaluation", "data"}
+    groups = {name.removesuffix(".yaml") for name in schema} - {"evaluation", "data", "bench"}
     assert "self_calibration.yaml" in schema["data"]  # data.calibration's typed settings
     return groups | {"data.calibration"}
 
