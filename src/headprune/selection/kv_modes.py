@@ -12,6 +12,12 @@ What a unit is worth, three ways:
   first `samples` calibration blocks, which must be at least `budget.seq` tokens long (a window's
   cost shows only at long range). Full is worth the removal rise, windowed the removal rise
   minus the window rise, removed 0: the knapsack keeps the layout with the least summed rise.
+  When no option the knapsack may take removes a unit (`removal=last` with every unit windowed
+  fitting, or caps that forbid removal), only the window rises are measured (half the probes):
+  every option then keeps every unit, so each layer's value is the summed removal rises minus
+  its windowed units' window rises, and the removal rises add the same constant to every option;
+  full is worth the window rise and windowed 0 instead, which differ from the three-way values by
+  that constant only (`removal_unused`; the report's `measured_modes` says which were measured).
   `retrieval_blocks` adds that many synthetic retrieval blocks (random tokens repeating with a
   period longer than sink + window, as `retrieval` reads, seeds 1, 2, ...; only the repeated part
   is scored): natural text rarely needs a token from thousands back, so on it alone the rises miss
@@ -278,26 +284,35 @@ class KVModes:
             return layout, report
         units = kv_group_heads(model)
         batches = calibration_batches(loader, mask.mask.device, self.samples, max_batches)
+        choices, windows_fit = mode_choices(costs, units, layer_policy.caps(mask.alive()), share, self.removal,
+                                            self.granularity)
         if self.choice == "measured":
             task = task_for(model, task)
-            removed_rise, window_rise, base = measured_rises(model, mask, batches, units, self.sink, self.window, task)
+            modes = (WINDOW,) if removal_unused(choices, len(units)) else (REMOVED, WINDOW)
+            removed_rise, window_rise, base = measured_rises(model, mask, batches, units, self.sink, self.window, task,
+                                                             modes)
             extra = retrieval_batches(model.config, int(batches[0]["input_ids"].shape[1]), self.sink, self.window,
                                       self.retrieval_blocks, mask.mask.device)
-            measured = {}
+            measured = {"measured_modes": list(modes)}
             if extra:
-                rises = measured_rises(model, mask, extra, units, self.sink, self.window, task)
+                rises = measured_rises(model, mask, extra, units, self.sink, self.window, task, modes)
                 scored = scored_targets(batches, task), scored_targets(extra, task)
-                measured = {"calibration": {"base_loss": base, "removed_rise": removed_rise, "window_rise": window_rise,
-                                            "targets": scored[0]},
-                            "retrieval": {"base_loss": rises[2], "removed_rise": rises[0], "window_rise": rises[1],
-                                          "targets": scored[1]},
-                            "retrieval_period": retrieval_period(int(extra[0]["input_ids"].shape[1]), self.sink,
-                                                                 self.window)}
-                removed_rise = with_retrieval(removed_rise, rises[0], *scored)
+                measured.update(calibration={"base_loss": base, "removed_rise": removed_rise, "window_rise": window_rise,
+                                             "targets": scored[0]},
+                                retrieval={"base_loss": rises[2], "removed_rise": rises[0], "window_rise": rises[1],
+                                           "targets": scored[1]},
+                                retrieval_period=retrieval_period(int(extra[0]["input_ids"].shape[1]), self.sink,
+                                                                  self.window))
+                if removed_rise is not None:
+                    removed_rise = with_retrieval(removed_rise, rises[0], *scored)
                 window_rise = with_retrieval(window_rise, rises[1], *scored)
                 base = (scored[0] * base + scored[1] * rises[2]) / (scored[0] + scored[1])
-            full = removed_rise
-            windowed = [[r - w for r, w in zip(rs, ws)] for rs, ws in zip(removed_rise, window_rise)]
+            if removed_rise is None:  # every option keeps every unit: only the window rises tell options apart
+                full = window_rise
+                windowed = [[0.0] * len(ws) for ws in window_rise]
+            else:
+                full = removed_rise
+                windowed = [[r - w for r, w in zip(rs, ws)] for rs, ws in zip(removed_rise, window_rise)]
             measured.update(base_loss=base, removed_rise=removed_rise, window_rise=window_rise)
         else:
             mass = attention_mass(model, batches, units, self.sink, self.window)
@@ -313,8 +328,6 @@ class KVModes:
                 lost = [[max(m, r) for m, r in zip(ms, rs)] for ms, rs in zip(mass, retrieval)]
                 measured.update(retrieval=retrieval, retrieval_period=period)
             windowed = [[f * (1.0 - m) for f, m in zip(fs, ms)] for fs, ms in zip(full, lost)]
-        choices, windows_fit = mode_choices(costs, units, layer_policy.caps(mask.alive()), share, self.removal,
-                                            self.granularity)
         layout, report = allocate_modes(full, windowed, costs, share, self.sink, self.window, choices=choices)
         report["all_windowed_fits"] = windows_fit
         report["kv_modes"] = {**self.record(), "tokens": sum(int(b["input_ids"].numel()) for b in batches),
@@ -415,6 +428,12 @@ def mode_choices(costs: LayerCosts, units: list[list[int]], caps: list[int], sha
     return choices, windows_fit
 
 
+def removal_unused(choices: list[list[tuple[int, int]]], n_units: int) -> bool:
+    """Whether every option of `choices` (units full, units windowed) keeps all `n_units` units:
+    then no removal rise can change the knapsack's choice (module docstring, `measured`)."""
+    return all(sum(k) == n_units for ks in choices for k in ks)
+
+
 def all_windowed_fits(costs: LayerCosts, n_units: int, share: float) -> bool:
     """Whether every unit of every layer windowed costs at most `share` of the dense cost (False
     when a layer's table has no option keeping all its units)."""
@@ -432,17 +451,21 @@ def unit_values(scores: torch.Tensor, units: list[list[int]]) -> list[list[float
 
 @torch.no_grad()
 def measured_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units: list[list[int]], sink: int,
-                   window: int, task: Task = CAUSAL_LM) -> tuple[list[list[float]], list[list[float]], float]:
+                   window: int, task: Task = CAUSAL_LM, modes: tuple[str, ...] = (REMOVED, WINDOW)
+                   ) -> tuple[list[list[float]] | None, list[list[float]], float]:
     """(removal rise, window rise, base loss): per layer and unit, the calibration loss (next-token,
     a causal LM's) of the model with that unit alone removed / windowed, minus the loss with every
     unit as `mask` has it (`selection.unit_probes`: blocks before the unit carried, a layer's probes
-    batched, the head in chunks)."""
+    batched, the head in chunks). `modes`: what is probed; the removal rise is None without
+    `removed` (the window rise is always measured)."""
     from headprune.selection.unit_probes import unit_rises
 
     if task is not CAUSAL_LM:
         raise ValueError(f"kv_modes=measured measures a causal LM's next-token loss; got task {task.name}")
-    rises, base = unit_rises(model, mask, batches, units, sink, window, (REMOVED, WINDOW))
-    return rises[REMOVED], rises[WINDOW], base
+    if WINDOW not in modes:
+        raise ValueError(f"kv_modes=measured always measures the window rise; got modes {modes}")
+    rises, base = unit_rises(model, mask, batches, units, sink, window, modes)
+    return rises.get(REMOVED), rises[WINDOW], base
 
 
 def scored_targets(batches: list[dict], task: Task) -> float:
