@@ -9,7 +9,9 @@ per layer and unit. The rises do not depend on the budget or the granularity: on
 `mode_choices(..., removal="last", granularity=...)` and `allocate_modes` over SmolLM2-135M's KV mode table
 give the layout at any target and granularity; the arms layer_given, layer_given_85 and layer_given_sink0
 evaluate the layer-granular ones (kv_modes=given). As a check the script first derives the unit-granular
-layout at the run's own target and refuses to write anything unless it equals the run's recorded layout.
+layout at the run's own target and refuses to write anything unless it equals the run's recorded layout, and
+says whether at 85% removed it gives measured_retrieval_clamped_85_last's (the unit arm layer_given_85 is read
+against; it does).
 layer_given_sink0 is layer_given's choice evaluated with a window of the last 512 tokens and no sink (the same
 bytes as 64 + 448): its rises were measured with the sink, so it is that layout without sinks, not the
 choice a sink-free measurement would make.
@@ -67,6 +69,9 @@ def main() -> None:
     if check != recorded:
         raise SystemExit(f"{SOURCE}: its values do not give back its own layout at unit granularity; nothing written")
     print("unit granularity at the run's target gives back", SOURCE.name, "'s layout")
+    at_85 = json.loads((HERE / "results" / "measured_retrieval_clamped_85_last_layout.json").read_text())
+    same = derive(folder, 0.15, "unit")["final"]["kv_layout"] == at_85["final"]["kv_layout"]
+    print("unit granularity at 0.15 gives measured_retrieval_clamped_85_last's layout (the 85% unit arm):", same)
     for arm, args in OUT.items():
         out = derive(folder, *args)
         path = HERE / "results" / f"{arm}_layout.json"
