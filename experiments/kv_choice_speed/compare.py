@@ -13,6 +13,12 @@ the old head + Task.loss, the new chunked head. Writes --out (JSON) with `uptime
 
     OMP_NUM_THREADS=2 nice python experiments/kv_choice_speed/compare.py --layers 28 29 \
         --out experiments/kv_choice_speed/compare.json
+    OMP_NUM_THREADS=2 nice python experiments/kv_choice_speed/compare.py --layers 28 29 --modes window \
+        --out experiments/kv_choice_speed/compare_window.json
+
+`--modes window`: the window probes alone, what kv_modes=measured_retrieval measures under removal=last
+while every unit windowed fits (selection/kv_modes.removal_unused); block times on 3 rows too (a layer's
+window probes stacked).
 """
 from __future__ import annotations
 
@@ -109,6 +115,8 @@ def unit_times(model, batch):
 
     timed("block_1_row", lambda: run_block(model, 15, inputs, inputs.hidden))
     timed("block_6_rows", lambda: run_block(model, 15, six, six.hidden))
+    three = stacked_inputs(inputs, 3)
+    timed("block_3_rows", lambda: run_block(model, 15, three, three.hidden))
     hidden = inputs.hidden
 
     def old_head():
@@ -127,13 +135,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, nargs="+", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--modes", choices=["both", "window"], default="both",
+                        help="probe both modes (removed, window) or the window alone")
     parser.add_argument("--old", action="store_true", help="also rerun the old implementation (hours under load)")
     args = parser.parse_args()
     from headprune.heads.mask import HeadMask
     from headprune.heads.surgery import kv_group_heads
     from headprune.selection.unit_probes import unit_rises
 
-    record = {"layers": args.layers, "threads": torch.get_num_threads(), "uptime_start": uptime(),
+    modes = ("removed", "window") if args.modes == "both" else ("window",)
+    if args.old and args.modes != "both":
+        parser.error("--old reruns both modes; use --modes both")
+    record = {"layers": args.layers, "modes": list(modes), "threads": torch.get_num_threads(), "uptime_start": uptime(),
               "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
                                        text=True).stdout.strip(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     model, calibration, extra = blocks_of_the_experiment()
@@ -143,14 +156,14 @@ def main() -> None:
     record["unit_times"] = unit_times(model, calibration)
     for name, batch in (("calibration", calibration), ("retrieval", extra)):
         start = time.perf_counter()
-        rises, base = unit_rises(model, mask, [batch], units, 64, 448, layers=set(args.layers))
+        rises, base = unit_rises(model, mask, [batch], units, 64, 448, modes, layers=set(args.layers))
         new_seconds = time.perf_counter() - start
         part = {"new_seconds": round(new_seconds, 3), "base_loss": {"new": base, "committed": reference[name]["base_loss"]},
                 "layers": {}}
         for layer in args.layers:
-            part["layers"][str(layer)] = {
-                "removed_rise": {"new": rises["removed"][layer], "committed": reference[name]["removed_rise"][layer]},
-                "window_rise": {"new": rises["window"][layer], "committed": reference[name]["window_rise"][layer]}}
+            part["layers"][str(layer)] = {f"{mode}_rise": {"new": rises[mode][layer],
+                                                           "committed": reference[name][f"{mode}_rise"][layer]}
+                                          for mode in modes}
         pairs = [("new", "committed")]
         if args.old:
             start = time.perf_counter()

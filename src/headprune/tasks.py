@@ -141,6 +141,11 @@ class Task:
         """(B,) the loss of each example."""
         raise NotImplementedError
 
+    def model_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """(B,) `loss` of the model's forward on `batch` (the gradient metrics' loss); a task may
+        compute it without materialising every logit (CausalLM: `lm_head_chunks`)."""
+        return self.loss(forward_logits(model, batch), batch)
+
     def weights(self, batch: dict) -> torch.Tensor:
         """(B,) what each example's loss counts for in a mean over the data (its examples or tokens)."""
         raise NotImplementedError
@@ -217,6 +222,16 @@ class CausalLM(Task):
         token_loss = F.cross_entropy(self.positions(logits).float().transpose(1, 2), targets, reduction="none",
                                      ignore_index=-100)  # (B, T-1)
         return self.per_example(token_loss, batch)
+
+    def model_loss(self, model: nn.Module, batch: dict) -> torch.Tensor:
+        """`loss` with the output head run on chunks of positions when the (B, T, vocab) logits are
+        large (`lm_head_chunks`: Gemma 3's 262k vocabulary at 4096 tokens is 4.3 GB of them); the
+        same numbers otherwise."""
+        from headprune.lm_head_chunks import chunked_token_loss
+
+        inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        token_loss = chunked_token_loss(model, inputs, batch.get("labels", batch["input_ids"])[:, 1:])  # (B, T-1)
+        return super().model_loss(model, batch) if token_loss is None else self.per_example(token_loss, batch)
 
     def weights(self, batch: dict) -> torch.Tensor:
         return target_counts(batch)

@@ -26,7 +26,7 @@ from torch import nn
 from headprune.distributed import all_reduce_sum, rank_and_world
 from headprune.heads.hard_concrete import HardConcreteGates
 from headprune.heads.mask import HeadMask
-from headprune.tasks import Task, forward_logits, task_for, to_device
+from headprune.tasks import Task, task_for, to_device
 from headprune.scoring.reduce import finish_scores, scoring_mode
 
 
@@ -53,7 +53,7 @@ def train_gates(model: nn.Module, mask: HeadMask, dataloader, steps: int = 100, 
         with scoring_mode(model), gates.sampling(generator):
             for step in range(int(steps)):
                 batch = to_device(batches[step % len(batches)], device)
-                loss = task.loss(forward_logits(model, batch), batch).mean()
+                loss = task.model_loss(model, batch).mean()
                 loss = loss + penalty * gates.expected_l0()
                 (grad,) = torch.autograd.grad(loss, [gates.log_alpha])
                 gates.log_alpha.grad = all_reduce_sum(grad) / rank_and_world()[1]  # one set of gates on every rank

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from headprune.heads.mask import HeadMask
-from headprune.tasks import Task, batch_size, forward_logits, task_for, to_device
+from headprune.tasks import Task, batch_size, task_for, to_device
 
 
 @contextmanager
@@ -61,6 +61,6 @@ def per_example_gate_grads(model: nn.Module, mask: HeadMask, dataloader, max_bat
                 break
             batch = to_device(batch, mask.mask.device)
             with mask.differentiable_gates(batch_size(batch)) as gates:  # (B, L, H)
-                loss = task.loss(forward_logits(model, batch), batch).sum()
+                loss = task.model_loss(model, batch).sum()
                 (grad,) = torch.autograd.grad(loss, gates)
             yield grad.detach().double()

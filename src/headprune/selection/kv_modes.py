@@ -291,9 +291,10 @@ class KVModes:
         offered = {"mask": lambda: mask, "task": lambda: task_for(model, task),
                    "unit_scores": lambda: unit_values(layer_policy.unit_scores(scores, mask.alive()), units),
                    "unit_value": lambda: self.unit_value, "retrieval_blocks": lambda: self.retrieval_blocks}
-        full, windowed, measured = value_units(self.choice, model, batches, units, self.sink, self.window, offered)
         options, windows_fit = mode_choices(costs, units, layer_policy.caps(mask.alive()), share, self.removal,
                                             self.granularity)
+        offered["removal_used"] = lambda: not removal_unused(options, len(units))
+        full, windowed, measured = value_units(self.choice, model, batches, units, self.sink, self.window, offered)
         layout, report = allocate_modes(full, windowed, costs, share, self.sink, self.window, choices=options)
         report["all_windowed_fits"] = windows_fit
         report["kv_modes"] = {**self.record(), "tokens": sum(int(b["input_ids"].numel()) for b in batches),
@@ -328,6 +329,12 @@ def mode_choices(costs: LayerCosts, units: list[list[int]], caps: list[int], sha
     if removal == "last" and windows_fit:
         choices = [[k for k in ks if sum(k) == len(units)] for ks in choices]
     return choices, windows_fit
+
+
+def removal_unused(choices: list[list[tuple[int, int]]], n_units: int) -> bool:
+    """Whether every option of `choices` (units full, units windowed) keeps all `n_units` units:
+    then no removal rise can change the knapsack's choice (`selection.measured_values`)."""
+    return all(sum(k) == n_units for ks in choices for k in ks)
 
 
 def all_windowed_fits(costs: LayerCosts, n_units: int, share: float) -> bool:

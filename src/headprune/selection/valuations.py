@@ -11,7 +11,9 @@ the values (floats, higher = keep); `measured`: a dict of what it measured, reco
 `budget.kv_modes` (results.json). Keyword parameters are given by name, only those the function
 declares (`OFFERED`): `mask` (the run's HeadMask), `task` (the run's Task), `unit_scores` (per
 layer and unit the metric's scores summed over the unit's heads as the layer policy ranks them,
-shifted to be >= 0), and the `kv_modes.unit_value` / `kv_modes.retrieval_blocks` settings (a
+shifted to be >= 0), `removal_used` (False when no option the knapsack may take removes a unit:
+removal=last with every unit windowed fitting, or caps forbidding removal; a valuation may then skip
+measuring removal), and the `kv_modes.unit_value` / `kv_modes.retrieval_blocks` settings (a
 valuation that does not declare one refuses a non-default value of it, before any work).
 `check(settings, block_size)` refuses, before any work, blocks it cannot measure on.
 
@@ -30,7 +32,7 @@ from headprune.selection.attention_values import check_retrieval, mass_values, r
 from headprune.selection.measured_values import check_measured, measured
 
 # keyword parameters a valuation may declare, and the kv_modes setting's value that means "unused"
-OFFERED = ("mask", "task", "unit_scores", "unit_value", "retrieval_blocks")
+OFFERED = ("mask", "task", "unit_scores", "unit_value", "retrieval_blocks", "removal_used")
 SETTINGS = {"unit_value": "metric", "retrieval_blocks": 0}
 RESERVED = ("none", "given")  # kv_modes choices that are no valuation: removal only; an earlier run's layout
 
