@@ -50,3 +50,12 @@ def test_committed_tables_are_what_collect_renders_of_the_raw_files(name):
     for page, quoted in QUOTED.get(name, {}).items():
         for file in quoted:
             assert files[file] in (REPO / page).read_text(), (page, file)
+
+
+def test_the_layer_granularity_table_is_its_raw_files():
+    """experiments/llm_kv_modes/README.md's "Layer granularity" table is layer_table.py's output
+    from results/<arm>.json, every arm it names run."""
+    lines, missing = experiment_script("llm_kv_modes/layer_table").table()
+    assert not missing
+    readme = (EXPERIMENTS / "llm_kv_modes" / "README.md").read_text()
+    assert "\n".join(lines) in readme

@@ -41,7 +41,8 @@ def row(arm: str, data: dict, dense: dict, unit_ts: float | None) -> str:
             f"{'' if ruler_mean is None else f'{ruler_mean:.2f}'} | {gap} |")
 
 
-def main() -> None:
+def table() -> tuple[list[str], list[str]]:
+    """(the table's markdown lines, the arms without a raw file)."""
     dense = json.loads((HERE / "results" / "dense.json").read_text())["evaluation"]["dense"]
     lines = ["| arm | granularity | sink+window | full/windowed/removed | KV kept | TS ppl (vs dense) | "
              "SST-2 ppl (vs dense) | passkey | RULER mean | TS gap layer - unit |", "|" + "---|" * 10,
@@ -64,6 +65,11 @@ def main() -> None:
                 lines.append(row(arm, json.loads(path.read_text()), dense, unit_ts))
             else:
                 missing.append(arm)
+    return lines, list(dict.fromkeys(missing))
+
+
+def main() -> None:
+    lines, missing = table()
     print("\n".join(lines))
     if missing:
         print("\nnot run yet:", ", ".join(dict.fromkeys(missing)))
