@@ -49,6 +49,36 @@ def test_a_layer_attending_to_every_token_may_still_window_its_units():
         assert torch.isfinite(model(torch.arange(3, 43).unsqueeze(0)).logits).all()
 
 
+def test_measured_probes_window_no_unit_of_a_natively_sliding_layer():
+    """kv_modes=measured's probes (selection.unit_probes) on Gemma 3: a sliding layer's units are
+    probed removed only (windowing one raised in KVLayout.check, as on Gemma-3-270M), their window rise
+    0; the layer attending to every token has both rises measured. Seen failing with the skip removed."""
+    from headprune.heads.mask import HeadMask
+    from headprune.selection.measured_values import measured_rises
+
+    model = _model("gemma3_text")
+    mask = HeadMask.for_model(model)
+    batch = {"input_ids": torch.randint(3, 100, (1, SEQ), generator=torch.Generator().manual_seed(1))}
+    removed, windowed, _ = measured_rises(model, mask, [batch], [[0, 1], [2, 3]], SINK, WINDOW)
+    assert [w == [0.0, 0.0] for w in windowed] == [True, False, True]
+    assert all(r != 0.0 for layer in removed for r in layer)
+
+
+def test_gemma3s_own_from_pretrained_refuses_a_windowed_export_naming_load_pruned(tmp_path):
+    """Issue 56.3 on the named sliding family: Gemma3ForCausalLM.from_pretrained (which only warns on
+    the export's model_type) fails quoting headprune.load_pruned; load_pruned gives the windows back."""
+    from headprune.deploy.hf import load_pruned, save_pruned
+
+    model = _model("gemma3_text")
+    apply_kv_layout(model, KVLayout((("full", "full"), ("window", "full"), ("full", "full")), SINK, WINDOW))
+    save_pruned(model, tmp_path / "windowed")
+    with pytest.raises(Exception, match=r"headprune\.load_pruned"):
+        tf.Gemma3ForCausalLM.from_pretrained(tmp_path / "windowed")
+    ids = torch.arange(3, 43).unsqueeze(0)
+    with torch.no_grad():
+        assert torch.equal(load_pruned(tmp_path / "windowed").eval()(ids).logits, model(ids).logits)
+
+
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def sliding_dir(request, tmp_path_factory):
     """A config-only tiny model of the family with the byte tokenizer, for `model.pretrained`."""
@@ -61,16 +91,19 @@ def sliding_dir(request, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_run_exports_a_model_whose_forward_and_generate_run(sliding_dir, tmp_path, data_dir):
+@pytest.mark.parametrize("chooser", ["attention_mass", "measured_retrieval"])
+def test_a_run_exports_a_model_whose_forward_and_generate_run(sliding_dir, chooser, tmp_path, data_dir):
     """Half of the KV bytes at seq 32: no unit of a sliding layer windowed (its 12 tokens would
     cost more than a window's 8, so a table offering it would pick it), units removed instead.
-    The export's plain forward and generate() equal the dense model with the layout applied."""
+    The export's plain forward and generate() equal the dense model with the layout applied. The
+    measured chooser (the experiment's default) once probed a sliding layer's unit windowed and
+    failed (tests above)."""
     from headprune.deploy.hf import load_pruned
     from headprune.models.build import build_model
     from tests.test_kv_modes import greedy_by_full_forwards
 
     family, folder = sliding_dir
-    res = run(compose_train(tmp_path, data_dir, *kv_modes_cli(folder, SINK, WINDOW, "kv_modes=attention_mass",
+    res = run(compose_train(tmp_path, data_dir, *kv_modes_cli(folder, SINK, WINDOW, f"kv_modes={chooser}",
                                                                "model.attn_implementation=sdpa", seq=SEQ)))
     layout = KVLayout.from_json(res["final"]["kv_layout"])
     natives = native_windows(CONFIGS[family]())

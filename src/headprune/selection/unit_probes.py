@@ -19,6 +19,10 @@ What is not repeated:
   SmolLM2 the whole-block logits and `Task.loss`'s class-major cross-entropy cost as much as
   ten blocks), and skipped where no token is scored (the first copy of a retrieval block).
 
+A layer that slides its own window (Gemma 3's sliding layers, Mistral's `sliding_window`:
+`heads.sliding`) is never windowed again (`costs.tables.mode_options` offers its units full or
+removed), so its units are not probed windowed: their window rise is 0.
+
 The loss is the causal LM's per-token mean over the next-token targets of every block
 (`tasks.target_weights`), as `selection.measured.Probe.loss` reads it; the rises equal the
 whole-model measurement's to float rounding (tests/test_kv_modes_pipeline.py keeps that
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headprune.heads.mask import HeadMask
+from headprune.heads.sliding import native_windows
 from headprune.heads.windows import KV_LAYOUT_ATTR, REMOVED, WINDOW, KVLayout, KVWindows, FULL
 from headprune.recovery.blockwise import BlockInputs, capture, eval_mode, run_block
 from headprune.selection.measured import start_at
@@ -155,7 +160,8 @@ def unit_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units: lis
     """({mode: rise[l][u]}, base loss): per layer and unit, the mean next-token loss over
     `batches` (causal LM) with that unit alone in `mode` (removed / window), minus the loss with
     every unit as `mask` has it (module docstring). `layers`: the layers probed (None: every
-    one); the others' rises are NaN (a benchmark of part of the measurement)."""
+    one); the others' rises are NaN (a benchmark of part of the measurement). A natively sliding
+    layer's units are not probed windowed (module docstring): their window rise is 0."""
     if getattr(model, KV_LAYOUT_ATTR, None) is not None:
         raise ValueError("kv_modes=measured measures a model without windows; this one has a KV layout attached")
     bad = [m for m in modes if m not in MODES]
@@ -164,6 +170,7 @@ def unit_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units: lis
     n_layers, n_units = mask.num_layers, len(units)
     sums = {mode: [[0.0] * n_units for _ in range(n_layers)] for mode in modes}
     base_sum, count = 0.0, 0.0
+    sliding = [native is not None for native in native_windows(model.config)]  # (L,): windows of its own
     probes = [(u, mode) for u in range(n_units) for mode in modes]
     with eval_mode(model):
         for i, batch in enumerate(batches):
@@ -175,15 +182,23 @@ def unit_rises(model: nn.Module, mask: HeadMask, batches: list[dict], units: lis
                     hidden = run_block(model, layer, inputs, hidden)
                     continue
                 began = time.perf_counter()
+                here = [(u, mode) for u, mode in probes if not (sliding[layer] and mode == WINDOW)]
                 outputs = [probed_output(model, mask, inputs, hidden, layer, units[u], u, n_units, mode, sink, window)
-                           for u, mode in probes]
-                for (u, mode), total in zip(probes, tail_losses(model, inputs, batch, layer + 1, outputs)):
+                           for u, mode in here]
+                totals = tail_losses(model, inputs, batch, layer + 1, outputs) if here else []
+                for (u, mode), total in zip(here, totals):
                     sums[mode][layer][u] += total
                 hidden = run_block(model, layer, inputs, hidden)
-                log.info("kv_modes=measured: block %d, layer %d: %d probes (%.1f s)", i, layer, len(probes),
+                log.info("kv_modes=measured: block %d, layer %d: %d probes (%.1f s)", i, layer, len(here),
                          time.perf_counter() - began)
             base_sum += tail_losses(model, inputs, batch, n_layers, [hidden])[0]
     count = max(count, 1.0)
     base = base_sum / count
-    return {mode: [[s / count - base if layers is None or l in layers else float("nan") for s in layer]
-                   for l, layer in enumerate(per_layer)] for mode, per_layer in sums.items()}, base
+
+    def rise(total: float, layer: int, mode: str) -> float:
+        if layers is not None and layer not in layers:
+            return float("nan")
+        return 0.0 if sliding[layer] and mode == WINDOW else total / count - base
+
+    return {mode: [[rise(s, l, mode) for s in per_unit] for l, per_unit in enumerate(per_layer)]
+            for mode, per_layer in sums.items()}, base
