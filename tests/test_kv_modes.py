@@ -486,10 +486,11 @@ def test_allocate_modes_gives_a_layout_within_the_share():
 @pytest.mark.parametrize("removed", [False, True])
 def test_a_plain_load_of_a_windowed_export_is_refused_naming_load_pruned(removed, tmp_path):
     """Issue 56.3: transformers' own loaders (AutoConfig, AutoModelForCausalLM, the pipeline's
-    path) refuse a windowed export with a message naming headprune.load_pruned, instead of loading
-    it without its windows (every head attending to every token); load_pruned still gives the
-    windowed model's logits, and a removal-only export keeps loading plainly. Seen failing on
-    1b3b166: from_pretrained loaded the windowed export (logits off by ~0.1)."""
+    path) and the model class's own from_pretrained refuse a windowed export with a message naming
+    headprune.load_pruned, instead of loading it without its windows (every head attending to every
+    token); load_pruned still gives the windowed model's logits, and a removal-only export keeps
+    loading plainly. Seen failing on 1b3b166: from_pretrained loaded the windowed export (logits off
+    by ~0.1); LlamaForCausalLM.from_pretrained only warned until the config's head count named load_pruned."""
     from headprune.deploy.hf import load_pruned, save_pruned
 
     model = llama(attn="sdpa")
@@ -499,8 +500,12 @@ def test_a_plain_load_of_a_windowed_export_is_refused_naming_load_pruned(removed
     for load in (tf.AutoConfig.from_pretrained, tf.AutoModelForCausalLM.from_pretrained):
         with pytest.raises(ValueError, match=r"headprune\.load_pruned"):
             load(tmp_path / "windowed")
+    with pytest.raises(Exception, match=r"headprune\.load_pruned"):  # only a warning from model_type
+        type(model).from_pretrained(tmp_path / "windowed")
     loaded = load_pruned(tmp_path / "windowed").eval()
     assert type(loaded) is type(model) and loaded.config.model_type == "llama"
+    assert loaded.config.num_attention_heads == model.config.num_attention_heads  # back from headprune_marked
+    assert tf.PreTrainedConfig.from_pretrained(tmp_path / "windowed")  # AutoTokenizer's fallback still reads it
     with torch.no_grad():
         assert torch.equal(loaded(ids()).logits, model(ids()).logits)
     plain = llama(attn="sdpa")

@@ -16,8 +16,10 @@ headprune_kv_modes.json) still load. Plain
 transformers cannot apply the windows (it would attend every head to every token), so such a
 folder's config.json names a model_type transformers does not know (`WINDOWED_MODEL_TYPE`, which
 says to load it with headprune.load_pruned; the family's own is kept as `headprune_model_type`):
-AutoConfig / AutoModel* / pipeline() refuse it with transformers' message quoting that type, and
-a model class's own from_pretrained warns quoting it (transformers' model-type mismatch warning).
+AutoConfig / AutoModel* / pipeline() refuse it with transformers' message quoting that type. A model
+class's own from_pretrained only warns on a model_type mismatch, so the config's head count is that
+text too (the count kept under `headprune_marked`): its typed config refuses it, quoting the text,
+while AutoTokenizer (transformers' untyped base config) still loads the folder's tokenizer.
 Removal-only exports keep their family's model_type and load plainly where their shapes allow.
 """
 from __future__ import annotations
@@ -47,6 +49,10 @@ log = logging.getLogger(__name__)
 # quoting this text (their ValueError: "...has model type `<this>` but Transformers does not recognize...")
 WINDOWED_MODEL_TYPE = "headprune-windowed-kv: load with headprune.load_pruned"
 ORIGINAL_TYPE_KEY = "headprune_model_type"  # the family's own model_type in such a config.json
+# its head count is that text too, so that a model class's own from_pretrained (LlamaForCausalLM...), which
+# only warns on a model_type mismatch, fails building its typed config, quoting it; the counts are kept here
+# ({"<key>" or "<sub_config>.<key>": count}); transformers' untyped base config (AutoTokenizer's) still loads
+MARKED_KEY = "headprune_marked"
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,7 @@ def _write(model: nn.Module, directory: Path, tokenizer, origin: str | None) -> 
     if counts is None:
         model.save_pretrained(directory)
         if layout.windowed:
-            _mark_windowed(directory / "config.json")
+            _mark_windowed(directory / "config.json", model)
         if stacked(model):
             recorded.update(sites=site_names(model), layout_by_stack=by_stack(model, head_layout(model)))
     else:
@@ -139,10 +145,17 @@ def _write(model: nn.Module, directory: Path, tokenizer, origin: str | None) -> 
     return counts is not None, why
 
 
-def _mark_windowed(path: Path) -> None:
-    """Give a windowed export's config.json the model_type transformers refuses (module docstring)."""
+def _mark_windowed(path: Path, model: nn.Module) -> None:
+    """Give a windowed export's config.json the model_type transformers refuses and the head count its
+    typed configs refuse (module docstring)."""
     config = json.loads(path.read_text())
     config[ORIGINAL_TYPE_KEY], config["model_type"] = config["model_type"], WINDOWED_MODEL_TYPE
+    adapter = get_adapter(model)
+    key = model.config.attribute_map.get(adapter.heads_attr, adapter.heads_attr)
+    scope, prefix = (config.get(adapter.sub_config), f"{adapter.sub_config}.") if adapter.sub_config else (config, "")
+    if isinstance(scope, dict) and isinstance(scope.get(key), int):
+        config[MARKED_KEY] = {prefix + key: scope[key]}
+        scope[key] = WINDOWED_MODEL_TYPE
     write_json_atomic(path, config)
 
 
@@ -168,6 +181,9 @@ def read_config(directory: str | Path):
         raise ValueError(f"{path} says the folder holds windowed KV units, but no {LAYOUT_FILE} with their modes is "
                          "beside it; restore it (save_pruned writes both)")
     data["model_type"] = original
+    for name, value in data.pop(MARKED_KEY, {}).items():  # folders written before it have none
+        *sub, key = name.split(".")
+        (data[sub[0]] if sub else data)[key] = value
     return CONFIG_MAPPING[original].from_dict(data)
 
 
