@@ -223,7 +223,7 @@ def test_a_registered_section_is_configured_run_and_rendered(toy, tmp_path):
         compose_bench(tmp_path, "bench.toy.row=3")
     results = run(compose_bench(tmp_path, *off, "bench.toy.enabled=true", "bench.toy.rows=3"))
     saved = json.loads((tmp_path / "bench.json").read_text())
-    assert list(saved) == ["meta", "encoder", "train_step", "onnxruntime", "decoder", "llm", "serve", "llamacpp", "scale", "toy",
+    assert list(saved) == ["meta", "encoder", "train_step", "onnxruntime", "decoder", "llm", "ort_decode", "serve", "llamacpp", "scale", "toy",
                            "summary"]
     assert saved["toy"] == results["toy"] == [{"variant": f"v{i}", "seed": 0} for i in range(3)]
     assert saved["summary"] == {"toy": {"n": 3}} and saved["meta"]["config"]["toy"] == {"enabled": True, "rows": 3}
@@ -233,7 +233,7 @@ def test_a_registered_section_is_configured_run_and_rendered(toy, tmp_path):
 
 
 def test_sections_register_once_in_report_order():
-    assert list(SECTIONS) == ["encoder", "train_step", "onnxruntime", "decoder", "llm", "serve", "llamacpp", "scale"]
+    assert list(SECTIONS) == ["encoder", "train_step", "onnxruntime", "decoder", "llm", "ort_decode", "serve", "llamacpp", "scale"]
     with pytest.raises(ValueError, match="'encoder' is registered twice"):
         register(replace(SECTIONS["encoder"], table=lambda rows: []))
 

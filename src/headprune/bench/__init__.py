@@ -4,6 +4,7 @@ sections.py   what a section is (run, checks, table, summary, plot panel), the r
 encoder.py    section: whole forward and attention sub-layer over a batch x seq grid
 train_step.py section: forward + backward + AdamW step, pruned vs masked
 runtime.py    section: ONNX Runtime forward of exported dense and pruned models
+ort_decode.py section: ONNX Runtime decode graphs of an LLM's exports (windowed units in rings) vs dense
 decoder.py    section: prefill, per-token decode with the KV cache, cache bytes
 llm.py        section: the same on a pretrained causal LM vs its pruned exports, with Amdahl bounds
 serve.py      section: serving with static caches: tokens/s over a batch sweep, sequences that fit a memory budget, time to first token
@@ -17,4 +18,4 @@ config.py     the typed `bench:` settings (common fields + one block per section
 Timing, FLOP counts and attention replay live in headprune.costs.
 """
 # Importing a section registers it; this order is the order of bench.json, bench.md and the run.
-from headprune.bench import encoder, train_step, runtime, decoder, llm, serve, llamacpp, scale  # noqa: F401  # isort: skip
+from headprune.bench import encoder, train_step, runtime, decoder, llm, ort_decode, serve, llamacpp, scale  # noqa: F401  # isort: skip
