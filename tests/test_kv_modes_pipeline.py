@@ -378,3 +378,28 @@ def test_removal_last_measures_window_rises_only_and_chooses_todays_layout(retri
     _, report_any = kv_any.choose(model, mask, torch.zeros(3, 4), batches, costs, share, _NoCaps())
     assert report_any["kv_modes"]["measured_modes"] == ["removed", "window"]
     assert report_any["kv_modes"]["removed_rise"] is not None
+
+
+@pytest.mark.parametrize("choice,reads", [("retrieval", False), ("measured", False), ("attention_mass", True)])
+def test_the_metric_pass_runs_only_when_the_choice_reads_its_scores(choice, reads, tmp_path, llama_dir, data_dir,
+                                                                    monkeypatch):
+    """A KV-mode choice that reads no head score (kv_modes=measured; retrieval / attention_mass with
+    unit_value=uniform) skips the metric's pass (results.json scores null) and chooses the layout it
+    chooses after one; with unit_value=metric the scores are read and recorded. Seen failing with the
+    skip removed (the spy counted a pass) and with it applied to unit_value=metric (no scores)."""
+    from headprune.selection import rounds
+
+    calls, real = [], rounds.score
+    monkeypatch.setattr(rounds, "score", lambda metric, *a, **k: calls.append(metric) or real(metric, *a, **k))
+    value = [] if choice == "measured" else [f"kv_modes.unit_value={'metric' if reads else 'uniform'}"]
+    layouts = {}
+    for metric in ("fisher", "magnitude"):
+        out = tmp_path / metric
+        run(compose_train(out, data_dir, *_cli(llama_dir, f"kv_modes={choice}", *value, f"metric={metric}",
+                                               "budget.target=0.4")))
+        data = json.loads((out / "results.json").read_text())
+        layouts[metric] = data["final"]["kv_layout"]
+        assert (data["rounds"][0]["scores"] is not None) == reads
+    assert len(calls) == (2 if reads else 0), calls
+    if not reads:
+        assert layouts["fisher"] == layouts["magnitude"]

@@ -16,7 +16,7 @@ def diagnose(sink, pl_module, datamodule, pruner, options: dict) -> None:
     results = pruner.results
     diag = head_diagnostics(pl_module.model, pl_module.head_mask, datamodule.score_dataloader(),
                             tokenizer=getattr(datamodule, "tokenizer", None), max_batches=pruner.max_batches, **options)
-    if pruner.rounds:
+    if pruner.rounds and pruner.rounds[-1]["scores"] is not None:  # None: a KV-mode choice that read no score
         last = pruner.rounds[-1]
         diag.importance[f"{metric_name(pruner.metric) or 'metric'}_round{last['round']}"] = torch.tensor(last["scores"])
     results.data["diagnostics"] = diag.to_json()

@@ -112,16 +112,18 @@ def retrieval_scores(model: nn.Module, units: list[list[int]], sink: int, window
     return [[float(per_head[l][heads].max()) for heads in units] for l in range(len(per_head))], period
 
 
-def _full(unit_scores: list[list[float]], units: list[list[int]], unit_value: str) -> list[list[float]]:
-    """What each unit kept full is worth: the metric's unit score, or 1 (`unit_value=uniform`)."""
-    return [[1.0] * len(units) for _ in unit_scores] if unit_value == "uniform" else unit_scores
+def _full(unit_scores: list[list[float]] | None, units: list[list[int]], unit_value: str,
+          layers: int) -> list[list[float]]:
+    """What each unit kept full is worth: the metric's unit score, or 1 (`unit_value=uniform`, where
+    the round computes no score: `unit_scores` None)."""
+    return [[1.0] * len(units) for _ in range(layers)] if unit_value == "uniform" else unit_scores
 
 
 def mass_values(model: nn.Module, batches: list[dict], units: list[list[int]], sink: int, window: int, *,
                 unit_scores: list[list[float]], unit_value: str = "metric") -> tuple[list, list, dict]:
     """kv_modes=attention_mass: (full, windowed = full x (1 - mass), what was measured)."""
     mass = attention_mass(model, batches, units, sink, window)
-    full = _full(unit_scores, units, unit_value)
+    full = _full(unit_scores, units, unit_value, len(mass))
     windowed = [[f * (1.0 - m) for f, m in zip(fs, ms)] for fs, ms in zip(full, mass)]
     return full, windowed, {"mass_beyond_window": mass}
 
@@ -131,7 +133,7 @@ def retrieval_values(model: nn.Module, batches: list[dict], units: list[list[int
     """kv_modes=retrieval: (full, windowed = full x (1 - max(mass, retrieval score)), what was
     measured); the retrieval sequence as long as the calibration blocks."""
     mass = attention_mass(model, batches, units, sink, window)
-    full = _full(unit_scores, units, unit_value)
+    full = _full(unit_scores, units, unit_value, len(mass))
     seq = int(batches[0]["input_ids"].shape[1])
     retrieval, period = retrieval_scores(model, units, sink, window, seq, batches[0]["input_ids"].device)
     lost = [[max(m, r) for m, r in zip(ms, rs)] for ms, rs in zip(mass, retrieval)]

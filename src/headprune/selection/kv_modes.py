@@ -5,7 +5,7 @@ mode cost table (`budget.mode_table`: a windowed unit costs (sink + window) / se
 at the budget's seq) by the three-way knapsack (`selection.budgets.allocate_modes`).
 
 KV modes are a strategy of the normal round (`selection.rounds.prune_round`): the metric scores
-the heads, then `KVModes.choose` is the allocation step (what each unit is worth full and windowed,
+the heads (only when the choice reads the scores: `KVModes.reads_scores`), then `KVModes.choose` is the allocation step (what each unit is worth full and windowed,
 by the valuation `choice` names in `selection.valuations`: `measured`, `attention_mass`,
 `retrieval` or one registered; the knapsack on the mode table), the round masks the layout's
 removed units and attaches its windows. The Pruner asks it for the cost table (`measure`) and the
@@ -157,6 +157,17 @@ class KVModes:
         """Whether the chosen valuation reads the kv_modes setting `setting` (none and given: no)."""
         return self.choice in readers(setting)
 
+    @property
+    def reads_scores(self) -> bool:
+        """Whether the choice reads the metric's head scores: only a valuation that reads
+        `unit_scores` and values a full unit by them (unit_value=metric). A given layout,
+        kv_modes=measured and unit_value=uniform read none, so the round skips the metric's pass
+        (selection.rounds: on Gemma-3-270M at 4096 the Fisher pass was the choice's memory peak)."""
+        if not self.active or self.given_layout is not None:
+            return not self.active
+        reads = get_valuation(self.choice).reads
+        return "unit_scores" in reads and not ("unit_value" in reads and self.unit_value == "uniform")
+
     def record(self) -> dict:
         return {"choice": self.choice, "sink": self.sink, "window": self.window, "samples": self.samples,
                 "removal": self.removal, "unit_value": self.unit_value, "retrieval_blocks": self.retrieval_blocks,
@@ -289,7 +300,8 @@ class KVModes:
         units = kv_group_heads(model)
         batches = calibration_batches(loader, mask.mask.device, self.samples, max_batches)
         offered = {"mask": lambda: mask, "task": lambda: task_for(model, task),
-                   "unit_scores": lambda: unit_values(layer_policy.unit_scores(scores, mask.alive()), units),
+                   "unit_scores": lambda: None if scores is None  # not scored: the choice reads none (reads_scores)
+                   else unit_values(layer_policy.unit_scores(scores, mask.alive()), units),
                    "unit_value": lambda: self.unit_value, "retrieval_blocks": lambda: self.retrieval_blocks}
         options, windows_fit = mode_choices(costs, units, layer_policy.caps(mask.alive()), share, self.removal,
                                             self.granularity)

@@ -49,7 +49,7 @@ class Round:
     heads_per_layer: list[int]
     pruned: list[list[int]]  # this round's (layer, head) pairs, original ids, sorted
     score_seconds: float
-    scores: torch.Tensor  # (layers, heads) the scores the selection saw
+    scores: torch.Tensor | None  # (layers, heads) the scores the selection saw; None: a KV-mode choice reading none
     shortfall: str | None = None  # why fewer heads went than requested (the policy's limits)
     sensitivity: list[float] | None = None  # the layer profile, when this round measured it
     val_before_finetune: dict | None = None
@@ -59,7 +59,8 @@ class Round:
     def record(self) -> dict:
         out = {"round": self.round, "sparsity": self.sparsity, "n_pruned": self.n_pruned,
                "n_requested": self.n_requested, "heads_per_layer": self.heads_per_layer, "pruned": self.pruned,
-               "score_seconds": round(self.score_seconds, 3), "scores": self.scores.tolist()}
+               "score_seconds": round(self.score_seconds, 3),
+               "scores": None if self.scores is None else self.scores.tolist()}
         for name in ("budget", "rearranged", "val_before_finetune"):
             if getattr(self, name) is not None:
                 out[name] = getattr(self, name)
@@ -102,14 +103,17 @@ def prune_round(model: nn.Module, mask: HeadMask, metric: Callable, layer_policy
     task = task_for(model, task)
     start = time.perf_counter()
     limit = {"max_batches": max_batches} if max_batches else {}
+    modes = cost_budget is not None and kv_modes is not None and kv_modes.active
     blocks = fisher_blocks(model, mask, loader, max_batches, task) if rearrange else None
     if blocks is not None and metric_name(metric) == "fisher":  # one pass: the diagonal is the metric
         scores = finish_scores(torch.diagonal(blocks, dim1=1, dim2=2), mask)
+    elif modes and not kv_modes.reads_scores and metric_name(metric) != "l0_gates":  # l0_gates trains the mask's gates
+        scores = None
+        log.info("round %d: kv_modes=%s reads no head score: the metric's pass is skipped", round_no, kv_modes.choice)
     else:
         scores = score(metric, model, mask, loader, task, **limit)
     score_seconds = time.perf_counter() - start
     measured = None
-    modes = cost_budget is not None and kv_modes is not None and kv_modes.active
     if getattr(layer_policy, "needs_sensitivity", False) and sensitivity is None and not modes:
         sensitivity = layer_sensitivity(model, mask, scores, loader, share=layer_policy.share, max_batches=max_batches,
                                         task=task)
