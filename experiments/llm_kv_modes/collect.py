@@ -276,7 +276,9 @@ def models_section(directory: Path) -> tuple[list[str], dict[str, dict]]:
             ruler = floor_means(pruned["ruler"], dense["ruler"])["mean_dense_at_least_20"]["4096"] \
                 if "ruler" in pruned else None
             all_runs[f"{preset}/{arm}"] = data
+            modes = [m for layer in data["final"]["kv_layout"]["modes"] for m in layer]
             out.append({"model": name, "arm": arm, "chooser": arms[arm], "target": data["budget"]["target"],
+                        "units": " / ".join(str(modes.count(m)) for m in ("full", "window", "removed")),
                         "share": data["final"]["cost_share"],
                         "ts": 100.0 * (ppl(pruned, "tinyshakespeare") / ppl(dense, "tinyshakespeare") - 1.0),
                         "sst": 100.0 * (ppl(pruned, "sst2") / ppl(dense, "sst2") - 1.0),
@@ -304,7 +306,7 @@ def models_section(directory: Path) -> tuple[list[str], dict[str, dict]]:
         return f"{got:.3f} / {base:.3f} ({got / base:.0%}) {hit(got >= RULER_TARGETS[r['target']] * base)}"
 
     columns = [text("model"), text("arm"), text("chooser"), text("KV kept", "target", right=True),
-               Column("KV share", lambda r: number(r["share"], ".4f"), True),
+               text("full / window / removed", "units", right=True), Column("KV share", lambda r: number(r["share"], ".4f"), True),
                text("Tiny Shakespeare ppl vs dense", ppl_target("ts"), right=True),
                text("SST-2 ppl vs dense", ppl_target("sst"), right=True),
                text("passkey / dense", passkey, right=True), text("RULER mean / dense (share)", ruler, right=True)]
@@ -319,7 +321,29 @@ def models_section(directory: Path) -> tuple[list[str], dict[str, dict]]:
              "RULER >= 85%.", "", *markdown(columns, out)]
     if missing:
         lines += ["", "Not run yet: " + ", ".join(missing) + "."]
-    return lines, all_runs
+    return lines + removal_probe_section(directory / "results" / "gemma3_270m" / "removal_probe.json"), all_runs
+
+
+def removal_probe_section(path: Path) -> list[str]:
+    """The table of gemma_removal.py's raw file (Gemma-3-270M's perplexity with chosen layers removed)."""
+    if not path.is_file():
+        return []
+    data = read_json(path)
+    dense = data["layouts"]["dense"]["perplexity"]["ppl"]
+    rows = [{"layout": name, **row} for name, row in data["layouts"].items()]
+    columns = [text("layout"), text("removed layers", lambda r: ", ".join(map(str, r["removed_layers"])) or DASH),
+               text("windowed", lambda r: ", ".join(map(str, r.get("windowed_layers", []))) or DASH),
+               Column("KV share", lambda r: number(r["kv_share"], ".4f"), True),
+               Column("Tiny Shakespeare ppl", lambda r: f"{r['perplexity']['ppl']:,.2f}", True),
+               Column("vs dense", lambda r: f"{100 * (r['perplexity']['ppl'] / dense - 1):+,.1f}%", True), text("why")]
+    return ["", "### Gemma-3-270M: which removed layers break it", "",
+            "From `results/gemma3_270m/removal_probe.json` (`python experiments/llm_kv_modes/gemma_removal.py`, commit",
+            f"{data['commit']}, {data['threads']} thread, load {data['load_average_end'][0]:.1f}): perplexity at seq "
+            f"{data['seq']} on the first {data['tokens']:,} held-out",
+            "Tiny Shakespeare tokens with the listed layers' only KV unit (their attention) removed, or windowed (64 +",
+            "448 tokens). Its layers 5, 11 and 17 attend to every token; the 15 others slide a 512-token window and can",
+            "only be kept or removed. KV share: bytes held at 4096 over dense's, as the budget prices them.", "",
+            *markdown(columns, rows)]
 
 
 def ruler_section(runs: dict[str, dict], dense: dict, context: str = "4096") -> list[str]:
