@@ -267,14 +267,16 @@ def models_section(directory: Path) -> tuple[list[str], dict[str, dict]]:
     out, missing, all_runs = [], [], {}
     for preset, name, folder, arms in MODELS:
         runs = load_results(directory / "results" / folder, list(arms))
-        if DENSE_ARM not in runs or "ruler" not in runs[DENSE_ARM]["evaluation"].get("dense", {}):
+        if DENSE_ARM not in runs or "dense" not in runs[DENSE_ARM]["evaluation"]:
             missing.append(f"{name} (`model={preset}`)")
             continue
         dense = runs[DENSE_ARM]["evaluation"]["dense"]
+        if set(arms) - set(runs):
+            missing.append(f"{name}'s " + ", ".join(a for a in arms if a not in runs))
         for arm, data in runs.items():
             pruned = data["evaluation"]["pruned"]
             ruler = floor_means(pruned["ruler"], dense["ruler"])["mean_dense_at_least_20"]["4096"] \
-                if "ruler" in pruned else None
+                if "ruler" in pruned and "ruler" in dense else None
             all_runs[f"{preset}/{arm}"] = data
             modes = [m for layer in data["final"]["kv_layout"]["modes"] for m in layer]
             out.append({"model": name, "arm": arm, "chooser": arms[arm], "target": data["budget"]["target"],
@@ -282,8 +284,10 @@ def models_section(directory: Path) -> tuple[list[str], dict[str, dict]]:
                         "share": data["final"]["cost_share"],
                         "ts": 100.0 * (ppl(pruned, "tinyshakespeare") / ppl(dense, "tinyshakespeare") - 1.0),
                         "sst": 100.0 * (ppl(pruned, "sst2") / ppl(dense, "sst2") - 1.0),
-                        "passkey": (pruned["passkey"]["accuracy"], dense["passkey"]["accuracy"]),
-                        "ruler": (ruler, floor_means(dense["ruler"], dense["ruler"])["mean_dense_at_least_20"]["4096"]),
+                        "passkey": (pruned["passkey"]["accuracy"], dense["passkey"]["accuracy"])
+                        if "passkey" in pruned and "passkey" in dense else None,
+                        "ruler": (ruler, floor_means(dense["ruler"], dense["ruler"])["mean_dense_at_least_20"]["4096"]
+                                  if "ruler" in dense else None),
                         "native": len(data.get("budget", {}).get("native_windows", {}))})
     if not out:
         return [], {}
@@ -295,6 +299,8 @@ def models_section(directory: Path) -> tuple[list[str], dict[str, dict]]:
         return lambda r: f"{r[key]:+.1f}% {hit(r[key] <= TARGETS[r['target']][0])}"
 
     def passkey(r) -> str:
+        if r["passkey"] is None:  # not evaluated (a model whose full protocol did not fit the time)
+            return DASH
         got, base = r["passkey"]
         need = TARGETS[r["target"]][1]
         return f"{got:.2f} / {base:.2f}" + ("" if need is None else f" {hit(got >= need * base)}")
