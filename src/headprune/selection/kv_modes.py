@@ -5,9 +5,9 @@ mode cost table (`budget.mode_table`: a windowed unit costs (sink + window) / se
 at the budget's seq) by the three-way knapsack (`selection.budgets.allocate_modes`).
 
 KV modes are a strategy of the normal round (`selection.rounds.prune_round`): the metric scores
-the heads (only when the choice reads the scores: `KVModes.reads_scores`), then `KVModes.choose` is the allocation step (what each unit is worth full and windowed,
-by the valuation `choice` names in `selection.valuations`: `measured`, `attention_mass`,
-`retrieval` or one registered; the knapsack on the mode table), the round masks the layout's
+the heads (only when the choice reads the scores: `KVModes.reads_scores`), then `KVModes.choose`
+is the allocation step (what each unit is worth full and windowed, by the valuation `choice` names
+in `selection.valuations`: `measured`, `attention_mass`, `retrieval` or one registered; the knapsack on the mode table), the round masks the layout's
 removed units and attaches its windows. The Pruner asks it for the cost table (`measure`) and the
 final record (`final_record`), so the same calls serve a run with and without KV modes (`none`:
 the budget's own table and allocation).
@@ -163,8 +163,10 @@ class KVModes:
         `unit_scores` and values a full unit by them (unit_value=metric). A given layout,
         kv_modes=measured and unit_value=uniform read none, so the round skips the metric's pass
         (selection.rounds: on Gemma-3-270M at 4096 the Fisher pass was the choice's memory peak)."""
-        if not self.active or self.given_layout is not None:
-            return not self.active
+        if not self.active:
+            return True  # the budget's own allocation ranks units by the scores
+        if self.given_layout is not None:
+            return False
         reads = get_valuation(self.choice).reads
         return "unit_scores" in reads and not ("unit_value" in reads and self.unit_value == "uniform")
 
