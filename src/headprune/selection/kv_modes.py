@@ -8,9 +8,9 @@ KV modes are a strategy of the normal round (`selection.rounds.prune_round`): th
 the heads (only when the choice reads the scores: `KVModes.reads_scores`), then `KVModes.choose`
 is the allocation step (what each unit is worth full and windowed, by the valuation `choice` names
 in `selection.valuations`: `measured`, `attention_mass`, `retrieval` or one registered; the
-knapsack on the mode table), the round masks the layout's removed units and attaches its windows. The Pruner asks it for the cost table (`measure`) and the
-final record (`final_record`), so the same calls serve a run with and without KV modes (`none`:
-the budget's own table and allocation).
+knapsack on the mode table), the round masks the layout's removed units and attaches its windows.
+The Pruner asks it for the cost table (`measure`) and the final record (`final_record`), so the
+same calls serve a run with and without KV modes (`none`: the budget's own table and allocation).
 
 - `given`: no choice. The layout of an earlier run (`selection.given_layout`: read from
   `kv_modes.layout`, checked before any work against the model's shape, the window sizes set
