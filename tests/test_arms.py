@@ -12,7 +12,7 @@ ALL = [(e, a) for e in arms.experiments_with_arms() for a in arms.arms(e)]
 
 def test_every_experiment_with_arms_keeps_its_arms():
     counts = {e: len(arms.arms(e)) for e in arms.experiments_with_arms()}
-    assert counts == {"llm_calibration": 12, "llm_iterative": 4, "llm_kv": 19, "llm_kv_modes": 39,
+    assert counts == {"llm_calibration": 12, "llm_iterative": 4, "llm_kv": 19, "llm_kv_modes": 40,
                       "llm_uneven": 12, "recovery": 6, "retraining_free": 7}, counts
 
 

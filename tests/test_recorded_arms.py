@@ -42,6 +42,8 @@ KV_MODES = {
     "measured_retrieval_clamped": ["kv_modes=given",
                                    "kv_modes.layout=experiments/llm_kv_modes/results/measured_retrieval_clamped_layout.json"],
     "measured_retrieval_last": ["kv_modes=measured", "kv_modes.retrieval_blocks=1", "kv_modes.removal=last"],
+    "measured_retrieval_85_last": ["kv_modes=measured", "kv_modes.retrieval_blocks=1", "kv_modes.removal=last",
+                                   "budget.target=0.15"],
     # kv_modes.granularity=layer (issue 54): configs ready, not run yet
     "layer": ["kv_modes.granularity=layer"],
     "layer_85": ["kv_modes.granularity=layer", "budget.target=0.15"],
