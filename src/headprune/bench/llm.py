@@ -87,6 +87,19 @@ def check_causal_lm(pruned_dir: str, setting: str) -> None:
                          "bench.llm.enabled=false)")
 
 
+def one_origin(dirs: list[str], setting: str, dense_model: str | None) -> str:
+    """The one dense model the export folders `dirs` (given as `setting`) came from, each first
+    checked to be a folder holding a causal LM; exports of different models are refused."""
+    for d in dirs:
+        check_export(d, setting)
+        check_causal_lm(d, setting)
+    found = {origin_of(d, dense_model, setting) for d in dirs}
+    if len(found) > 1:
+        raise ValueError(f"{setting} come from different dense models; allowed: exports of one model (or name it: "
+                         "bench.dense_model=<name or folder>)")
+    return found.pop()
+
+
 def origin(bench) -> str:
     """The one dense model every export came from (bench.dense_model overrides the records);
     each export is first checked to be a folder holding a causal LM."""

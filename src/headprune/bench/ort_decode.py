@@ -28,9 +28,9 @@ import torch
 from omegaconf import MISSING
 
 from headprune.bench import render
-from headprune.bench.llm import check_causal_lm
+from headprune.bench.llm import one_origin
 from headprune.bench.llm import exports as llm_exports
-from headprune.bench.origin import check_export, export_name, load_dense, origin_of
+from headprune.bench.origin import export_name, load_dense, origin_of
 from headprune.bench.sections import Section, SectionInputs, register
 from headprune.costs.timing import Case, Clock, interleaved
 from headprune.report import Column
@@ -200,12 +200,7 @@ def check(settings, bench) -> None:
     if not dirs:
         raise ValueError("bench.ort_decode.enabled=true needs pruned exports: bench.ort_decode.pruned_dirs=[<folder>,...], "
                          "bench.llm.pruned_dirs or bench.pruned_dir")
-    for d in dirs:
-        check_export(d, SETTING)
-        check_causal_lm(d, SETTING)
-    if len({origin_of(d, bench.dense_model, SETTING) for d in dirs}) > 1:
-        raise ValueError(f"{SETTING} come from different dense models; allowed: exports of one model (or name it: "
-                         "bench.dense_model=<name or folder>)")
+    one_origin(dirs, SETTING, bench.dense_model)
     from headprune.deploy.hf import read_config
 
     limit = max_positions(read_config(dirs[0]))

@@ -36,9 +36,9 @@ from torch import nn
 
 from headprune.bench import render
 from headprune.report import Column
-from headprune.bench.llm import check_causal_lm
+from headprune.bench.llm import one_origin
 from headprune.bench.llm import exports as llm_exports
-from headprune.bench.origin import check_export, export_name, load_dense, origin_of
+from headprune.bench.origin import export_name, load_dense, origin_of
 from headprune.bench.sections import Section, SectionInputs, one_of, register
 from headprune.costs.kv_bytes import cache_bytes, model_bytes, native_windows
 from headprune.costs.timing import Case, Clock, interleaved
@@ -261,12 +261,7 @@ def check(settings, bench) -> None:
         if not dirs:
             raise ValueError("bench.serve.enabled=true needs pruned exports: bench.serve.pruned_dirs=[<folder>,...], "
                              "bench.llm.pruned_dirs or bench.pruned_dir")
-        for d in dirs:
-            check_export(d, "bench.serve.pruned_dirs")
-            check_causal_lm(d, "bench.serve.pruned_dirs")
-        if len({origin_of(d, bench.dense_model, "bench.serve.pruned_dirs") for d in dirs}) > 1:
-            raise ValueError("bench.serve.pruned_dirs come from different dense models; allowed: exports of one model "
-                             "(or name it: bench.dense_model=<name or folder>)")
+        one_origin(dirs, "bench.serve.pruned_dirs", bench.dense_model)
 
 
 def summary(rows: list[dict], results: dict) -> dict:
