@@ -84,6 +84,8 @@ def test_bad_settings_are_refused_naming_the_field(tmp_path):
     export = saved(tmp_path)
     with pytest.raises(ValueError, match=r"contexts=\[65\] exceeds the model.s 64 positions"):
         checked(enabled=True, pruned_dirs=[str(export)], contexts=[65])
+    with pytest.raises(ValueError, match=r"give the row names \['dense', 'win', 'win'\]; allowed: folders with distinct"):
+        checked(enabled=True, pruned_dirs=[str(export), str(export)])
     checked(enabled=True, pruned_dirs=[str(export)])
 
 

@@ -163,9 +163,6 @@ def run(inputs: SectionInputs) -> list[dict]:
     dense_name = origin_of(dirs[0], inputs.bench.dense_model, SETTING)
     loaders = {"dense": lambda: load_dense(dense_name, first, dirs[0], torch.device("cpu"), torch.float32).eval()}
     loaders.update({export_name(d): (lambda d=d: load_pruned(d).eval()) for d in dirs})
-    if len(loaders) != len(dirs) + 1:
-        raise ValueError(f"{SETTING}: {dirs} give the row names {list(loaders)}; allowed: folders with distinct "
-                         "names (a run dir's export/ is named after the run dir), none named dense")
     with tempfile.TemporaryDirectory(prefix="headprune-ort-decode-") as scratch:
         graphs = Path(s.graphs).expanduser() if s.graphs else Path(scratch)
         graphs.mkdir(parents=True, exist_ok=True)
@@ -201,6 +198,10 @@ def check(settings, bench) -> None:
         raise ValueError("bench.ort_decode.enabled=true needs pruned exports: bench.ort_decode.pruned_dirs=[<folder>,...], "
                          "bench.llm.pruned_dirs or bench.pruned_dir")
     one_origin(dirs, SETTING, bench.dense_model)
+    names = ["dense", *map(export_name, dirs)]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{SETTING}: {list(dirs)} give the row names {names}; allowed: folders with distinct names "
+                         "(a run dir's export/ is named after the run dir), none named dense")
     from headprune.deploy.hf import read_config
 
     limit = max_positions(read_config(dirs[0]))
